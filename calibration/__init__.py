@@ -1,0 +1,1 @@
+"""Calibration data: published runs, fitted efficiency knobs (JSON), measured datasets."""

@@ -1,0 +1,21 @@
+"""Model architectures: family data, config reading, exact parameter accounting (pure Python)."""
+
+from planner.arch.families import FAMILIES, Family, supported_model_types
+from planner.arch.model import Architecture, Attention, LayerWindow, MoE, config_with_experts
+from planner.arch.params import LayerParams, ParamBreakdown, count_parameters, expert_params, layer_params
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "supported_model_types",
+    "Architecture",
+    "Attention",
+    "LayerWindow",
+    "MoE",
+    "config_with_experts",
+    "LayerParams",
+    "ParamBreakdown",
+    "count_parameters",
+    "expert_params",
+    "layer_params",
+]

@@ -1,0 +1,174 @@
+"""The `planner` command. Each command parses, calls one library function, renders. The only
+module that imports click or configures logging."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from planner.errors import PlannerError, SpecError
+
+DEFAULT_MODEL = "qwen3-30b-a3b"
+DEFAULT_HARDWARE = "ascend-910b2"
+DEMO_EXPERTS = (64, 32, 16)
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(_clean(data), indent=2, default=_json_default))
+
+
+def _run(fn):
+    """Run a command body; planner errors print their message and exit with their code."""
+    try:
+        return fn()
+    except PlannerError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.version_option(package_name="planner")
+def main(verbose: int) -> None:
+    """Plan the cheapest proxy MoE model that still reproduces an RL training failure."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def models(as_json: bool) -> None:
+    """The catalog: models and accelerators, with their sources."""
+    from planner.summary import catalog_listing, render_catalog
+
+    def body():
+        listing = catalog_listing()
+        _emit_json(listing) if as_json else click.echo(render_catalog(listing))
+
+    _run(body)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--experts", type=int, default=None, help="Also show the proxy keeping K routed experts per MoE layer.")
+@click.option("--json", "as_json", is_flag=True)
+def inspect(model: str, experts: int | None, as_json: bool) -> None:
+    """Parameters and routing of MODEL (catalog id, config.json or checkpoint directory)."""
+    from planner.catalog import load_model
+    from planner.inspect import describe, render_description
+
+    def body():
+        info = describe(load_model(model), experts)
+        _emit_json(info) if as_json else click.echo(render_description(info))
+
+    _run(body)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True, help="Accelerator id or YAML profile.")
+@click.option("--cards", type=int, default=None, help="Devices as the framework counts them (A3: dies).")
+@click.option("--min-cards", is_flag=True, help="Find the smallest feasible device count and the best layout there.")
+@click.option("--job", "job_path", type=click.Path(dir_okay=False), default=None, help="RL job YAML (default: GRPO 512x16).")
+@click.option("--experts", type=int, default=None, help="Cost the proxy keeping K experts per MoE layer.")
+@click.option("--max-cards", type=int, default=4096, show_default=True, help="Search bound for --min-cards.")
+@click.option("--json", "as_json", is_flag=True)
+def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, as_json) -> None:
+    """Memory per device, step time by RL phase and accelerator-hours of MODEL."""
+    from planner.catalog import load_accelerator, load_model
+    from planner.cost.evaluate import evaluate, min_devices
+    from planner.specs import load_job
+    from planner.summary import render_cost
+
+    def body():
+        if (cards is None) == (not min_cards):
+            raise SpecError("give exactly one of --cards N or --min-cards")
+        arch = load_model(model, experts=experts)
+        accel = load_accelerator(hardware)
+        job = load_job(job_path)
+        result = min_devices(arch, accel, job, max_devices=max_cards) if min_cards else evaluate(arch, accel, job, cards)
+        if not result.feasible and cards is not None:
+            # say the smallest count that would fit, when there is one
+            try:
+                smallest = min_devices(arch, accel, job, max_devices=max_cards)
+                result.reasons.append(
+                    f"the smallest feasible count is {smallest.num_devices} {accel.device_unit}s "
+                    f"({smallest.train_layout.describe()}; rollout {smallest.rollout_layout.describe()})"
+                )
+            except PlannerError as exc:
+                result.reasons.append(str(exc))
+        _emit_json(result.to_json()) if as_json else click.echo(render_cost(result))
+        if not result.feasible:
+            if not as_json:
+                click.echo("error: infeasible: " + "; ".join(result.reasons), err=True)
+            sys.exit(2)
+
+    _run(body)
+
+
+@main.command()
+@click.option("--model", default=DEFAULT_MODEL, show_default=True)
+@click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True)
+@click.option("--job", "job_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--experts", default=",".join(map(str, DEMO_EXPERTS)), show_default=True, help="Comma-separated K values.")
+@click.option("--json", "as_json", is_flag=True)
+def demo(model, hardware, job_path, experts, as_json) -> None:
+    """The default case: original vs proxies, minimum devices, layouts, memory, time, hours."""
+    from planner.catalog import load_accelerator
+    from planner.specs import load_job
+    from planner.summary import compare_proxies, render_comparison
+
+    def body():
+        ks = [int(k) for k in str(experts).split(",") if k.strip()]
+        comparison = compare_proxies(model, load_accelerator(hardware), load_job(job_path), ks)
+        _emit_json(comparison.to_json()) if as_json else click.echo(render_comparison(comparison))
+
+    _run(body)
+
+
+@main.command("fit-knobs")
+@click.option("--runs", "runs_path", type=click.Path(exists=True, dir_okay=False), default=None, help="Published runs YAML (default: calibration/published_runs.yaml).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Where to write the fitted knobs (default: print).")
+@click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+def fit_knobs(runs_path, output, force) -> None:
+    """Fit the efficiency knobs once per accelerator family to the published runs."""
+    from planner.cost.fit import fit_all, load_runs, write_fit
+
+    def body():
+        if output and Path(output).exists() and not force:
+            raise SpecError(f"{output} exists; pass --force to overwrite it")
+        click.echo("fitting knobs per accelerator family (about a minute) ...", err=True)
+        result = fit_all(load_runs(runs_path))
+        if output:
+            write_fit(output, result)
+            click.echo(f"wrote {output}", err=True)
+        else:
+            _emit_json(result)
+
+    _run(body)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

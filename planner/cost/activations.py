@@ -1,0 +1,143 @@
+"""Bytes saved for backward, per token and per decoder layer, by trainer backend.
+
+Two backends, one structure: a decoder layer saves, per token, what its attention block, its MLP
+(dense, or MoE with router, routed copies and shared expert) and its norms keep for the backward
+pass. The coefficients differ with the kernels that run:
+
+`megatron` (Megatron-Core / MindSpeed with fused kernels; the form of Korthikanti et al., arXiv
+2205.05198, Table 2, extended to GQA/MLA and MoE as in shared/reference/cost-model.md section 5.1):
+  fused RMSNorm keeps its input and the fp32 inverse RMS; a linear keeps its input; flash attention
+  keeps q, k, v, its output and the fp32 log-sum-exp per head; fused SwiGLU keeps its input only;
+  a routed copy keeps the permuted input, the fc1 output (gate|up), the SwiGLU output and the fc2
+  output (unpermute weights it by the router probability); the router keeps fp32 logits and probs.
+
+`transformers` (transformers' own modeling code, as verl's FSDP backend runs it): what autograd
+actually saves there, read op by op from the models (tests/test_activation_memory.py measures it
+with torch.autograd.graph.saved_tensors_hooks): RMSNorm computes in fp32 and keeps an fp32 copy of
+its input, the fp32 inverse RMS and the normalised value; SiLU and the gate*up product keep their
+inputs unfused; grouped expert matmuls keep their inputs; three index tensors route each copy.
+
+Recompute: `none` keeps all of it; `full` keeps each layer's input (checkpointing) and rebuilds one
+layer at a time in backward (`transient`); `selective` (Megatron --recompute-modules moe_act
+layernorm) drops the norm outputs and the SwiGLU outputs of routed copies.
+
+Everything here is per token of one micro-batch on one device before tensor/sequence parallelism
+(the caller divides by TP: Megatron requires sequence parallelism with TP for MoE).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.arch import Architecture
+
+__all__ = ["LayerActivations", "layer_activation_bytes", "output_activation_bytes"]
+
+FP32 = 4
+INDEX = 8  # int64 token indices
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Saved bytes per token of one layer: attention block, MLP block, and what full recompute
+    keeps (the layer input). `routed_per_copy` is the part of `moe` that scales with tokens on the
+    busiest expert rank (k copies per token times the imbalance factor)."""
+
+    attention: float
+    moe_fixed: float  # router and shared-expert part of an MoE layer (per token)
+    routed_per_copy: float  # per routed copy of a token
+    dense: float  # MLP of a dense layer
+    layer_input: float
+
+
+def _rmsnorm(width: int, act: int, backend: str) -> float:
+    if backend == "transformers":
+        # fp32 copy of the input (the input itself when act is fp32), fp32 inverse RMS, normalised
+        return FP32 * width + FP32 + act * width
+    return act * width + FP32  # fused kernel: input and inverse RMS
+
+
+def _attention(arch: Architecture, act: int, backend: str) -> float:
+    a, h = arch.attention, arch.hidden_size
+    total = _rmsnorm(h, act, backend) + act * h  # input norm; normalised output feeds q/k/v (or q_a/kv_a)
+    if a.kind == "mla":
+        nope_rope = a.qk_nope_head_dim + a.qk_rope_head_dim
+        if a.q_lora_rank:
+            total += act * a.q_lora_rank + _rmsnorm(a.q_lora_rank, act, backend) + act * a.q_lora_rank
+        total += act * (a.kv_lora_rank + a.qk_rope_head_dim)  # kv_a output (latent + rope key)
+        total += _rmsnorm(a.kv_lora_rank, act, backend) + act * a.kv_lora_rank  # kv_a norm, kv_b input
+        q = k = a.num_heads * nope_rope
+        v = o = a.num_heads * a.v_head_dim
+        heads = a.num_heads
+    else:
+        q = o = a.num_heads * a.head_dim
+        k = v = a.num_kv_heads * a.head_dim
+        heads = a.num_heads
+        if a.qk_norm == "head":
+            if backend == "transformers":
+                total += (FP32 + act) * (q + k) + FP32 * (a.num_heads + a.num_kv_heads)
+            else:
+                total += act * (q + k) + FP32 * (a.num_heads + a.num_kv_heads)
+        elif a.qk_norm == "full":
+            if backend == "transformers":
+                total += (FP32 + act) * (q + k) + 2 * FP32
+            else:
+                total += act * (q + k) + 2 * FP32
+        elif a.qk_norm == "l2":
+            total += act * (q + k)
+    # flash attention: q, k, v, output, fp32 log-sum-exp per head
+    total += act * (q + k + v + o) + FP32 * heads
+    return total
+
+
+def _swiglu_mlp(width: int, act: int, backend: str) -> float:
+    """A gated MLP's saved bytes per token beyond its (shared) input."""
+    if backend == "transformers":
+        return act * 4 * width  # gate out (SiLU input), SiLU out, up out, product (down input)
+    return act * 3 * width  # fc1 out (gate|up, fused SwiGLU input), SwiGLU out (fc2 input)
+
+
+def layer_activation_bytes(arch: Architecture, *, act_bytes: int, backend: str, recompute: str) -> LayerActivations:
+    h, moe = arch.hidden_size, arch.moe
+    attention = _attention(arch, act_bytes, backend)
+    post_norm = _rmsnorm(h, act_bytes, backend) + act_bytes * h  # post-attention norm, its output
+    num_experts, k = moe.num_experts, moe.top_k
+
+    router = FP32 * num_experts + INDEX * k  # fp32 probabilities, top-k indices
+    if backend == "transformers":
+        if moe.scoring in ("softmax", "softmax_renorm") and moe.norm_topk_prob:
+            router += FP32 * k + FP32  # renormalisation keeps the k weights and their sum
+        per_copy = act_bytes * (h + 2 * moe.expert_intermediate + moe.expert_intermediate + moe.expert_intermediate + h)
+        per_copy += act_bytes + 3 * INDEX  # routing weight, three index tensors per copy
+    else:
+        router += FP32 * num_experts  # logits kept fp32 as well
+        per_copy = act_bytes * (h + 3 * moe.expert_intermediate + h)
+    shared = 0.0
+    if moe.shared_intermediate:
+        shared = _swiglu_mlp(moe.shared_intermediate, act_bytes, backend)
+        if moe.shared_gate:
+            shared += act_bytes * (1 + h)  # sigmoid gate value and the shared output it scales
+    dense = _swiglu_mlp(arch.dense_intermediate, act_bytes, backend) if arch.dense_intermediate else 0.0
+
+    if recompute == "selective":
+        # recompute norms and the routed SwiGLU: drop the normalised outputs and the SwiGLU output
+        attention -= act_bytes * h
+        post_norm -= act_bytes * h
+        per_copy -= act_bytes * moe.expert_intermediate
+    return LayerActivations(
+        attention=attention + post_norm,
+        moe_fixed=router + shared,
+        routed_per_copy=per_copy,
+        dense=dense,
+        layer_input=act_bytes * h,
+    )
+
+
+def output_activation_bytes(arch: Architecture, *, act_bytes: int, backend: str) -> float:
+    """Per token after the last layer: final norm, lm_head input, and the fp32 log-probabilities
+    over the vocabulary the RL loss gathers from (log_softmax keeps its fp32 result; Megatron's
+    vocab-parallel log-prob also keeps the logits)."""
+    h, v = arch.hidden_size, arch.vocab_size
+    final = _rmsnorm(h, act_bytes, backend) + act_bytes * h
+    logits = FP32 * v if backend == "transformers" else (FP32 + act_bytes) * v
+    return final + logits + INDEX  # token ids of the embedding lookup

@@ -1,0 +1,348 @@
+"""Cost of an RL step at a device count: the best feasible layouts, or why none fits.
+
+`evaluate(...)` answers `planner cost --cards N`; `min_devices(...)` answers `--min-cards`.
+Training and rollout layouts are chosen separately (their memory peaks fall in different phases):
+the training layout minimises reference + old log-prob + update time among those that fit; the
+rollout layout, given what the training side leaves on the device, minimises rollout time; the
+switch time then follows from both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from planner.arch import Architecture
+from planner.cost.hardware import GIB, Accelerator
+from planner.cost.knobs import Knobs
+from planner.cost.layouts import (
+    RolloutCandidates,
+    TrainCandidates,
+    check_rollout_layout,
+    check_train_layout,
+    enumerate_rollout,
+    enumerate_train,
+)
+from planner.cost.model import HOST_USABLE_FRACTION, CostModel
+from planner.errors import InfeasibleError, SpecError
+from planner.specs import Job, RolloutLayout, TrainLayout
+
+__all__ = ["CostResult", "evaluate", "min_devices", "candidate_device_counts"]
+
+
+@dataclass(frozen=True)
+class CostResult:
+    model: str
+    experts: int
+    original_experts: int
+    accelerator: str
+    device_unit: str
+    devices_per_card: int
+    num_devices: int
+    feasible: bool
+    reasons: list[str]
+    train_layout: TrainLayout | None
+    rollout_layout: RolloutLayout | None
+    phase_times_s: dict[str, float]
+    memory_per_device_bytes: dict[str, dict[str, float]]
+    peak_phase: str | None
+    usable_bytes_per_device: float
+    host_memory_bytes_per_node: float
+    host_memory_limit_bytes_per_node: float
+    layouts_evaluated: int
+    notes: list[str] = field(default_factory=list)
+    job: Job | None = None
+
+    @property
+    def num_cards(self) -> float:
+        return self.num_devices / self.devices_per_card
+
+    @property
+    def step_time_s(self) -> float:
+        return float(sum(self.phase_times_s.values())) if self.feasible else float("nan")
+
+    @property
+    def device_hours_per_step(self) -> float:
+        return self.num_devices * self.step_time_s / 3600.0
+
+    @property
+    def card_hours_per_step(self) -> float:
+        return self.num_cards * self.step_time_s / 3600.0
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        if not self.feasible or self.job is None:
+            return float("nan")
+        return self.job.tokens_per_step / self.step_time_s / self.num_devices
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        if self.peak_phase is None:
+            return float("nan")
+        return self.memory_per_device_bytes[self.peak_phase]["total"]
+
+    def to_json(self) -> dict[str, Any]:
+        unit = self.device_unit
+        out: dict[str, Any] = {
+            "model": self.model,
+            "experts": self.experts,
+            "original_experts": self.original_experts,
+            "accelerator": self.accelerator,
+            "feasible": self.feasible,
+            "num_cards": self.num_devices,
+            "device_unit": unit,
+            "devices_per_card": self.devices_per_card,
+            "physical_cards": self.num_cards,
+            "step_time_s": None if not self.feasible else self.step_time_s,
+            "phase_times_s": self.phase_times_s,
+            "memory_per_card_bytes": self.memory_per_device_bytes,
+            "peak_phase": self.peak_phase,
+            "usable_bytes_per_card": self.usable_bytes_per_device,
+            "host_memory_bytes": {"per_node": self.host_memory_bytes_per_node, "limit_per_node": self.host_memory_limit_bytes_per_node},
+            "accelerator_hours_per_step": None if not self.feasible else self.device_hours_per_step,
+            "physical_card_hours_per_step": None if not self.feasible else self.card_hours_per_step,
+            "tokens_per_s_per_card": None if not self.feasible else self.tokens_per_s_per_device,
+            "tokens_per_s_per_physical_card": None if not self.feasible else self.tokens_per_s_per_device * self.devices_per_card,
+            "train_layout": None if self.train_layout is None else vars(self.train_layout),
+            "rollout_layout": None if self.rollout_layout is None else vars(self.rollout_layout),
+            "layouts_evaluated": self.layouts_evaluated,
+            "reasons": self.reasons,
+            "notes": self.notes,
+        }
+        if self.devices_per_card > 1:
+            out["units"] = (
+                f"num_cards, memory_per_card_bytes, accelerator_hours_per_step and tokens_per_s_per_card count "
+                f"{unit}s (the device torch_npu sees); one physical card holds {self.devices_per_card} {unit}s"
+            )
+        return out
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f} GiB"
+
+
+def candidate_device_counts(accel: Accelerator, max_devices: int) -> list[int]:
+    """Device counts a cluster is allocated in: whole cards below a node, whole nodes above."""
+    per_node, per_card = accel.devices_per_node, accel.devices_per_card
+    small = [n for n in (1, 2, 4, 8, 16, 32) if n < per_node and n % per_card == 0]
+    return [n for n in small + list(range(per_node, max_devices + 1, per_node)) if n <= max_devices]
+
+
+def _max_tp(accel: Accelerator) -> int:
+    return min(accel.devices_per_node, 16)
+
+
+class _Evaluator:
+    def __init__(self, arch: Architecture, accel: Accelerator, job: Job, knobs: Knobs | None):
+        if not job.colocated:
+            raise SpecError(
+                "colocated: false (separate rollout and training pools) is not modelled yet; "
+                "model the colocated case, or each pool with its own job"
+            )
+        self.arch, self.accel, self.job = arch, accel, job
+        self.model = CostModel(arch, accel, job, knobs)
+        self.usable = accel.usable_bytes
+        self.host_limit = accel.host_memory_bytes_per_node * HOST_USABLE_FRACTION
+
+    def train_candidates(self, devices: int) -> TrainCandidates:
+        if self.job.train_layout is not None:
+            check_train_layout(self.arch, devices, self.job.train_layout)
+            return TrainCandidates.single(devices, self.job.train_layout)
+        return enumerate_train(self.arch, devices, max_tp=_max_tp(self.accel))
+
+    def rollout_candidates(self, devices: int) -> RolloutCandidates:
+        if self.job.rollout_layout is not None:
+            check_rollout_layout(self.arch, devices, self.job.rollout_layout)
+            return RolloutCandidates.single(devices, self.job.rollout_layout)
+        return enumerate_rollout(self.arch, devices, max_tp=_max_tp(self.accel))
+
+    def run(self, devices: int) -> CostResult:
+        arch, accel, job, m = self.arch, self.accel, self.job, self.model
+        tc = self.train_candidates(devices)
+        rc = self.rollout_candidates(devices)
+        reasons: list[str] = []
+        if len(tc) == 0:
+            reasons.append(f"no valid training layout on {devices} {accel.device_unit}s for {arch.name} with K={arch.moe.num_experts}")
+        if len(rc) == 0:
+            reasons.append(f"no valid rollout layout on {devices} {accel.device_unit}s")
+        if reasons:
+            return self._infeasible(devices, reasons, len(tc) + len(rc))
+
+        te = m.train(tc)
+        train_fit = (te.update_bytes <= self.usable) & (te.logprob_bytes <= self.usable) & (te.reference_bytes <= self.usable)
+        host_fit = te.host_bytes_per_node <= self.host_limit
+        ok = train_fit & host_fit
+        if not ok.any():
+            i = int(np.argmin(np.maximum(te.update_bytes, te.reference_bytes)))
+            lay = tc.layout(i)
+            if not train_fit[i]:
+                reasons.append(
+                    f"update phase needs {_gib(te.update_bytes[i])} per {accel.device_unit} at best ({lay.describe()}: "
+                    f"weights {_gib(te.weights_bytes[i])}, grads {_gib(te.grads_bytes[i])}, optimizer "
+                    f"{_gib(te.optimizer_bytes[i])}, activations {_gib(te.activations_bytes[i])}; reference phase "
+                    f"{_gib(te.reference_bytes[i])}) > {_gib(self.usable)} usable on {accel.id}"
+                )
+            if not host_fit[i]:
+                reasons.append(
+                    f"offloaded states need {_gib(te.host_bytes_per_node[i])} of host memory per node > "
+                    f"{_gib(self.host_limit)} ({HOST_USABLE_FRACTION:.0%} of {_gib(accel.host_memory_bytes_per_node)})"
+                )
+            if not reasons:
+                reasons.append("no training layout fits both device and host memory")
+            return self._infeasible(devices, reasons, len(tc) + len(rc), tc.layout(i))
+        train_time = te.update_s + te.reference_s + te.old_logprob_s + te.values_s
+        ti = int(np.flatnonzero(ok)[np.argmin(train_time[ok])])
+        kept = te.weights_bytes[ti] + te.grads_bytes[ti] + te.optimizer_bytes[ti] - te.offloaded_bytes[ti]
+
+        re = m.rollout(rc, kept_train_bytes=kept)
+        need = kept + re.weights_bytes + re.workspace_bytes
+        roll_fit = (need <= job.rollout_memory_utilization * self.usable) & (re.kv_budget_bytes >= re.kv_per_sequence_bytes)
+        if not roll_fit.any():
+            i = int(np.argmax(re.kv_budget_bytes - re.kv_per_sequence_bytes))
+            reasons.append(
+                f"rollout: at best ({rc.layout(i).describe()}) weights {_gib(re.weights_bytes[i])} + workspace "
+                f"{_gib(re.workspace_bytes[i])} + training states kept {_gib(kept)} leave "
+                f"{_gib(max(re.kv_budget_bytes[i], 0.0))} for the KV cache of "
+                f"{job.rollout_memory_utilization:.2f} x {_gib(self.usable)}; one {job.max_sequence_tokens}-token sequence needs "
+                f"{_gib(re.kv_per_sequence_bytes[i])}"
+            )
+            return self._infeasible(devices, reasons, len(tc) + len(rc), tc.layout(ti), rc.layout(i))
+        ri = int(np.flatnonzero(roll_fit)[np.argmin(re.rollout_s[roll_fit])])
+
+        ref_weights = te.weights_bytes[ti] if job.reference_model else 0.0
+        switch = float(m.switch_seconds(te.offloaded_bytes[ti], re.weights_bytes[ri], ref_weights))
+        phases = {
+            "rollout": float(re.rollout_s[ri]),
+            "reference": float(te.reference_s[ti]),
+            "old_logprob": float(te.old_logprob_s[ti]),
+            "values": float(te.values_s[ti]),
+            "update": float(te.update_s[ti]),
+            "reward": float(job.reward_s),
+            "switch": switch,
+        }
+        if job.algorithm != "ppo":
+            phases.pop("values")
+        memory = {
+            "rollout": {
+                "training_states_kept": float(kept),
+                "weights": float(re.weights_bytes[ri]),
+                "workspace": float(re.workspace_bytes[ri]),
+                "kv_cache": float(max(re.kv_budget_bytes[ri], 0.0)),
+            },
+            "reference": {"total": float(te.reference_bytes[ti])},
+            "old_logprob": {"total": float(te.logprob_bytes[ti])},
+            "update": {
+                "weights": float(te.weights_bytes[ti]),
+                "grads": float(te.grads_bytes[ti]),
+                "optimizer": float(te.optimizer_bytes[ti]),
+                "activations": float(te.activations_bytes[ti]),
+            },
+        }
+        if job.skip_old_logprob:
+            memory.pop("old_logprob")
+        if not job.reference_model:
+            memory.pop("reference")
+        for parts in memory.values():
+            parts.setdefault("total", float(sum(parts.values())))
+        peak_phase = max(memory, key=lambda p: memory[p]["total"])
+        notes = self._notes(tc.layout(ti), te, ti, re, ri)
+        return CostResult(
+            model=arch.name,
+            experts=arch.moe.num_experts,
+            original_experts=arch.original_num_experts,
+            accelerator=accel.id,
+            device_unit=accel.device_unit,
+            devices_per_card=accel.devices_per_card,
+            num_devices=devices,
+            feasible=True,
+            reasons=[],
+            train_layout=tc.layout(ti),
+            rollout_layout=rc.layout(ri),
+            phase_times_s=phases,
+            memory_per_device_bytes=memory,
+            peak_phase=peak_phase,
+            usable_bytes_per_device=self.usable,
+            host_memory_bytes_per_node=float(te.host_bytes_per_node[ti]),
+            host_memory_limit_bytes_per_node=self.host_limit,
+            layouts_evaluated=len(tc) + len(rc),
+            notes=notes,
+            job=job,
+        )
+
+    def _notes(self, lay: TrainLayout, te, ti: int, re, ri: int) -> list[str]:
+        arch, job = self.arch, self.job
+        notes = []
+        if te.uneven_pp[ti]:
+            per = arch.num_layers / lay.pp
+            notes.append(f"pipeline split is uneven: {arch.num_layers} layers over PP{lay.pp} ({per:.2f} per stage; the busiest stage is costed)")
+        if arch.is_pruned:
+            k, e = arch.moe.num_experts, arch.original_num_experts
+            notes.append(
+                f"proxy keeps {k}/{e} experts: FLOPs and all-to-all bytes per token match the original (top-{arch.moe.top_k} kept); "
+                "expert weights, grads and optimizer states shrink by about K/E"
+            )
+            notes.append(
+                "not faithful to the original: expert-parallel size is capped by K; decode touches a larger share of each "
+                "device's experts per step, so rollout is more weight-bandwidth-bound than the original at equal batch; "
+                "routing imbalance of the pruned router differs from the original's"
+            )
+        if self.accel.devices_per_card > 1:
+            notes.append(
+                f"{self.accel.id}: counts are in {self.accel.device_unit}s as torch_npu sees them; "
+                f"{self.accel.devices_per_card} per physical card"
+            )
+        return notes
+
+    def _infeasible(self, devices: int, reasons: list[str], n: int, train=None, rollout=None) -> CostResult:
+        return CostResult(
+            model=self.arch.name,
+            experts=self.arch.moe.num_experts,
+            original_experts=self.arch.original_num_experts,
+            accelerator=self.accel.id,
+            device_unit=self.accel.device_unit,
+            devices_per_card=self.accel.devices_per_card,
+            num_devices=devices,
+            feasible=False,
+            reasons=reasons,
+            train_layout=train,
+            rollout_layout=rollout,
+            phase_times_s={},
+            memory_per_device_bytes={},
+            peak_phase=None,
+            usable_bytes_per_device=self.usable,
+            host_memory_bytes_per_node=float("nan"),
+            host_memory_limit_bytes_per_node=self.host_limit,
+            layouts_evaluated=n,
+            job=self.job,
+        )
+
+
+def evaluate(arch: Architecture, accel: Accelerator, job: Job, devices: int, knobs: Knobs | None = None) -> CostResult:
+    """Cost at `devices` devices, with the job's layouts or the best feasible ones."""
+    if devices < 1:
+        raise SpecError(f"--cards must be >= 1, got {devices}")
+    return _Evaluator(arch, accel, job, knobs).run(devices)
+
+
+def min_devices(
+    arch: Architecture, accel: Accelerator, job: Job, *, max_devices: int = 4096, knobs: Knobs | None = None
+) -> CostResult:
+    """The smallest feasible device count (and the best layouts there)."""
+    ev = _Evaluator(arch, accel, job, knobs)
+    last = None
+    for n in candidate_device_counts(accel, max_devices):
+        if job.train_layout is not None and job.train_layout.tp * job.train_layout.pp * job.train_layout.cp > n:
+            continue
+        try:
+            result = ev.run(n)
+        except SpecError:
+            continue  # a fixed layout that does not divide this count
+        if result.feasible:
+            return result
+        last = result
+    detail = "; ".join(last.reasons) if last is not None else "no device count admits the given layouts"
+    raise InfeasibleError(
+        f"{arch.name} (K={arch.moe.num_experts}) does not fit on up to {max_devices} {accel.device_unit}s of {accel.id}: {detail}"
+    )

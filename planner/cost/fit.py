@@ -1,0 +1,178 @@
+"""Fit the efficiency knobs, once per accelerator family, to the published RL runs.
+
+The objective is the sum of squared log-ratios predicted/published over every published phase
+(rollout, reference, old log-prob, update, switch) and the step total of every run of the family,
+plus a weak pull of each knob towards its prior (log-ratio, weight `PRIOR_WEIGHT`) so knobs no run
+constrains stay at literature values. Coordinate descent on log(knob) with shrinking steps, inside
+`KNOB_BOUNDS`; deterministic. Results (knobs and every residual) go to calibration/knobs.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from planner.catalog import load_accelerator, load_model
+from planner.cost.evaluate import CostResult, evaluate
+from planner.cost.knobs import KNOB_BOUNDS, PRIOR, Knobs
+from planner.specs import Job
+
+__all__ = ["PublishedRun", "load_runs", "predict", "fit_family", "fit_all", "residual_table", "PHASES"]
+
+PHASES = ("rollout", "reference", "old_logprob", "update", "switch", "step")
+PRIOR_WEIGHT = 0.05
+FITTED = ("train_mfu", "logprob_mfu", "decode_mbu", "decode_step_overhead_s", "decode_layer_overhead_s",
+          "a2a_efficiency", "switch_fixed_s", "expert_imbalance")
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    id: str
+    title: str
+    model: str
+    hardware: str
+    devices: int
+    job: Job
+    published: dict[str, float]
+    sources: list[str]
+    assumed: dict[str, str]
+
+    @property
+    def family(self) -> str:
+        return load_accelerator(self.hardware).family
+
+
+def runs_path() -> Path:
+    return Path(str(resources.files("planner._calibration"))) / "published_runs.yaml"
+
+
+def load_runs(path: str | Path | None = None) -> list[PublishedRun]:
+    data = yaml.safe_load(Path(path or runs_path()).read_text())
+    out = []
+    for r in data["runs"]:
+        out.append(
+            PublishedRun(
+                id=r["id"],
+                title=r["title"],
+                model=r["model"],
+                hardware=r["hardware"],
+                devices=int(r["devices"]),
+                job=Job.from_dict(r["job"], where=f"published run {r['id']}"),
+                published={k: float(v) for k, v in r["published"].items()},
+                sources=list(r.get("sources", [])),
+                assumed=dict(r.get("assumed", {})),
+            )
+        )
+    return out
+
+
+def predict(run: PublishedRun, knobs: Knobs) -> CostResult:
+    arch = load_model(run.model)
+    accel = load_accelerator(run.hardware)
+    return evaluate(arch, accel, run.job, run.devices, knobs=knobs)
+
+
+def _predicted_phases(run: PublishedRun, result: CostResult) -> dict[str, float]:
+    p = dict(result.phase_times_s)
+    if not result.feasible:
+        return {k: math.inf for k in PHASES}
+    step = sum(p.values())
+    if "switch" not in run.published:  # the published step leaves the switch out
+        step -= p.get("switch", 0.0)
+    p["step"] = step
+    return p
+
+
+def _loss(runs: list[PublishedRun], knobs: Knobs, prior: Knobs) -> float:
+    total = 0.0
+    for run in runs:
+        pred = _predicted_phases(run, predict(run, knobs))
+        for phase, value in run.published.items():
+            if value <= 0:
+                continue
+            total += math.log(max(pred[phase], 1e-9) / value) ** 2
+    for name in FITTED:
+        total += PRIOR_WEIGHT * math.log(getattr(knobs, name) / max(getattr(prior, name), 1e-12)) ** 2
+    return total
+
+
+def fit_family(family: str, runs: list[PublishedRun], *, rounds: int = 6) -> tuple[Knobs, float]:
+    prior = PRIOR[family]
+    mine = [r for r in runs if r.family == family]
+    knobs = prior
+    best = _loss(mine, knobs, prior)
+    step = 1.0  # in natural-log units of the knob
+    for _ in range(rounds):
+        improved = True
+        while improved:
+            improved = False
+            for name in FITTED:
+                lo, hi = KNOB_BOUNDS[name]
+                value = getattr(knobs, name)
+                if value <= 0:
+                    value = lo if lo > 0 else 1e-3
+                for direction in (1.0, -1.0):
+                    trial_value = min(hi, max(lo, value * math.exp(direction * step)))
+                    if trial_value == getattr(knobs, name):
+                        continue
+                    trial = replace(knobs, **{name: trial_value})
+                    loss = _loss(mine, trial, prior)
+                    if loss < best - 1e-12:
+                        knobs, best, improved = trial, loss, True
+                        break
+        step /= 2.0
+    return knobs, best
+
+
+def residual_table(runs: list[PublishedRun], knobs_by_family: dict[str, Knobs]) -> list[dict[str, Any]]:
+    rows = []
+    for run in runs:
+        result = predict(run, knobs_by_family[run.family])
+        pred = _predicted_phases(run, result)
+        for phase in PHASES:
+            if phase not in run.published:
+                continue
+            pub = run.published[phase]
+            rows.append(
+                {
+                    "run": run.id,
+                    "family": run.family,
+                    "phase": phase,
+                    "published_s": pub,
+                    "predicted_s": round(pred.get(phase, float("nan")), 2),
+                    "ratio": round(pred.get(phase, float("nan")) / pub, 3) if pub > 0 else None,
+                }
+            )
+    return rows
+
+
+def fit_all(runs: list[PublishedRun] | None = None) -> dict[str, Any]:
+    runs = runs or load_runs()
+    families = sorted({r.family for r in runs})
+    fitted, losses = {}, {}
+    for fam in families:
+        fitted[fam], losses[fam] = fit_family(fam, runs)
+    names = [f.name for f in fields(Knobs)]
+    return {
+        "description": "Efficiency knobs fitted once per accelerator family to calibration/published_runs.yaml "
+        "(planner.cost.fit; regenerate with `planner fit-knobs -o calibration/knobs.json --force`).",
+        "objective": "sum over runs and published phases of log(predicted/published)^2 "
+        f"+ {PRIOR_WEIGHT} * sum over knobs of log(knob/prior)^2",
+        "knobs": {fam: {n: round(getattr(k, n), 6) for n in names} for fam, k in fitted.items()},
+        "priors": {fam: {n: getattr(PRIOR[fam], n) for n in names} for fam in families},
+        "loss": {fam: round(v, 6) for fam, v in losses.items()},
+        "residuals": residual_table(runs, fitted),
+    }
+
+
+def write_fit(path: str | Path, result: dict[str, Any]) -> None:
+    p = Path(path)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(p)

@@ -1,0 +1,89 @@
+"""Efficiency knobs: what a peak-and-bandwidth model cannot know, fitted once per accelerator family.
+
+The cost model multiplies hardware peaks by these achieved fractions and adds these overheads. They
+are fitted to the published RL runs of DESIGN.md section 8 (calibration/published_runs.yaml) by
+`planner.cost.fit`, one set per family, never per run, and stored with the residuals of the fit in
+calibration/knobs.json. Without a fitted file the priors below (literature ranges, cited) apply.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["Knobs", "PRIOR", "KNOB_BOUNDS", "load_knobs", "knobs_path"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Knobs:
+    train_mfu: float  # achieved fraction of dense peak in the actor update (model FLOPs + recompute)
+    logprob_mfu: float  # same for forward-only passes (reference, old log-prob, prefill)
+    decode_mbu: float  # achieved fraction of HBM bandwidth reading weights and KV in decode
+    decode_step_overhead_s: float  # per decode step: scheduling, sampling, host syncs
+    decode_layer_overhead_s: float  # per decode step and layer: kernel launches, collective latency
+    a2a_efficiency: float  # achieved fraction of the measured (or link) all-to-all bandwidth
+    switch_fixed_s: float  # per RL step: engine wake/sleep, cache release, resharding setup
+    expert_imbalance: float = 1.2  # busiest EP rank's tokens / mean, for real routers (job default)
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+# Priors: the midpoints of public ranges (shared/reference/cost-model.md section 4):
+# MoE training MFU 0.24-0.35 on H100, ~0.10 on A3 RL updates; decode MBU 0.70-0.85 rule of thumb;
+# per-step host sync 3-14 ms (cann-recipes); A3 low-latency dispatch 132-153 us per layer.
+PRIOR = {
+    "ascend": Knobs(
+        train_mfu=0.12,
+        logprob_mfu=0.12,
+        decode_mbu=0.5,
+        decode_step_overhead_s=0.01,
+        decode_layer_overhead_s=3e-4,
+        a2a_efficiency=0.8,
+        switch_fixed_s=5.0,
+    ),
+    "nvidia": Knobs(
+        train_mfu=0.3,
+        logprob_mfu=0.3,
+        decode_mbu=0.7,
+        decode_step_overhead_s=0.005,
+        decode_layer_overhead_s=1e-4,
+        a2a_efficiency=0.9,
+        switch_fixed_s=5.0,
+    ),
+}
+
+# Bounds the fit may not leave (physically meaningful ranges).
+KNOB_BOUNDS = {
+    "train_mfu": (0.02, 0.6),
+    "logprob_mfu": (0.02, 0.6),
+    "decode_mbu": (0.05, 0.95),
+    "decode_step_overhead_s": (1e-4, 0.2),
+    "decode_layer_overhead_s": (1e-6, 5e-3),
+    "a2a_efficiency": (0.2, 1.0),
+    "switch_fixed_s": (0.0, 120.0),
+    "expert_imbalance": (1.0, 2.0),
+}
+
+
+def knobs_path() -> Path:
+    return Path(str(resources.files("planner._calibration"))) / "knobs.json"
+
+
+@lru_cache(maxsize=4)
+def _load(path: str) -> dict[str, Knobs]:
+    p = Path(path)
+    if not p.is_file():
+        return dict(PRIOR)
+    data = json.loads(p.read_text())
+    names = {f.name for f in fields(Knobs)}
+    return {family: Knobs(**{k: v for k, v in entry.items() if k in names}) for family, entry in data["knobs"].items()}
+
+
+def load_knobs(family: str, path: str | Path | None = None) -> Knobs:
+    """The fitted knobs of an accelerator family (the prior when no fit is stored)."""
+    table = _load(str(path or knobs_path()))
+    return table.get(family, PRIOR[family])

@@ -1,0 +1,218 @@
+"""Parallel layouts as the frameworks accept them, as arrays for vectorised evaluation.
+
+Training (Megatron-Core rules): world = tp*pp*cp*dp; tp divides the attention heads and, for GQA,
+the kv heads (num_query_groups % tp == 0); pp <= layers (uneven splits allowed and reported); expert
+parallelism borrows ranks from tp*cp*dp (ep*etp divides it) and ep divides the expert count K;
+etp divides the expert width.
+
+Rollout (vLLM rules): an engine instance spans tp*dp devices; tp divides the heads, and kv heads
+either split evenly (kv % tp == 0) or replicate (tp % kv == 0); the MoE layers span the instance,
+as expert parallelism (ep = tp*dp, which must divide K) or tensor parallelism (ep = 1, the expert
+width splits tp*dp ways); the device count is a whole number of instances.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.arch import Architecture
+from planner.errors import LayoutError
+from planner.specs import RolloutLayout, TrainLayout
+
+__all__ = [
+    "TrainCandidates",
+    "RolloutCandidates",
+    "train_layout_problems",
+    "rollout_layout_problems",
+    "enumerate_train",
+    "enumerate_rollout",
+    "check_train_layout",
+    "check_rollout_layout",
+]
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, p = [], 1
+    while p <= n:
+        out.append(p)
+        p *= 2
+    return out
+
+
+@dataclass(frozen=True)
+class TrainCandidates:
+    devices: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    ep: np.ndarray
+    cp: np.ndarray
+    etp: np.ndarray
+
+    @property
+    def dp(self) -> np.ndarray:
+        return self.devices // (self.tp * self.pp * self.cp)
+
+    @property
+    def edp(self) -> np.ndarray:
+        return self.devices // (self.etp * self.ep * self.pp)
+
+    def __len__(self) -> int:
+        return len(self.tp)
+
+    def layout(self, i: int) -> TrainLayout:
+        return TrainLayout(tp=int(self.tp[i]), pp=int(self.pp[i]), ep=int(self.ep[i]), cp=int(self.cp[i]), etp=int(self.etp[i]))
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, int, int, int, int, int]]) -> "TrainCandidates":
+        arr = np.array(rows, dtype=np.int64).reshape(-1, 6)
+        return cls(*(arr[:, i] for i in range(6)))
+
+    @classmethod
+    def concat(cls, parts: list["TrainCandidates"]) -> "TrainCandidates":
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("devices", "tp", "pp", "ep", "cp", "etp")))
+
+    @classmethod
+    def single(cls, devices: int, layout: TrainLayout) -> "TrainCandidates":
+        return cls.of([(devices, layout.tp, layout.pp, layout.ep, layout.cp, layout.etp)])
+
+
+@dataclass(frozen=True)
+class RolloutCandidates:
+    devices: np.ndarray
+    tp: np.ndarray
+    dp: np.ndarray
+    ep: np.ndarray
+
+    @property
+    def instance(self) -> np.ndarray:
+        return self.tp * self.dp
+
+    @property
+    def instances(self) -> np.ndarray:
+        return self.devices // (self.tp * self.dp)
+
+    def __len__(self) -> int:
+        return len(self.tp)
+
+    def layout(self, i: int) -> RolloutLayout:
+        return RolloutLayout(tp=int(self.tp[i]), dp=int(self.dp[i]), ep=int(self.ep[i]))
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, int, int, int]]) -> "RolloutCandidates":
+        arr = np.array(rows, dtype=np.int64).reshape(-1, 4)
+        return cls(*(arr[:, i] for i in range(4)))
+
+    @classmethod
+    def concat(cls, parts: list["RolloutCandidates"]) -> "RolloutCandidates":
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("devices", "tp", "dp", "ep")))
+
+    @classmethod
+    def single(cls, devices: int, layout: RolloutLayout) -> "RolloutCandidates":
+        return cls.of([(devices, layout.tp, layout.dp, layout.ep)])
+
+
+def train_layout_problems(arch: Architecture, devices: int, lay: TrainLayout) -> list[str]:
+    """Every rule the layout breaks, each with its numbers (empty when valid)."""
+    a, k = arch.attention, arch.moe.num_experts
+    out = []
+    if a.num_heads % lay.tp:
+        out.append(f"tp={lay.tp} does not divide the {a.num_heads} attention heads")
+    if a.kind == "gqa" and a.num_kv_heads % lay.tp:
+        out.append(f"tp={lay.tp} does not divide the {a.num_kv_heads} kv heads (num_query_groups % tp must be 0)")
+    model_par = lay.tp * lay.pp * lay.cp
+    if devices % model_par:
+        out.append(f"tp*pp*cp = {lay.tp}*{lay.pp}*{lay.cp} = {model_par} does not divide {devices} devices")
+    else:
+        rest = devices // lay.pp
+        if rest % (lay.ep * lay.etp):
+            out.append(
+                f"ep*etp = {lay.ep}*{lay.etp} = {lay.ep * lay.etp} does not divide tp*cp*dp = {devices}/{lay.pp} = "
+                f"{rest} (expert parallelism borrows ranks from tp*cp*dp)"
+            )
+    if lay.pp > arch.num_layers:
+        out.append(f"pp={lay.pp} exceeds the {arch.num_layers} layers")
+    if k % lay.ep:
+        out.append(f"ep={lay.ep} does not divide K={k} experts")
+    if arch.moe.expert_intermediate % lay.etp:
+        out.append(f"etp={lay.etp} does not divide the expert width {arch.moe.expert_intermediate}")
+    return out
+
+
+def rollout_layout_problems(arch: Architecture, devices: int, lay: RolloutLayout) -> list[str]:
+    a, k = arch.attention, arch.moe.num_experts
+    inst = lay.tp * lay.dp
+    out = []
+    if a.num_heads % lay.tp:
+        out.append(f"tp={lay.tp} does not divide the {a.num_heads} attention heads")
+    if a.kind == "gqa" and a.num_kv_heads % lay.tp and lay.tp % a.num_kv_heads:
+        out.append(f"tp={lay.tp} neither divides nor is a multiple of the {a.num_kv_heads} kv heads")
+    if devices % inst:
+        out.append(f"an instance of tp*dp = {lay.tp}*{lay.dp} = {inst} devices does not divide {devices} devices")
+    if lay.ep not in (1, inst):
+        out.append(f"ep={lay.ep} must be 1 (tensor-parallel experts) or tp*dp = {inst} (expert parallel over the instance)")
+    elif lay.ep > 1 and k % lay.ep:
+        out.append(f"ep={lay.ep} does not divide K={k} experts")
+    elif lay.ep == 1 and arch.moe.expert_intermediate % inst:
+        out.append(f"tensor-parallel experts: tp*dp={inst} does not divide the expert width {arch.moe.expert_intermediate}")
+    return out
+
+
+def check_train_layout(arch: Architecture, devices: int, lay: TrainLayout) -> None:
+    problems = train_layout_problems(arch, devices, lay)
+    if problems:
+        raise LayoutError(f"train layout {lay.describe()} on {devices} devices is invalid: " + "; ".join(problems))
+
+
+def check_rollout_layout(arch: Architecture, devices: int, lay: RolloutLayout) -> None:
+    problems = rollout_layout_problems(arch, devices, lay)
+    if problems:
+        raise LayoutError(f"rollout layout {lay.describe()} on {devices} devices is invalid: " + "; ".join(problems))
+
+
+def enumerate_train(arch: Architecture, devices: int, *, max_tp: int, max_cp: int = 1) -> TrainCandidates:
+    """Every valid training layout on `devices` (tp and cp powers of two within the scale-up domain,
+    etp 1 or tp, pp up to the layer count)."""
+    a, k = arch.attention, arch.moe.num_experts
+    rows = []
+    heads = a.num_kv_heads if a.kind == "gqa" else a.num_heads
+    tps = [t for t in _pow2_upto(min(max_tp, devices)) if a.num_heads % t == 0 and heads % t == 0]
+    cps = _pow2_upto(min(max_cp, devices))
+    eps = _divisors(k)
+    for tp, cp in itertools.product(tps, cps):
+        if devices % (tp * cp):
+            continue
+        for pp in _divisors(devices // (tp * cp)):
+            if pp > arch.num_layers:
+                continue
+            rest = devices // pp
+            for ep in eps:
+                for etp in (1,) if tp == 1 else (1, tp):
+                    if rest % (ep * etp) == 0 and arch.moe.expert_intermediate % etp == 0:
+                        rows.append((devices, tp, pp, ep, cp, etp))
+    return TrainCandidates.of(rows)
+
+
+def enumerate_rollout(arch: Architecture, devices: int, *, max_tp: int) -> RolloutCandidates:
+    """Every valid rollout layout on `devices` (tp a power of two within the scale-up domain)."""
+    a, k = arch.attention, arch.moe.num_experts
+    rows = []
+    for tp in _pow2_upto(min(max_tp, devices)):
+        if a.num_heads % tp or (a.kind == "gqa" and a.num_kv_heads % tp and tp % a.num_kv_heads):
+            continue
+        for inst in _divisors(devices):
+            if inst % tp:
+                continue
+            dp = inst // tp
+            if k % inst == 0:
+                rows.append((devices, tp, dp, inst))
+            elif arch.moe.expert_intermediate % inst == 0:
+                rows.append((devices, tp, dp, 1))
+    return RolloutCandidates.of(rows)

@@ -1,0 +1,475 @@
+"""The RL step cost model: memory per device by phase, phase times, vectorised over layouts.
+
+`CostModel(arch, accel, job)` precomputes what depends only on the model and the job; its methods
+take arrays of candidate layouts (`TrainCandidates`, `RolloutCandidates`) and return arrays, so one
+formula serves `planner cost --cards N` (arrays of length 1) and the enumeration of every layout.
+
+Phases of one GRPO/PPO/DAPO step (verl / MindSpeed-RL timers; shared/reference/cost-model.md 2.1):
+  rollout      prefill (compute-bound) + decode (bandwidth/overhead-bound, a shrinking batch)
+  reference    forward pass of the frozen reference model over every trained token
+  old_logprob  forward pass of the actor (skipped on-policy)
+  values       critic forward (PPO only)
+  update       forward + backward (+ recompute) of the actor, ppo_epochs times (+ critic for PPO)
+  switch       offload/onload to host, resharding train -> rollout weights, fixed engine costs
+  reward       a fixed time the job states (rule-based rewards overlap and cost ~0)
+
+Memory per device (Megatron-LM theoretical_memory_usage.py, extended; DESIGN.md section 4):
+  model states  bf16 weights 2 B/param, fp32 main grads 4 B, Adam: fp32 master 4 B + moments 8 B
+                (or 4 B in bf16), the optimizer part sharded over DP*CP (dense) and EDP (experts)
+                by the distributed optimizer; dense parts split by TP, k/v by min(TP, kv heads),
+                routed experts by EP*ETP, norms and routers replicated; per pipeline stage
+  activations   planner.cost.activations per token and layer x tokens per micro-batch / (TP*CP) x
+                in-flight micro-batches of 1F1B (pp - stage); routed copies x top_k x imbalance
+  rollout       inference weights in the rollout layout + activation workspace + KV cache pool
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.arch import Architecture, count_parameters, expert_params, layer_params
+from planner.cost.activations import layer_activation_bytes, output_activation_bytes
+from planner.cost.hardware import Accelerator
+from planner.cost.knobs import Knobs, load_knobs
+from planner.cost.layouts import RolloutCandidates, TrainCandidates
+from planner.cost.lengths import LengthModel
+from planner.specs import Job
+
+__all__ = ["CostModel", "TrainEval", "RolloutEval", "HOST_USABLE_FRACTION", "ROLLOUT_BATCHED_TOKENS"]
+
+# Host RAM a node can give to offloaded tensors; the rest stays for the OS, dataloaders, Ray and
+# pinned staging buffers (assumption, stated in reports).
+HOST_USABLE_FRACTION = 0.8
+# Tokens one rollout-engine forward may process at once (vLLM max_num_batched_tokens); its
+# activation workspace is reserved up front by the engine's profiling run.
+ROLLOUT_BATCHED_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class TrainEval:
+    """Per-candidate arrays for the training-side phases (reference, old log-prob, update)."""
+
+    weights_bytes: np.ndarray
+    grads_bytes: np.ndarray
+    optimizer_bytes: np.ndarray
+    activations_bytes: np.ndarray
+    update_bytes: np.ndarray  # peak over pipeline stages of the update phase
+    logprob_bytes: np.ndarray  # actor forward-only pass
+    reference_bytes: np.ndarray
+    host_bytes_per_node: np.ndarray
+    offloaded_bytes: np.ndarray  # per device, moved to host during rollout
+    update_s: np.ndarray
+    reference_s: np.ndarray
+    old_logprob_s: np.ndarray
+    values_s: np.ndarray
+    update_compute_s: np.ndarray
+    update_a2a_s: np.ndarray
+    update_comm_s: np.ndarray
+    update_bubble_s: np.ndarray
+    micro_batches: np.ndarray
+    uneven_pp: np.ndarray
+
+
+@dataclass(frozen=True)
+class RolloutEval:
+    weights_bytes: np.ndarray
+    workspace_bytes: np.ndarray
+    kv_budget_bytes: np.ndarray
+    kv_per_sequence_bytes: np.ndarray  # one longest sequence
+    kept_train_bytes: np.ndarray  # training states not offloaded while rolling out
+    rollout_bytes: np.ndarray  # phase peak: kept + weights + workspace + KV pool
+    concurrency: np.ndarray  # sequences one DP rank holds at once (KV-bound or all)
+    prefill_s: np.ndarray
+    decode_s: np.ndarray
+    rollout_s: np.ndarray
+
+
+class CostModel:
+    """Cost of one RL step of `arch` on `accel` for `job`, vectorised over layouts."""
+
+    def __init__(self, arch: Architecture, accel: Accelerator, job: Job, knobs: Knobs | None = None):
+        self.arch, self.accel, self.job = arch, accel, job
+        self.knobs = knobs or load_knobs(accel.family)
+        self.imbalance = job.expert_imbalance if job.expert_imbalance is not None else self.knobs.expert_imbalance
+        self.lengths = LengthModel.from_spec(job.response_tokens)
+        self.counts = count_parameters(arch)
+        self._per_layer()
+        self._flops()
+
+    # ---- precomputation ----------------------------------------------------------------------
+    def _per_layer(self) -> None:
+        arch, job = self.arch, self.job
+        lp = [layer_params(arch, i) for i in range(arch.num_layers)]
+        fields_ = ("attention_sharded", "attention_kv", "attention_replicated", "norms", "router",
+                   "routed_experts", "shared_experts", "dense_mlp")
+        self._prefix = {f: np.concatenate([[0], np.cumsum([getattr(p, f) for p in lp])]).astype(float) for f in fields_}
+        is_moe = np.array([i in arch.moe_layers for i in range(arch.num_layers)], dtype=float)
+        self._prefix["moe"] = np.concatenate([[0], np.cumsum(is_moe)])
+        act = layer_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend, recompute=job.recompute)
+        self.act = act
+        k = arch.moe.top_k
+        # per token, per layer kind, at imbalance 1 (the routed part scales separately)
+        self.act_moe_layer = act.attention + act.moe_fixed
+        self.act_routed = act.routed_per_copy * k
+        self.act_dense_layer = act.attention + act.dense
+        self.act_output = output_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend)
+        c = self.counts
+        self.embedding_params = c.embeddings
+        self.head_params = c.lm_head
+        self.final_norm_params = arch.hidden_size * (2 if arch.norm == "layernorm" else 1)
+        self.expert_params = expert_params(arch)
+        self.routed_total = c.routed_experts
+        self.attn_sharded_total = self._prefix["attention_sharded"][-1]
+        self.attn_kv_total = self._prefix["attention_kv"][-1]
+
+    def _flops(self) -> None:
+        arch, job, L = self.arch, self.job, self.lengths
+        a = arch.attention
+        # Forward FLOPs per token in matmuls: 2 per active parameter, the embedding lookup excluded
+        # (PaLM appendix B; Megatron num_floating_point_operations counts the router too: we do).
+        self.matmul_flops_per_token = 2.0 * (self.counts.active - self.counts.embeddings)
+        self.expert_flops_per_token = 2.0 * arch.num_moe_layers * arch.moe.top_k * self.expert_params
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim if a.kind == "mla" else a.head_dim
+        # QK^T and AV per query and attended key: 2*heads*(d_qk + d_v) FLOPs
+        self.attn_flops_per_pair = 2.0 * a.num_heads * (qk + a.v_dim)
+        self.windows = arch.layer_windows
+        prompt = job.prompt_tokens.mean
+        # E[sum over layers of attended pairs of one training sequence]
+        self.train_pairs_per_seq = L.expect(lambda r: self._pairs(prompt + r))
+        self.prefill_pairs_per_seq = float(self._pairs(np.array([prompt]))[0])
+
+    def _window_groups(self) -> list[tuple[tuple[str, int] | None, int]]:
+        """Distinct attention windows and how many layers use each."""
+        groups: dict = {}
+        for w in self.windows:
+            groups[w] = groups.get(w, 0) + 1
+        return list(groups.items())
+
+    def _pairs(self, seq_len: np.ndarray) -> np.ndarray:
+        """Attended (query, key) pairs of causal attention over a sequence, summed over layers."""
+        n = np.asarray(seq_len, dtype=float)
+        total = np.zeros_like(n)
+        for w, layers in self._window_groups():
+            if w is None:
+                part = n * (n + 1) / 2
+            elif w[0] == "sliding":
+                size = w[1]
+                part = np.where(n <= size, n * (n + 1) / 2, size * (size + 1) / 2 + (n - size) * size)
+            else:  # chunked: full causal inside each chunk
+                size = w[1]
+                full = np.floor(n / size)
+                rest = n - full * size
+                part = full * size * (size + 1) / 2 + rest * (rest + 1) / 2
+            total += layers * part
+        return total
+
+    def _span(self, context: np.ndarray) -> np.ndarray:
+        """Keys one decode query attends to at `context`, summed over layers."""
+        c = np.asarray(context, dtype=float)
+        total = np.zeros_like(c)
+        for w, layers in self._window_groups():
+            if w is None:
+                total += layers * c
+            elif w[0] == "sliding":
+                total += layers * np.minimum(c, w[1])
+            else:
+                total += layers * (np.mod(c, w[1]) + 1)
+        return total
+
+    # ---- byte sizes ---------------------------------------------------------------------------
+    @property
+    def _weight_b(self) -> int:
+        return self.job.param_bytes
+
+    def _state_bytes(self) -> tuple[float, float, float]:
+        """(weight, grad, optimizer) bytes per parameter for the backend and precision."""
+        job = self.job
+        w = job.param_bytes
+        if job.trainer_backend == "transformers":
+            # torch AdamW on the model as loaded: grads and both moments in the parameter dtype
+            return w, w, 2 * w
+        grad = 4  # Megatron accumulates main grads in fp32
+        moments = 8 if job.optimizer_moments == "fp32" else 4
+        master = 0 if w == 4 else 4
+        return w, grad, master + moments
+
+    # ---- training side ------------------------------------------------------------------------
+    def _stages(self, cand: TrainCandidates):
+        """Flattened (candidate, stage) arrays: stage index, owner candidate, per-stage sums."""
+        pp = cand.pp
+        owner = np.repeat(np.arange(len(cand)), pp)
+        first = np.concatenate([[0], np.cumsum(pp)[:-1]])
+        stage = np.arange(int(pp.sum())) - np.repeat(first, pp)
+        ppf = pp[owner]
+        L = self.arch.num_layers
+        lo = (stage * L) // ppf
+        hi = ((stage + 1) * L) // ppf
+        sums = {f: self._prefix[f][hi] - self._prefix[f][lo] for f in self._prefix}
+        sums["layers"] = (hi - lo).astype(float)
+        return owner, stage, ppf, sums
+
+    def train(self, cand: TrainCandidates) -> TrainEval:
+        arch, job, accel, kn = self.arch, self.job, self.accel, self.knobs
+        wb, gb, ob = self._state_bytes()
+        devices = cand.devices.astype(float)
+        tp, pp, ep, cp, etp = (x.astype(float) for x in (cand.tp, cand.pp, cand.ep, cand.cp, cand.etp))
+        dp = devices / (tp * pp * cp)
+        edp = devices / (etp * ep * pp)
+        kv_split = np.minimum(tp, arch.attention.num_kv_heads) if arch.attention.kind == "gqa" else tp
+        dp_opt = dp * cp if job.distributed_optimizer else np.ones_like(dp)
+        edp_opt = edp if job.distributed_optimizer else np.ones_like(dp)
+
+        owner, stage, ppf, s = self._stages(cand)
+        o = owner
+        is_first = (stage == 0).astype(float)
+        is_last = (stage == ppf - 1).astype(float)
+        dense_local = (
+            (s["attention_sharded"] + s["shared_experts"] + s["dense_mlp"]) / tp[o]
+            + s["attention_kv"] / kv_split[o]
+            + s["attention_replicated"]
+            + s["norms"]
+            + s["router"]
+            + is_first * self.embedding_params / tp[o]
+            + is_last * (self.head_params / tp[o] + self.final_norm_params)
+        )
+        expert_local = s["routed_experts"] / (ep[o] * etp[o])
+        params_local = dense_local + expert_local
+        router_extra = 0.0
+        if job.trainer_backend == "transformers" and arch.moe.router_fp32:
+            router_extra = s["router"] * (4 - wb)  # fp32 router weights in a bf16 model
+        weights = params_local * wb + router_extra
+        grads = params_local * gb + router_extra
+        opt_all = dense_local * ob / dp_opt[o] + expert_local * ob / edp_opt[o] + 2 * router_extra
+        # swapped optimizer state lives on the host and streams in for the step
+        opt = opt_all * 0.0 if job.optimizer_swap else opt_all
+
+        # micro-batches per DP rank per optimizer step, and tokens per device per micro-batch
+        tokens_opt = job.tokens_per_step / job.mini_batches
+        m = np.maximum(1.0, np.ceil(tokens_opt / (dp * job.micro_tokens)))
+        t_dev = job.micro_tokens / (cp * tp)
+        ep_imb = np.where(ep > 1, self.imbalance, 1.0)
+        routed = self.act_routed * ep_imb
+        n_moe = s["moe"]
+        n_dense = s["layers"] - n_moe
+        per_layer_full = n_moe * (self.act_moe_layer + routed[o]) + n_dense * self.act_dense_layer
+        in_flight = np.minimum(ppf - stage, m[o])
+        if job.recompute == "full":
+            biggest = np.where(n_moe > 0, self.act_moe_layer + routed[o], self.act_dense_layer)
+            act = t_dev[o] * (in_flight * s["layers"] * self.act.layer_input + biggest)
+        else:
+            act = t_dev[o] * in_flight * per_layer_full
+        act = act + is_last * t_dev[o] * self.act_output
+        update_stage = weights + grads + opt + act
+        # forward-only pass: weights and one layer's working set plus the output log-probs
+        fwd_work = t_dev[o] * (np.maximum(self.act_moe_layer + self.act_routed, self.act_dense_layer) + is_last * self.act_output)
+        logprob_stage = weights + fwd_work
+
+        n = len(cand)
+        peak_idx = self._argmax_by_owner(update_stage, owner, n)
+        update_bytes = update_stage[peak_idx]
+        logprob_bytes = np.maximum.reduceat(logprob_stage, np.concatenate([[0], np.cumsum(cand.pp)[:-1]]))
+
+        # colocated offload: what leaves the device during rollout (and comes back for the update)
+        off = job.offload
+        offl = (
+            weights[peak_idx] * off.params + grads[peak_idx] * off.grads + opt[peak_idx] * off.optimizer
+            if job.colocated
+            else np.zeros(n)
+        )
+        ref_weights = params_local * wb
+        ref_peak = np.maximum.reduceat(ref_weights + fwd_work, np.concatenate([[0], np.cumsum(cand.pp)[:-1]]))
+        kept_in_ref = (update_bytes - act[peak_idx]) - offl  # actor states that stay during ref
+        reference_bytes = ref_peak + (kept_in_ref if job.colocated else 0) if job.reference_model else np.zeros(n)
+        ref_host = weights[peak_idx] if (job.reference_model and job.colocated) else 0.0
+        swapped = opt_all[peak_idx] if job.optimizer_swap else 0.0
+        host_per_node = (offl + ref_host + swapped) * np.minimum(devices, accel.devices_per_node)
+        if job.algorithm == "ppo":  # critic of the actor's size, offloaded alike
+            host_per_node = host_per_node * 2
+
+        # ---- time --------------------------------------------------------------------------
+        peak = accel.peak_flops(job.precision)
+        tokens = job.tokens_per_step
+        seqs = job.num_sequences
+        fwd_flops = tokens * self.matmul_flops_per_token + seqs * self.train_pairs_per_seq * self.attn_flops_per_pair
+        expert_share = tokens * self.expert_flops_per_token / fwd_flops
+        slow = 1.0 + expert_share * (ep_imb - 1.0)  # the busiest EP rank sets the pace
+        recompute_fwd = {"none": 0.0, "selective": 0.0, "full": 1.0}[job.recompute]
+        train_flops = job.ppo_epochs * fwd_flops * (3.0 + recompute_fwd)
+        compute = train_flops / (devices * peak * kn.train_mfu) * slow
+        fwd_compute = fwd_flops / (devices * peak * kn.logprob_mfu) * slow
+        bubble = compute * (pp - 1) / m
+        fwd_bubble = fwd_compute * (pp - 1) / m
+
+        # EP all-to-all: per micro-batch and MoE layer of the busiest stage, dispatch + combine in
+        # forward and again in backward (and in the recomputed forward)
+        moe_stage = np.maximum.reduceat(n_moe, np.concatenate([[0], np.cumsum(cand.pp)[:-1]]))
+        layers_stage = np.maximum.reduceat(s["layers"], np.concatenate([[0], np.cumsum(cand.pp)[:-1]]))
+        a2a_bw = 0.5 * (accel.a2a_bytes_per_s(ep, "dispatch") + accel.a2a_bytes_per_s(ep, "combine")) * kn.a2a_efficiency
+        micro_all = m * job.mini_batches  # micro-batches per DP rank per epoch
+        a2a_bytes = t_dev * arch.moe.top_k * arch.hidden_size * job.activation_bytes * (ep - 1) / ep * ep_imb
+        per_pass = np.where(ep > 1, micro_all * moe_stage * 2 * a2a_bytes / a2a_bw, 0.0)
+        a2a_update = job.ppo_epochs * per_pass * (2.0 + recompute_fwd)
+        a2a_fwd = per_pass
+        # TP (sequence-parallel) all-gather / reduce-scatter: 4 per layer per forward pass
+        tp_bw = np.where(tp <= accel.devices_per_node, accel.intra_node_bytes_per_s, accel.inter_node_bytes_per_s)
+        tp_bytes = job.micro_tokens / cp * arch.hidden_size * job.activation_bytes * (tp - 1) / tp
+        tp_pass = micro_all * layers_stage * 4 * tp_bytes / tp_bw
+        tp_update = job.ppo_epochs * tp_pass * (2.0 + recompute_fwd)
+        # DP: reduce-scatter grads and all-gather params once per optimizer step
+        dp_group = tp * cp * dp  # devices spanned by one DP group (TP innermost)
+        dp_bw = np.where(dp_group <= accel.devices_per_node, accel.intra_node_bytes_per_s, accel.inter_node_bytes_per_s)
+        edp_group = devices / pp
+        edp_bw = np.where(edp_group <= accel.devices_per_node, accel.intra_node_bytes_per_s, accel.inter_node_bytes_per_s)
+        dense_peak = dense_local[peak_idx]
+        expert_peak = expert_local[peak_idx]
+        sync = (dense_peak * (gb + wb) * (dp * cp - 1) / (dp * cp) / dp_bw + expert_peak * (gb + wb) * (edp - 1) / edp / edp_bw)
+        dp_sync = sync * job.ppo_epochs * job.mini_batches
+        swap = 2.0 * swapped / accel.host_link_bytes_per_s * job.ppo_epochs * job.mini_batches
+        update = compute + bubble + a2a_update + tp_update + dp_sync + swap
+        logprob = fwd_compute + fwd_bubble + a2a_fwd + tp_pass
+        zeros = np.zeros(n)
+        ref_s = logprob if job.reference_model else zeros
+        old_s = zeros if job.skip_old_logprob else logprob
+        values_s = logprob if job.algorithm == "ppo" else zeros
+        if job.algorithm == "ppo":
+            update = update * 2  # critic update of the same size
+        uneven = (self.arch.num_layers % cand.pp) != 0
+        return TrainEval(
+            weights_bytes=weights[peak_idx],
+            grads_bytes=grads[peak_idx],
+            optimizer_bytes=opt[peak_idx],
+            activations_bytes=act[peak_idx],
+            update_bytes=update_bytes,
+            logprob_bytes=logprob_bytes,
+            reference_bytes=reference_bytes,
+            host_bytes_per_node=host_per_node,
+            offloaded_bytes=offl,
+            update_s=update,
+            reference_s=ref_s,
+            old_logprob_s=old_s,
+            values_s=values_s,
+            update_compute_s=compute,
+            update_a2a_s=a2a_update,
+            update_comm_s=tp_update + dp_sync,
+            update_bubble_s=bubble,
+            micro_batches=m,
+            uneven_pp=uneven,
+        )
+
+    @staticmethod
+    def _argmax_by_owner(values: np.ndarray, owner: np.ndarray, n: int) -> np.ndarray:
+        """Index into `values` of each owner's maximum (owners are contiguous, in order)."""
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(owner)) + 1])
+        best = np.maximum.reduceat(values, starts)
+        hits = np.flatnonzero(values == best[owner])
+        _, first = np.unique(owner[hits], return_index=True)
+        return hits[first]
+
+    # ---- rollout side -------------------------------------------------------------------------
+    def rollout_weight_bytes(self, cand: RolloutCandidates) -> np.ndarray:
+        arch, c = self.arch, self.counts
+        tp = cand.tp.astype(float)
+        inst = cand.instance.astype(float)
+        a = arch.attention
+        kv_split = np.minimum(tp, a.num_kv_heads) if a.kind == "gqa" else tp
+        sharded, kvp = self.attn_sharded_total, self.attn_kv_total
+        replicated_attn = c.attention - sharded - kvp
+        dense_parts = c.shared_experts + c.dense_mlp + c.embeddings + c.lm_head
+        params = (sharded + dense_parts) / tp + kvp / kv_split + replicated_attn + c.norms + c.router
+        params = params + c.routed_experts / inst  # MoE spans the instance (EP or TP)
+        return params * 2.0  # rollout engines serve bf16 weights
+
+    def kv_bytes_per_token(self, cand: RolloutCandidates) -> np.ndarray:
+        """KV-cache bytes one token of context costs on one device (bf16 cache)."""
+        a = self.arch.attention
+        tp = cand.tp.astype(float)
+        if a.kind == "mla":  # latent + rope key per layer, replicated on every TP rank (vLLM MLA)
+            per_layer = np.full_like(tp, (a.kv_lora_rank + a.qk_rope_head_dim) * 2.0)
+        else:
+            local_heads = np.maximum(1.0, np.ceil(a.num_kv_heads / tp))
+            per_layer = 2.0 * local_heads * a.head_dim * 2.0
+        return per_layer * self.arch.num_layers
+
+    def _kv_sequence_bytes(self, cand: RolloutCandidates, context: float) -> np.ndarray:
+        """KV bytes of one sequence of `context` tokens on one device (windowed layers capped)."""
+        kept = 0.0
+        for w, layers in self._window_groups():
+            kept += layers * (context if w is None else min(context, w[1]))
+        return self.kv_bytes_per_token(cand) * kept / self.arch.num_layers
+
+    def rollout(self, cand: RolloutCandidates, kept_train_bytes: np.ndarray | float = 0.0) -> RolloutEval:
+        arch, job, accel, kn, L = self.arch, self.job, self.accel, self.knobs, self.lengths
+        tp = cand.tp.astype(float)
+        inst = cand.instance.astype(float)
+        dp = cand.dp.astype(float)
+        weights = self.rollout_weight_bytes(cand)
+        h = arch.hidden_size
+        widest = max(arch.dense_intermediate, arch.moe.shared_intermediate, arch.moe.expert_intermediate * arch.moe.top_k)
+        workspace = ROLLOUT_BATCHED_TOKENS * (2.0 * (4 * h + 2 * widest / tp) + 4.0 * arch.vocab_size / tp)
+        kept = np.broadcast_to(np.asarray(kept_train_bytes, dtype=float), tp.shape)
+        budget = job.rollout_memory_utilization * accel.usable_bytes - weights - workspace - kept
+        seq_max = self._kv_sequence_bytes(cand, job.max_sequence_tokens)
+        live_ctx = job.prompt_tokens.mean + L.live_context_extra
+        seq_live = self._kv_sequence_bytes(cand, live_ctx)
+        capacity = np.maximum(budget, 0.0) / seq_live
+        instances = cand.instances.astype(float)
+        n_rank = job.num_sequences * job.rollout_oversampling / (instances * dp)
+        conc = np.minimum(n_rank, np.floor(capacity))
+        conc_safe = np.maximum(conc, 1.0)
+
+        peak = accel.peak_flops(job.precision)
+        prompt = job.prompt_tokens.mean
+        # prefill: compute-bound over the instance
+        prefill_flops = n_rank * dp * (prompt * self.matmul_flops_per_token + self.prefill_pairs_per_seq * self.attn_flops_per_pair)
+        prefill = prefill_flops / (inst * peak * kn.logprob_mfu)
+
+        # decode: sum over step bins of the step time at the live batch
+        nonexpert_bytes = weights - self.routed_total / inst * 2.0
+        expert_bytes_dev = self.routed_total / inst * 2.0
+        k_over_e = arch.moe.top_k / arch.moe.num_experts
+        kv_tok = self.kv_bytes_per_token(cand)
+
+        def step_time(batch: np.ndarray, context: np.ndarray) -> np.ndarray:
+            touched = 1.0 - (1.0 - k_over_e) ** (batch * dp)
+            kv_read = batch * kv_tok * self._span(context) / arch.num_layers
+            nbytes = nonexpert_bytes + expert_bytes_dev * touched + kv_read
+            flops = batch * (self.matmul_flops_per_token + self.attn_flops_per_pair * self._span(context)) / tp
+            t = np.maximum(nbytes / (accel.hbm_bytes_per_s * kn.decode_mbu), flops / (peak * kn.logprob_mfu))
+            return t + kn.decode_step_overhead_s + arch.num_layers * kn.decode_layer_overhead_s
+
+        steps = L.bin_steps
+        decode = np.zeros_like(tp)
+        for b in range(len(steps)):
+            batch = conc_safe * L.survival[b]
+            decode = decode + steps[b] * step_time(batch, np.full_like(tp, prompt + L.bin_mid[b]))
+        # more sequences than the KV pool holds: full-batch steps until the queue drains
+        extra_steps = np.maximum(n_rank - conc_safe, 0.0) * L.mean / conc_safe
+        decode = decode + extra_steps * step_time(conc_safe, np.full_like(tp, live_ctx))
+        total = prefill + decode
+        rollout_bytes = kept + weights + workspace + np.maximum(budget, 0.0)
+        return RolloutEval(
+            weights_bytes=weights,
+            workspace_bytes=workspace,
+            kv_budget_bytes=budget,
+            kv_per_sequence_bytes=seq_max,
+            kept_train_bytes=kept,
+            rollout_bytes=rollout_bytes,
+            concurrency=conc,
+            prefill_s=prefill,
+            decode_s=decode,
+            rollout_s=total,
+        )
+
+    # ---- switching between phases -----------------------------------------------------------
+    def switch_seconds(self, offloaded_bytes, rollout_weight_bytes, ref_weight_bytes=0.0) -> np.ndarray:
+        """Offload before rollout and onload before the update (host link, both ways), reference
+        onload/offload, resharding train -> rollout weights over the scale-up links, fixed costs."""
+        accel = self.accel
+        host = accel.host_link_bytes_per_s
+        moved = 2.0 * np.asarray(offloaded_bytes, dtype=float)
+        if self.job.reference_model and self.job.colocated:
+            moved = moved + 2.0 * np.asarray(ref_weight_bytes, dtype=float)
+        reshard = np.asarray(rollout_weight_bytes, dtype=float) / accel.intra_node_bytes_per_s
+        return moved / host + reshard + self.knobs.switch_fixed_s

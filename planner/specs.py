@@ -1,0 +1,323 @@
+"""Frozen, validated specs that users write: the RL job and its parallel layouts (YAML in/out).
+
+Unknown keys are errors that name the key and the allowed ones; values are checked with the
+numbers in the message. Construction validates; a spec that exists is a valid one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from planner.errors import SpecError
+
+__all__ = ["Job", "TrainLayout", "RolloutLayout", "Offload", "Lengths", "load_job", "check_keys"]
+
+
+def check_keys(data: Mapping[str, Any], allowed: list[str], where: str, required: tuple[str, ...] = ()) -> None:
+    if not isinstance(data, Mapping):
+        raise SpecError(f"{where}: expected a mapping, got {type(data).__name__} ({data!r})")
+    unknown = [k for k in data if k not in allowed]
+    if unknown:
+        raise SpecError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise SpecError(f"{where}: missing required key(s) {', '.join(map(repr, missing))}")
+
+
+def _int(value: Any, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise SpecError(f"{where}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise SpecError(f"{where}: must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _num(value: Any, where: str, minimum: float = 0.0, maximum: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{where}: expected a number, got {value!r}")
+    if not minimum <= value <= maximum:
+        raise SpecError(f"{where}: must lie in [{minimum}, {maximum}], got {value}")
+    return float(value)
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+def _choice(value: Any, choices: tuple[str, ...], where: str) -> str:
+    if value not in choices:
+        raise SpecError(f"{where}: {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainLayout:
+    """Megatron-style training layout. world = tp*cp*dp*pp; expert parallelism borrows ranks from
+    dp*cp*tp (it does not multiply the world): ep*etp must divide tp*cp*dp, and the expert-data-
+    parallel size is edp = world / (etp*ep*pp)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    etp: int | None = None  # expert tensor parallelism; Megatron-Core's default is etp = tp
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) is not None:
+                _int(getattr(self, f.name), f"train_layout.{f.name}")
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "train_layout") -> "TrainLayout":
+        check_keys(data, [f.name for f in fields(cls)], where)
+        return cls(**{k: _int(v, f"{where}.{k}") for k, v in data.items()})
+
+    def describe(self) -> str:
+        etp = f" ETP{self.etp}" if self.etp != self.tp else ""
+        return f"TP{self.tp} PP{self.pp} EP{self.ep} CP{self.cp}{etp}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutLayout:
+    """vLLM-style rollout layout. One engine instance spans tp*dp devices: attention is tensor-
+    parallel over tp and data-parallel over dp; the MoE layers span the whole instance, either as
+    expert parallelism (ep = tp*dp) or tensor-parallel (ep = 1). Instances = devices / (tp*dp)."""
+
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _int(getattr(self, f.name), f"rollout_layout.{f.name}")
+
+    @property
+    def instance_devices(self) -> int:
+        return self.tp * self.dp
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "rollout_layout") -> "RolloutLayout":
+        check_keys(data, [f.name for f in fields(cls)], where)
+        return cls(**{k: _int(v, f"{where}.{k}") for k, v in data.items()})
+
+    def describe(self) -> str:
+        return f"TP{self.tp} DP{self.dp} EP{self.ep}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Offload:
+    """What colocated mode moves to host memory while another phase holds the devices."""
+
+    params: bool = True
+    grads: bool = True
+    optimizer: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lengths:
+    """A token-length distribution: its mean and maximum (and, for responses, a gamma shape)."""
+
+    mean: float
+    max: int
+    shape: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mean <= self.max:
+            raise SpecError(f"lengths: need 0 < mean <= max, got mean {self.mean}, max {self.max}")
+        if self.shape <= 0:
+            raise SpecError(f"lengths: shape must be > 0, got {self.shape}")
+
+    @classmethod
+    def parse(cls, value: Any, where: str) -> "Lengths":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            mean = _num(value, where, minimum=1)
+            return cls(mean=mean, max=int(math.ceil(mean)))
+        check_keys(value, ["mean", "max", "shape"], where, required=("mean", "max"))
+        return cls(
+            mean=_num(value["mean"], f"{where}.mean", minimum=1),
+            max=_int(value["max"], f"{where}.max"),
+            shape=_num(value.get("shape", 2.0), f"{where}.shape", minimum=1e-3),
+        )
+
+
+_JOB_DOC = {
+    "algorithm": "grpo | ppo | dapo (ppo adds a critic of the actor's size: values pass and critic update)",
+    "prompts_per_step": "prompts in one RL step (global batch of prompts)",
+    "samples_per_prompt": "responses sampled per prompt (group size)",
+    "prompt_tokens": "mean prompt length, or {mean, max}",
+    "response_tokens": "{mean, max[, shape]}: response lengths; gamma-shaped, truncated at max",
+    "precision": "bf16 | fp16 | fp32 (training compute and weights)",
+    "recompute": "none | selective | full (activation recomputation in the update)",
+    "colocated": "actor, reference and rollout share the devices (time-shared)",
+    "offload": "{params, grads, optimizer}: moved to host while another phase runs",
+    "reference_model": "a frozen reference model for the KL term (one forward pass per step)",
+    "skip_old_logprob": "on-policy: the old log-prob pass is skipped (equals the detached current)",
+    "train_layout": "{tp, pp, ep, cp[, etp]}; searched when absent",
+    "rollout_layout": "{tp, dp, ep}; searched when absent",
+    "ppo_epochs": "passes over the batch in the update (default 1)",
+    "mini_batches": "optimizer steps per epoch (default 1)",
+    "micro_batch_tokens": "tokens per micro-batch in the update and log-prob passes (default: one longest sequence)",
+    "distributed_optimizer": "optimizer state sharded over data-parallel ranks (default true)",
+    "optimizer_swap": "optimizer state lives in host memory and is swapped in for the step (MindSpeed swap_optimizer, verl optimizer_cpu_offload; default false)",
+    "optimizer_moments": "fp32 | bf16 Adam moments (default fp32)",
+    "trainer_backend": "megatron | transformers: whose kernels set the activation memory (default megatron)",
+    "rollout_memory_utilization": "fraction of usable device memory the rollout engine may take (default 0.85)",
+    "expert_imbalance": "tokens on the busiest expert-parallel rank over the mean (default: the accelerator family's fitted value for real routers; 1.0 = forced balance)",
+    "reward_s": "fixed time of the reward phase per step in seconds (default 0: rule-based, overlapped)",
+    "rollout_oversampling": "responses generated per kept response (DAPO dynamic sampling; default 1.0)",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    algorithm: str = "grpo"
+    prompts_per_step: int = 512
+    samples_per_prompt: int = 16
+    prompt_tokens: Lengths = field(default_factory=lambda: Lengths(mean=78, max=256))
+    response_tokens: Lengths = field(default_factory=lambda: Lengths(mean=1577, max=3072))
+    precision: str = "bf16"
+    recompute: str = "full"
+    colocated: bool = True
+    offload: Offload = field(default_factory=Offload)
+    reference_model: bool = True
+    skip_old_logprob: bool = True
+    train_layout: TrainLayout | None = None
+    rollout_layout: RolloutLayout | None = None
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    micro_batch_tokens: int | None = None
+    distributed_optimizer: bool = True
+    optimizer_swap: bool = False
+    optimizer_moments: str = "fp32"
+    trainer_backend: str = "megatron"
+    rollout_memory_utilization: float = 0.85
+    expert_imbalance: float | None = None
+    reward_s: float = 0.0
+    rollout_oversampling: float = 1.0
+
+    def __post_init__(self) -> None:
+        _choice(self.algorithm, ("grpo", "ppo", "dapo"), "algorithm")
+        _choice(self.precision, ("bf16", "fp16", "fp32"), "precision")
+        _choice(self.recompute, ("none", "selective", "full"), "recompute")
+        _choice(self.optimizer_moments, ("fp32", "bf16"), "optimizer_moments")
+        _choice(self.trainer_backend, ("megatron", "transformers"), "trainer_backend")
+        _int(self.prompts_per_step, "prompts_per_step")
+        _int(self.samples_per_prompt, "samples_per_prompt")
+        _int(self.ppo_epochs, "ppo_epochs")
+        _int(self.mini_batches, "mini_batches")
+        _num(self.rollout_memory_utilization, "rollout_memory_utilization", 0.05, 1.0)
+        if self.expert_imbalance is not None:
+            _num(self.expert_imbalance, "expert_imbalance", 1.0, 64.0)
+        _num(self.reward_s, "reward_s")
+        _num(self.rollout_oversampling, "rollout_oversampling", 1.0, 64.0)
+        if self.micro_batch_tokens is not None:
+            _int(self.micro_batch_tokens, "micro_batch_tokens")
+        if self.mini_batches > self.num_sequences:
+            raise SpecError(f"mini_batches={self.mini_batches} exceeds the {self.num_sequences} sequences per step")
+
+    # ---- derived -----------------------------------------------------------------------------
+    @property
+    def num_sequences(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        return self.prompt_tokens.max + self.response_tokens.max
+
+    @property
+    def mean_sequence_tokens(self) -> float:
+        return self.prompt_tokens.mean + self.response_tokens.mean
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Prompt + response tokens the step trains on."""
+        return self.num_sequences * self.mean_sequence_tokens
+
+    @property
+    def micro_tokens(self) -> int:
+        return self.micro_batch_tokens or self.max_sequence_tokens
+
+    @property
+    def activation_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    def with_layouts(self, train: TrainLayout | None, rollout: RolloutLayout | None) -> "Job":
+        from dataclasses import replace
+
+        return replace(self, train_layout=train, rollout_layout=rollout)
+
+    # ---- YAML --------------------------------------------------------------------------------
+    @classmethod
+    def allowed_keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, where: str = "job") -> "Job":
+        data = {} if data is None else data
+        check_keys(data, cls.allowed_keys(), where)
+        kw: dict[str, Any] = {}
+        for key, value in data.items():
+            at = f"{where}.{key}"
+            if key in ("prompt_tokens", "response_tokens"):
+                kw[key] = Lengths.parse(value, at)
+            elif key == "offload":
+                if isinstance(value, bool):
+                    kw[key] = Offload(params=value, grads=value, optimizer=value)
+                else:
+                    check_keys(value, ["params", "grads", "optimizer"], at)
+                    kw[key] = Offload(**{k: _bool(v, f"{at}.{k}") for k, v in value.items()})
+            elif key == "train_layout":
+                kw[key] = None if value is None else TrainLayout.from_dict(value, at)
+            elif key == "rollout_layout":
+                kw[key] = None if value is None else RolloutLayout.from_dict(value, at)
+            elif key in ("colocated", "reference_model", "skip_old_logprob", "distributed_optimizer", "optimizer_swap"):
+                kw[key] = _bool(value, at)
+            elif key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "mini_batches"):
+                kw[key] = _int(value, at)
+            elif key == "micro_batch_tokens":
+                kw[key] = None if value is None else _int(value, at)
+            elif key in ("rollout_memory_utilization", "expert_imbalance", "reward_s", "rollout_oversampling"):
+                kw[key] = _num(value, at)
+            else:
+                kw[key] = value
+        return cls(**kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for key in ("prompt_tokens", "response_tokens"):
+            if out[key]["shape"] == 2.0:
+                del out[key]["shape"]
+        return {k: v for k, v in out.items() if v is not None}
+
+    @staticmethod
+    def documentation() -> dict[str, str]:
+        return dict(_JOB_DOC)
+
+
+def load_job(path: str | Path | None) -> Job:
+    """A job from a YAML file; the default job (DESIGN.md's GRPO reference run) when None."""
+    if path is None:
+        return Job()
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise SpecError(f"cannot read job file {p}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{p}: not valid YAML: {exc}") from None
+    return Job.from_dict(data, where=str(p))

@@ -1,0 +1,211 @@
+"""Readable text for cost results, the proxy comparison of `planner demo`, and the catalog."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from planner.arch import count_parameters
+from planner.catalog import catalog_accelerators, catalog_models, load_model, parse_count
+from planner.cost.evaluate import CostResult, min_devices
+from planner.cost.hardware import GIB, Accelerator
+from planner.render import count, table
+from planner.specs import Job
+
+__all__ = ["render_cost", "ProxyComparison", "compare_proxies", "render_comparison", "catalog_listing", "render_catalog"]
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:,.2f}"
+
+
+def render_cost(r: CostResult) -> str:
+    unit = r.device_unit
+    cards = f"{r.num_devices} {unit}s" + (f" ({r.num_cards:g} physical cards)" if r.devices_per_card > 1 else "")
+    head = f"{r.model}  K={r.experts}/{r.original_experts} experts  on {cards} of {r.accelerator}"
+    lines = [head]
+    if not r.feasible:
+        lines.append("INFEASIBLE")
+        lines.extend(f"  - {reason}" for reason in r.reasons)
+        return "\n".join(lines)
+    lines.append(f"  train layout    {r.train_layout.describe()}")
+    lines.append(f"  rollout layout  {r.rollout_layout.describe()} ({r.num_devices // (r.rollout_layout.tp * r.rollout_layout.dp)} instances)")
+    lines.append("")
+    phase_rows = [[p, f"{t:,.1f}", f"{100 * t / r.step_time_s:.0f}%"] for p, t in r.phase_times_s.items()]
+    phase_rows.append(["step", f"{r.step_time_s:,.1f}", "100%"])
+    lines.append(table(["phase", "seconds", "share"], phase_rows))
+    lines.append("")
+    mem_rows = []
+    for phase, parts in r.memory_per_device_bytes.items():
+        detail = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items() if k != "total")
+        mark = " <- peak" if phase == r.peak_phase else ""
+        mem_rows.append([phase, _gib(parts["total"]), (detail or "-") + mark])
+    lines.append(table([f"memory per {unit}", "GiB", "breakdown (GiB)"], mem_rows))
+    lines.append(
+        f"  usable {_gib(r.usable_bytes_per_device)} GiB per {unit}; host memory for offload "
+        f"{_gib(r.host_memory_bytes_per_node)} of {_gib(r.host_memory_limit_bytes_per_node)} GiB per node"
+    )
+    lines.append("")
+    hours = f"{r.device_hours_per_step:,.2f} {unit}-hours per step"
+    if r.devices_per_card > 1:
+        hours += f" ({r.card_hours_per_step:,.2f} card-hours)"
+    lines.append(f"  {hours}; {r.tokens_per_s_per_device:,.1f} tokens/s per {unit}")
+    lines.append(f"  {r.layouts_evaluated} layouts evaluated")
+    lines.extend(f"  note: {n}" for n in r.notes)
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ProxyComparison:
+    original: CostResult
+    proxies: list[CostResult]
+
+    def to_json(self) -> dict[str, Any]:
+        o = self.original
+        return {
+            "original": o.to_json(),
+            "proxies": [
+                {
+                    **p.to_json(),
+                    "card_reduction": o.num_devices / p.num_devices,
+                    "card_saving_fraction": 1 - p.num_devices / o.num_devices,
+                    "hours_reduction": o.device_hours_per_step / p.device_hours_per_step,
+                }
+                for p in self.proxies
+            ],
+        }
+
+
+def compare_proxies(model: str, accel: Accelerator, job: Job, experts: list[int], *, max_devices: int = 4096) -> ProxyComparison:
+    """Minimum devices and best layouts for the original and for proxies keeping each K."""
+    original = min_devices(load_model(model), accel, job, max_devices=max_devices)
+    proxies = [min_devices(load_model(model, experts=k), accel, job, max_devices=max_devices) for k in experts]
+    return ProxyComparison(original, proxies)
+
+
+def render_comparison(c: ProxyComparison) -> str:
+    o = c.original
+    unit = o.device_unit
+    rows = []
+    for r in [o, *c.proxies]:
+        peak = r.memory_per_device_bytes[r.peak_phase]["total"]
+        rows.append(
+            [
+                "original" if r is o else f"K={r.experts}",
+                r.num_devices,
+                r.train_layout.describe(),
+                r.rollout_layout.describe(),
+                f"{_gib(peak)} ({r.peak_phase})",
+                f"{r.step_time_s:,.0f}",
+                f"{r.device_hours_per_step:,.2f}",
+                "-" if r is o else f"{o.num_devices / r.num_devices:.1f}x ({1 - r.num_devices / o.num_devices:.1%})",
+                "-" if r is o else f"{o.device_hours_per_step / r.device_hours_per_step:.2f}x",
+            ]
+        )
+    job = o.job
+    title = (
+        f"{o.model} {job.algorithm.upper()} on {o.accelerator}: {job.prompts_per_step} prompts x {job.samples_per_prompt}, "
+        f"response mean {job.response_tokens.mean:g} (max {job.response_tokens.max}), {job.precision}, recompute {job.recompute}"
+    )
+    out = [
+        table(
+            ["model", f"min {unit}s", "train layout", "rollout layout", "peak GiB/" + unit, "step s", f"{unit}-h/step", f"fewer {unit}s", "fewer hours"],
+            rows,
+            title=title,
+        )
+    ]
+    out.append("")
+    out.append("Phase times (s) at the minimum device count:")
+    phases = list(o.phase_times_s)
+    out.append(
+        table(
+            ["model", *phases],
+            [["original" if r is o else f"K={r.experts}", *(f"{r.phase_times_s[p]:,.1f}" for p in phases)] for r in [o, *c.proxies]],
+        )
+    )
+    notes = c.proxies[0].notes if c.proxies else []
+    out.extend(f"note: {n}" for n in notes)
+    return "\n".join(out)
+
+
+def catalog_listing() -> dict[str, Any]:
+    models = []
+    for mid, m in catalog_models().items():
+        arch = load_model(mid)
+        counts = count_parameters(arch)
+        models.append(
+            {
+                "id": mid,
+                "name": m.name,
+                "hf_repo": m.hf_repo,
+                "model_type": arch.model_type,
+                "experts": arch.moe.num_experts,
+                "top_k": arch.moe.top_k,
+                "moe_layers": arch.num_moe_layers,
+                "total_params": counts.total,
+                "active_params": counts.active,
+                "published_total": parse_count(m.published["total_params"]),
+                "published_active": parse_count(m.published["active_params"]),
+                "source": m.published["source"],
+                "config_source": m.config_source,
+            }
+        )
+    accels = []
+    for aid, a in catalog_accelerators().items():
+        accels.append(
+            {
+                "id": aid,
+                "name": a.name,
+                "family": a.family,
+                "device_unit": a.device_unit,
+                "devices_per_card": a.devices_per_card,
+                "devices_per_node": a.devices_per_node,
+                "hbm_bytes": a.hbm_bytes,
+                "usable_bytes": a.usable_bytes,
+                "hbm_bytes_per_s": a.hbm_bytes_per_s,
+                "peak_bf16_flops": a.peak_bf16_flops,
+                "intra_node_bytes_per_s": a.intra_node_bytes_per_s,
+                "inter_node_bytes_per_s": a.inter_node_bytes_per_s,
+                "sources": dict(a.sources),
+            }
+        )
+    return {"models": models, "accelerators": accels}
+
+
+def render_catalog(listing: dict[str, Any]) -> str:
+    rows = [
+        [
+            m["id"],
+            m["model_type"],
+            m["experts"],
+            m["top_k"],
+            count(m["total_params"]),
+            count(m["active_params"]),
+            f"{count(m['published_total'])} / {count(m['published_active'])}",
+        ]
+        for m in listing["models"]
+    ]
+    out = [table(["model", "family", "experts", "top-k", "total", "active", "published total / active"], rows, title="Models (planner inspect MODEL for the breakdown; sources in models/catalog.yaml)")]
+    out.append("")
+    rows = [
+        [
+            a["id"],
+            a["family"],
+            f"{a['device_unit']}" + (f" ({a['devices_per_card']}/card)" if a["devices_per_card"] > 1 else ""),
+            f"{a['hbm_bytes'] / GIB:.1f}",
+            f"{a['usable_bytes'] / GIB:.2f}",
+            f"{a['hbm_bytes_per_s'] / 1e12:.2f}",
+            f"{a['peak_bf16_flops'] / 1e12:.1f}",
+            f"{a['intra_node_bytes_per_s'] / 1e9:.0f} / {a['inter_node_bytes_per_s'] / 1e9:.0f}",
+            a["devices_per_node"],
+        ]
+        for a in listing["accelerators"]
+    ]
+    out.append(
+        table(
+            ["accelerator", "family", "device", "HBM GiB", "usable GiB", "TB/s", "bf16 TFLOPS", "intra/inter GB/s", "per node"],
+            rows,
+            title="Accelerators (per device as the framework counts it; sources in models/accelerators.yaml)",
+        )
+    )
+    return "\n".join(out)

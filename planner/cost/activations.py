@@ -62,13 +62,17 @@ def _attention(arch: Architecture, act: int, backend: str) -> float:
     total = _rmsnorm(h, act, backend) + act * h  # input norm; normalised output feeds q/k/v (or q_a/kv_a)
     if a.kind == "mla":
         nope_rope = a.qk_nope_head_dim + a.qk_rope_head_dim
-        if a.q_lora_rank:
-            total += act * a.q_lora_rank + _rmsnorm(a.q_lora_rank, act, backend) + act * a.q_lora_rank
-        total += act * (a.kv_lora_rank + a.qk_rope_head_dim)  # kv_a output (latent + rope key)
-        total += _rmsnorm(a.kv_lora_rank, act, backend) + act * a.kv_lora_rank  # kv_a norm, kv_b input
+        if a.q_lora_rank:  # q_a output through its norm; the normalised latent feeds q_b
+            total += _rmsnorm(a.q_lora_rank, act, backend) + act * a.q_lora_rank
+        total += _rmsnorm(a.kv_lora_rank, act, backend) + act * a.kv_lora_rank  # kv latent norm, kv_b input
         q = k = a.num_heads * nope_rope
         v = o = a.num_heads * a.v_head_dim
         heads = a.num_heads
+        if backend == "transformers":
+            # v is a view of the kv_b output (k_nope | v), which stays alive whole; the attention
+            # output and its reshaped copy (o_proj input) are separate tensors
+            v = a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
+            o = 2 * a.num_heads * a.v_head_dim
     else:
         q = o = a.num_heads * a.head_dim
         k = v = a.num_kv_heads * a.head_dim
@@ -105,10 +109,14 @@ def layer_activation_bytes(arch: Architecture, *, act_bytes: int, backend: str, 
 
     router = FP32 * num_experts + INDEX * k  # fp32 probabilities, top-k indices
     if backend == "transformers":
-        if moe.scoring in ("softmax", "softmax_renorm") and moe.norm_topk_prob:
+        if moe.scoring in ("softmax", "softmax_renorm", "sigmoid") and moe.norm_topk_prob:
             router += FP32 * k + FP32  # renormalisation keeps the k weights and their sum
+        weight_bytes = act_bytes
+        if moe.router_fp32 and act_bytes != FP32:
+            router += FP32 * h  # fp32 copy of the router input
+            weight_bytes = FP32  # gate values stay fp32 into the expert combine
         per_copy = act_bytes * (h + 2 * moe.expert_intermediate + moe.expert_intermediate + moe.expert_intermediate + h)
-        per_copy += act_bytes + 3 * INDEX  # routing weight, three index tensors per copy
+        per_copy += weight_bytes + 3 * INDEX  # routing weight, three index tensors per copy
     else:
         router += FP32 * num_experts  # logits kept fp32 as well
         per_copy = act_bytes * (h + 3 * moe.expert_intermediate + h)

@@ -112,7 +112,7 @@ class CostModel:
         k = arch.moe.top_k
         # per token, per layer kind, at imbalance 1 (the routed part scales separately)
         self.act_moe_layer = act.attention + act.moe_fixed
-        self.act_routed = act.routed_per_copy * k
+        self.act_routed = act.routed_per_copy * k  # per token at imbalance 1
         self.act_dense_layer = act.attention + act.dense
         self.act_output = output_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend)
         c = self.counts
@@ -250,17 +250,9 @@ class CostModel:
         m = np.maximum(1.0, np.ceil(tokens_opt / (dp * job.micro_tokens)))
         t_dev = job.micro_tokens / (cp * tp)
         ep_imb = np.where(ep > 1, self.imbalance, 1.0)
-        routed = self.act_routed * ep_imb
         n_moe = s["moe"]
-        n_dense = s["layers"] - n_moe
-        per_layer_full = n_moe * (self.act_moe_layer + routed[o]) + n_dense * self.act_dense_layer
         in_flight = np.minimum(ppf - stage, m[o])
-        if job.recompute == "full":
-            biggest = np.where(n_moe > 0, self.act_moe_layer + routed[o], self.act_dense_layer)
-            act = t_dev[o] * (in_flight * s["layers"] * self.act.layer_input + biggest)
-        else:
-            act = t_dev[o] * in_flight * per_layer_full
-        act = act + is_last * t_dev[o] * self.act_output
+        act = self._stage_activation(t_dev[o], n_moe, s["layers"], ep_imb[o], in_flight, is_last)
         update_stage = weights + grads + opt + act
         # forward-only pass: weights and one layer's working set plus the output log-probs
         fwd_work = t_dev[o] * (np.maximum(self.act_moe_layer + self.act_routed, self.act_dense_layer) + is_last * self.act_output)
@@ -358,6 +350,33 @@ class CostModel:
             uneven_pp=uneven,
         )
 
+    def _stage_activation(self, tokens, n_moe, n_layers, imbalance, in_flight, is_last, transient=True):
+        """Activation bytes a pipeline stage holds at its peak: `in_flight` micro-batches of
+        `tokens` tokens per device saved for backward (layer inputs only under full recompute),
+        plus one layer rebuilt in backward under full recompute (`transient`), plus the output
+        head's saved tensors on the last stage."""
+        routed = self.act_routed * imbalance
+        if self.job.recompute == "full":
+            saved = n_layers * self.act.layer_input
+            biggest = np.where(n_moe > 0, self.act_moe_layer + routed, self.act_dense_layer)
+            held = tokens * (in_flight * saved + (biggest if transient else 0.0))
+        else:
+            per_mb = n_moe * (self.act_moe_layer + routed) + (n_layers - n_moe) * self.act_dense_layer
+            held = tokens * in_flight * per_mb
+        return held + is_last * tokens * self.act_output
+
+    def saved_activation_bytes(self, tokens: float) -> float:
+        """Bytes one forward pass over `tokens` tokens saves for backward on a single device (no
+        parallelism, one micro-batch, balanced routing): what saved_tensors_hooks measure."""
+        arch = self.arch
+        return float(self._stage_activation(tokens, arch.num_moe_layers, arch.num_layers, 1.0, 1.0, 1.0, transient=False))
+
+    def model_state_bytes(self) -> dict[str, float]:
+        """Weights, gradients and optimizer state of the whole model on one device (no sharding)."""
+        cand = TrainCandidates.of([(1, 1, 1, 1, 1, 1)])
+        te = self.train(cand)
+        return {"weights": float(te.weights_bytes[0]), "grads": float(te.grads_bytes[0]), "optimizer": float(te.optimizer_bytes[0])}
+
     @staticmethod
     def _argmax_by_owner(values: np.ndarray, owner: np.ndarray, n: int) -> np.ndarray:
         """Index into `values` of each owner's maximum (owners are contiguous, in order)."""
@@ -392,7 +411,7 @@ class CostModel:
             per_layer = 2.0 * local_heads * a.head_dim * 2.0
         return per_layer * self.arch.num_layers
 
-    def _kv_sequence_bytes(self, cand: RolloutCandidates, context: float) -> np.ndarray:
+    def kv_sequence_bytes(self, cand: RolloutCandidates, context: float) -> np.ndarray:
         """KV bytes of one sequence of `context` tokens on one device (windowed layers capped)."""
         kept = 0.0
         for w, layers in self._window_groups():
@@ -410,9 +429,9 @@ class CostModel:
         workspace = ROLLOUT_BATCHED_TOKENS * (2.0 * (4 * h + 2 * widest / tp) + 4.0 * arch.vocab_size / tp)
         kept = np.broadcast_to(np.asarray(kept_train_bytes, dtype=float), tp.shape)
         budget = job.rollout_memory_utilization * accel.usable_bytes - weights - workspace - kept
-        seq_max = self._kv_sequence_bytes(cand, job.max_sequence_tokens)
+        seq_max = self.kv_sequence_bytes(cand, job.max_sequence_tokens)
         live_ctx = job.prompt_tokens.mean + L.live_context_extra
-        seq_live = self._kv_sequence_bytes(cand, live_ctx)
+        seq_live = self.kv_sequence_bytes(cand, live_ctx)
         capacity = np.maximum(budget, 0.0) / seq_live
         instances = cand.instances.astype(float)
         n_rank = job.num_sequences * job.rollout_oversampling / (instances * dp)

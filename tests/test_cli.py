@@ -1,0 +1,168 @@
+"""The command line: happy paths print what users need; bad input gives a clear message and exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from planner.cli import main
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def write_job(tmp_path, **fields) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(fields))
+    return str(path)
+
+
+# ---- happy paths --------------------------------------------------------------------------------
+
+def test_models_lists_catalog_and_accelerators():
+    result = run("models", "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.output)
+    assert len(data["models"]) >= 11
+    assert {a["id"] for a in data["accelerators"]} >= {"ascend-910b2", "atlas-a3", "a100-80g", "h100-sxm", "h800", "h20", "h200"}
+    assert all(m["source"] for m in data["models"])
+    text = run("models").output
+    assert "qwen3-30b-a3b" in text and "atlas-a3" in text
+
+
+def test_inspect_original_and_proxy():
+    data = json.loads(run("inspect", "qwen3-30b-a3b", "--experts", "32", "--json").output)
+    original, proxy = data["parameters"]["original"], data["parameters"]["K=32"]
+    assert original["total"] == 30_532_122_624
+    assert proxy["routed_experts"] * 4 == original["routed_experts"]
+    assert data["model"]["moe"]["routing"].startswith("softmax")
+    text = run("inspect", "deepseek-v3").output
+    assert "MLA" in text and "grouped (8 groups" in text and "MTP" in text
+
+
+def test_inspect_reads_a_checkpoint_directory(tmp_path):
+    config = json.loads(run("inspect", "mixtral-8x7b", "--json").output)["model"]
+    assert config["num_layers"] == 32
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "mixtral", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4})
+    )
+    result = run("inspect", str(tmp_path), "--json")
+    assert result.exit_code == 0
+    assert json.loads(result.output)["model"]["moe"]["num_experts"] == 4
+
+
+def test_cost_json_has_every_field(tmp_path):
+    job = write_job(tmp_path, train_layout={"tp": 1, "pp": 8, "ep": 1, "cp": 1})
+    result = run("cost", "qwen3-30b-a3b", "--hardware", "ascend-910b2", "--cards", "16", "--job", job, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    for key in ("feasible", "num_cards", "step_time_s", "phase_times_s", "memory_per_card_bytes", "peak_phase",
+                "host_memory_bytes", "accelerator_hours_per_step", "tokens_per_s_per_card", "train_layout", "rollout_layout"):
+        assert key in data, key
+    assert data["feasible"] and data["num_cards"] == 16
+    assert set(data["phase_times_s"]) >= {"rollout", "reference", "old_logprob", "update", "switch"}
+    assert data["step_time_s"] == pytest.approx(sum(data["phase_times_s"].values()))
+    assert data["accelerator_hours_per_step"] == pytest.approx(16 * data["step_time_s"] / 3600)
+    assert data["peak_phase"] in data["memory_per_card_bytes"]
+    for parts in data["memory_per_card_bytes"].values():
+        assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"), rel=1e-9) or len(parts) == 1
+    assert data["train_layout"]["pp"] == 8
+
+
+def test_cost_min_cards_on_atlas_a3_reports_both_units():
+    result = run("cost", "deepseek-v3", "--hardware", "atlas-a3", "--min-cards", "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.output)
+    assert data["feasible"] and data["devices_per_card"] == 2
+    assert data["physical_cards"] * 2 == data["num_cards"]
+    assert "units" in data and "die" in data["units"]
+    text = run("cost", "deepseek-v3", "--hardware", "atlas-a3", "--min-cards").output
+    assert "physical cards" in text and "card-hours" in text
+
+
+def test_proxy_needs_fewer_cards():
+    full = json.loads(run("cost", "qwen3-30b-a3b", "--min-cards", "--json").output)
+    proxy = json.loads(run("cost", "qwen3-30b-a3b", "--min-cards", "--experts", "32", "--json").output)
+    assert proxy["num_cards"] < full["num_cards"]
+    assert proxy["experts"] == 32 and any("not faithful" in n for n in proxy["notes"])
+
+
+def test_demo_json():
+    data = json.loads(run("demo", "--experts", "64", "--json").output)
+    assert data["original"]["feasible"]
+    (proxy,) = data["proxies"]
+    assert proxy["card_reduction"] >= 2
+
+
+# ---- bad input: clear message, exit code 2 -------------------------------------------------------
+
+def test_unknown_model_suggests_close_matches():
+    result = CliRunner().invoke(main, ["inspect", "qwen3-30b-a4b"])
+    assert result.exit_code == 2
+    assert "unknown model 'qwen3-30b-a4b'" in result.output
+    assert "did you mean" in result.output and "qwen3-30b-a3b" in result.output
+
+
+def test_malformed_config_names_missing_field(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen3_moe", "vocab_size": 10, "num_hidden_layers": 2, "num_attention_heads": 4}))
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert result.exit_code == 2
+    assert "missing required field 'hidden_size'" in result.output
+
+
+def test_invalid_json_config_says_where(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "mixtral", "hidden_size": }')
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert result.exit_code == 2 and "not valid JSON (line 1" in result.output
+
+
+def test_unsupported_model_type_lists_supported(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert result.exit_code == 2
+    assert "'llama' is not supported" in result.output and "deepseek_v3" in result.output and "phimoe" in result.output
+
+
+def test_unknown_job_key_names_allowed_keys(tmp_path):
+    job = write_job(tmp_path, algorithm="grpo", prompt_per_step=512)
+    result = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--cards", "16", "--job", job])
+    assert result.exit_code == 2
+    assert "unknown key(s) 'prompt_per_step'" in result.output and "prompts_per_step" in result.output
+
+
+def test_invalid_layout_names_every_factor(tmp_path):
+    job = write_job(tmp_path, train_layout={"tp": 3, "pp": 3, "ep": 5, "cp": 1})
+    result = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--cards", "16", "--job", job])
+    assert result.exit_code == 2
+    out = result.output
+    assert "tp=3 does not divide the 32 attention heads" in out
+    assert "tp=3 does not divide the 4 kv heads" in out
+    assert "tp*pp*cp = 3*3*1 = 9 does not divide 16 devices" in out
+    assert "ep=5 does not divide K=128 experts" in out
+
+
+def test_too_few_cards_says_the_minimum():
+    result = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--hardware", "ascend-910b2", "--cards", "4"])
+    assert result.exit_code == 2
+    minimum = json.loads(run("cost", "qwen3-30b-a3b", "--min-cards", "--json").output)["num_cards"]
+    assert f"the smallest feasible count is {minimum} npus" in result.output
+    assert "GiB" in result.output and "usable" in result.output
+    data = json.loads(CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--cards", "4", "--json"]).output)
+    assert data["feasible"] is False and data["reasons"]
+
+
+def test_unknown_accelerator_and_bad_options():
+    result = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--hardware", "ascend-910b", "--cards", "8"])
+    assert result.exit_code == 2 and "did you mean" in result.output and "ascend-910b2" in result.output
+    result = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--cards", "8", "--min-cards"])
+    assert result.exit_code == 2 and "exactly one of --cards N or --min-cards" in result.output
+    result = CliRunner().invoke(main, ["inspect", "qwen3-30b-a3b", "--experts", "4"])
+    assert result.exit_code == 2 and "top_k=8 > K=4" in result.output

@@ -1,0 +1,43 @@
+"""Lower layers never import higher ones: the cost model runs on a base install (no torch,
+transformers or click), and only the CLI imports click."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "planner"
+HEAVY = {"torch", "transformers", "safetensors", "optuna", "matplotlib", "sklearn", "scipy"}
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_cost_and_arch_import_no_heavy_dependency():
+    for sub in ("arch", "cost"):
+        for path in (PACKAGE / sub).glob("*.py"):
+            assert not imports_of(path) & HEAVY, path
+
+
+def test_only_the_cli_imports_click():
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "cli.py":
+            assert "click" not in imports_of(path), path
+
+
+def test_cost_never_imports_upward():
+    for path in (PACKAGE / "cost").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("planner."):
+                top = node.module.split(".")[1]
+                allowed = {"arch", "cost", "errors", "specs", "catalog"} if path.name == "fit.py" else {"arch", "cost", "errors", "specs"}
+                assert top in allowed, (path, node.module)

@@ -1,0 +1,71 @@
+"""Layout rules as the frameworks apply them, and the enumeration that feeds the search."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.catalog import load_model
+from planner.cost.layouts import (
+    enumerate_rollout,
+    enumerate_train,
+    rollout_layout_problems,
+    train_layout_problems,
+)
+from planner.specs import RolloutLayout, TrainLayout
+
+
+def test_published_layouts_are_valid():
+    ds = load_model("deepseek-v3")
+    assert train_layout_problems(ds, 256, TrainLayout(tp=4, pp=8, ep=8)) == []  # etp defaults to tp
+    assert rollout_layout_problems(ds, 256, RolloutLayout(tp=2, dp=64, ep=128)) == []
+    qwen = load_model("qwen3-235b-a22b")
+    assert train_layout_problems(qwen, 128, TrainLayout(tp=4, pp=4, ep=32, cp=4, etp=1)) == []
+    assert rollout_layout_problems(qwen, 128, RolloutLayout(tp=4, dp=32, ep=128)) == []
+
+
+def test_expert_parallelism_borrows_ranks_instead_of_multiplying_world():
+    qwen = load_model("qwen3-235b-a22b")
+    problems = train_layout_problems(qwen, 128, TrainLayout(tp=4, pp=4, ep=32, cp=4))  # etp = tp = 4
+    assert problems == ["ep*etp = 32*4 = 128 does not divide tp*cp*dp = 128/4 = 32 (expert parallelism borrows ranks from tp*cp*dp)"]
+
+
+def test_ep_must_divide_pruned_expert_count():
+    proxy = load_model("qwen3-30b-a3b", experts=24)
+    assert "ep=16 does not divide K=24 experts" in train_layout_problems(proxy, 16, TrainLayout(ep=16))
+    assert any("ep=16 does not divide K=24" in p for p in rollout_layout_problems(proxy, 16, RolloutLayout(tp=1, dp=16, ep=16)))
+
+
+def test_rollout_kv_heads_may_replicate_beyond_tp():
+    qwen = load_model("qwen3-30b-a3b")  # 4 kv heads
+    assert rollout_layout_problems(qwen, 8, RolloutLayout(tp=8, dp=1, ep=8)) == []
+    assert train_layout_problems(qwen, 8, TrainLayout(tp=8))[0].startswith("tp=8 does not divide the 4 kv heads")
+
+
+@pytest.mark.parametrize("devices", [8, 16, 48])
+def test_enumeration_yields_only_valid_layouts(devices):
+    for k in (128, 32):
+        arch = load_model("qwen3-30b-a3b", experts=k)
+        train = enumerate_train(arch, devices, max_tp=8)
+        rollout = enumerate_rollout(arch, devices, max_tp=8)
+        assert len(train) > 0 and len(rollout) > 0
+        for i in range(len(train)):
+            assert train_layout_problems(arch, devices, train.layout(i)) == []
+        for i in range(len(rollout)):
+            assert rollout_layout_problems(arch, devices, rollout.layout(i)) == []
+        assert max(train.ep) <= k
+
+
+def test_enumeration_is_complete_for_a_small_case():
+    """Every valid (tp, pp, ep, etp) with tp a power of two appears exactly once."""
+    arch = load_model("qwen3-30b-a3b", experts=16)
+    got = {tuple(int(x) for x in row) for row in zip(enumerate_train(arch, 8, max_tp=8).tp, enumerate_train(arch, 8, max_tp=8).pp,
+                                                     enumerate_train(arch, 8, max_tp=8).ep, enumerate_train(arch, 8, max_tp=8).etp)}
+    want = set()
+    for tp in (1, 2, 4):
+        for pp in (1, 2, 4, 8):
+            for ep in (1, 2, 4, 8, 16):
+                for etp in {1, tp}:
+                    lay = TrainLayout(tp=tp, pp=pp, ep=ep, etp=etp)
+                    if not train_layout_problems(arch, 8, lay):
+                        want.add((tp, pp, ep, etp))
+    assert got == want

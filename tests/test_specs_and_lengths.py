@@ -1,0 +1,51 @@
+"""Job validation and the response-length model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.cost.lengths import LengthModel
+from planner.errors import SpecError
+from planner.specs import Job, Lengths
+
+
+def test_default_job_round_trips_through_yaml_dict():
+    job = Job()
+    again = Job.from_dict(job.to_dict())
+    assert again == job
+    assert job.num_sequences == 8192 and job.max_sequence_tokens == 256 + 3072
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        ({"algorithm": "sft"}, "'sft' is not one of grpo, ppo, dapo"),
+        ({"precision": "int8"}, "precision"),
+        ({"response_tokens": {"mean": 5000, "max": 3072}}, "need 0 < mean <= max"),
+        ({"response_tokens": {"mean": 100}}, "missing required key(s) 'max'"),
+        ({"train_layout": {"tp": 2, "dp": 4}}, "unknown key(s) 'dp'"),
+        ({"offload": {"params": "yes"}}, "expected true or false"),
+        ({"prompts_per_step": 0}, "must be >= 1"),
+        ({"rollout_memory_utilization": 1.5}, "must lie in"),
+    ],
+)
+def test_bad_jobs_are_rejected_with_the_reason(data, message):
+    with pytest.raises(SpecError) as err:
+        Job.from_dict(data)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("mean,cap", [(1576.6, 3072), (300, 8192), (7344.973, 32768)])
+def test_truncated_gamma_matches_the_stated_mean(mean, cap):
+    model = LengthModel.from_spec(Lengths(mean=mean, max=cap))
+    assert model.mean == pytest.approx(mean, rel=0.01)
+    assert np.all(np.diff(model.survival) <= 1e-12)  # the live batch only shrinks
+    assert 0 <= model.p_at_max < 1
+
+
+def test_mean_at_the_cap_means_every_response_runs_to_it():
+    model = LengthModel.from_spec(Lengths(mean=3072, max=3072))
+    assert model.mean == 3072 and np.all(model.survival == 1.0)
+    near = LengthModel.from_spec(Lengths(mean=3039.8, max=3072))  # the random-weight DeepSeek run
+    assert near.mean == pytest.approx(3039.8, rel=1e-3) and near.p_at_max > 0.8

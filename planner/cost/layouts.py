@@ -13,8 +13,8 @@ width splits tp*dp ways); the device count is a whole number of instances.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 
+@lru_cache(maxsize=4096)
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
@@ -177,27 +178,30 @@ def check_rollout_layout(arch: Architecture, devices: int, lay: RolloutLayout) -
         raise LayoutError(f"rollout layout {lay.describe()} on {devices} devices is invalid: " + "; ".join(problems))
 
 
-def enumerate_train(arch: Architecture, devices: int, *, max_tp: int, max_cp: int = 1) -> TrainCandidates:
-    """Every valid training layout on `devices` (tp and cp powers of two within the scale-up domain,
-    etp 1 or tp, pp up to the layer count)."""
+MAX_SEARCH_PP = 16  # deeper pipelines are valid when given, but the search stops here
+
+
+def enumerate_train(
+    arch: Architecture, devices: int, *, max_tp: int, max_cp: int = 1, max_pp: int = MAX_SEARCH_PP
+) -> TrainCandidates:
+    """Every valid training layout on `devices` with tp and cp powers of two within the scale-up
+    domain, etp 1 or tp, pp up to `max_pp` and the layer count; built with array masks."""
     a, k = arch.attention, arch.moe.num_experts
-    rows = []
     heads = a.num_kv_heads if a.kind == "gqa" else a.num_heads
     tps = [t for t in _pow2_upto(min(max_tp, devices)) if a.num_heads % t == 0 and heads % t == 0]
     cps = _pow2_upto(min(max_cp, devices))
+    pps = [p for p in _divisors(devices) if p <= min(arch.num_layers, max_pp)]
     eps = _divisors(k)
-    for tp, cp in itertools.product(tps, cps):
-        if devices % (tp * cp):
-            continue
-        for pp in _divisors(devices // (tp * cp)):
-            if pp > arch.num_layers:
-                continue
-            rest = devices // pp
-            for ep in eps:
-                for etp in (1,) if tp == 1 else (1, tp):
-                    if rest % (ep * etp) == 0 and arch.moe.expert_intermediate % etp == 0:
-                        rows.append((devices, tp, pp, ep, cp, etp))
-    return TrainCandidates.of(rows)
+    tp, cp, pp, ep, etp_is_tp = (
+        g.ravel() for g in np.meshgrid(tps, cps, pps, eps, [0, 1], indexing="ij")
+    )
+    etp = np.where(etp_is_tp == 1, tp, 1)
+    ok = devices % (tp * cp * pp) == 0
+    ok &= (devices // pp) % (ep * etp) == 0
+    ok &= arch.moe.expert_intermediate % etp == 0
+    ok &= (etp_is_tp == 0) | (tp > 1)  # etp = tp = 1 is the same layout as etp = 1
+    n = int(ok.sum())
+    return TrainCandidates(np.full(n, devices, dtype=np.int64), tp[ok], pp[ok], ep[ok], cp[ok], etp[ok])
 
 
 def enumerate_rollout(arch: Architecture, devices: int, *, max_tp: int) -> RolloutCandidates:

@@ -135,6 +135,10 @@ class CostModel:
         # QK^T and AV per query and attended key: 2*heads*(d_qk + d_v) FLOPs
         self.attn_flops_per_pair = 2.0 * a.num_heads * (qk + a.v_dim)
         self.windows = arch.layer_windows
+        groups: dict = {}
+        for w in self.windows:
+            groups[w] = groups.get(w, 0) + 1
+        self._groups = list(groups.items())
         prompt = job.prompt_tokens.mean
         # E[sum over layers of attended pairs of one training sequence]
         self.train_pairs_per_seq = L.expect(lambda r: self._pairs(prompt + r))
@@ -142,10 +146,7 @@ class CostModel:
 
     def _window_groups(self) -> list[tuple[tuple[str, int] | None, int]]:
         """Distinct attention windows and how many layers use each."""
-        groups: dict = {}
-        for w in self.windows:
-            groups[w] = groups.get(w, 0) + 1
-        return list(groups.items())
+        return self._groups
 
     def _pairs(self, seq_len: np.ndarray) -> np.ndarray:
         """Attended (query, key) pairs of causal attention over a sequence, summed over layers."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.cost.fit import load_runs, residual_table
+from planner.cost.fit import load_runs, residual_table, update_mfu_checks
 from planner.cost.knobs import load_knobs
 from planner.render import table
 
@@ -43,6 +43,12 @@ def main() -> None:
         lines.append(f"| {r['run']} | {r['family']} | {r['phase']} | {r['published_s']:,.2f} | {r['predicted_s']:,.2f} | {ratio} |")
     lines.append("")
     lines.append(f"Worst deviation on step, rollout and update: {worst:.1%}.")
+    checks = update_mfu_checks()
+    print()
+    print(table(["check (not fitted)", "GPUs", "published MFU", "predicted MFU", "ratio"],
+                [[c["check"], c["devices"], c["published_mfu"], c["predicted_mfu"], c["ratio"]] for c in checks]))
+    lines += ["", "## Actor-update MFU (a check, not fitted)", "", "| check | GPUs | published | predicted | ratio |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {c['check']} | {c['devices']} | {c['published_mfu']} | {c['predicted_mfu']} | {c['ratio']} |" for c in checks]
     OUT.write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT}")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from planner.errors import PlannerError, SpecError
+from planner.errors import InfeasibleError, PlannerError, SpecError
 
 DEFAULT_MODEL = "qwen3-30b-a3b"
 DEFAULT_HARDWARE = "ascend-910b2"
@@ -108,7 +108,16 @@ def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, as_jso
         arch = load_model(model, experts=experts)
         accel = load_accelerator(hardware)
         job = load_job(job_path)
-        result = min_devices(arch, accel, job, max_devices=max_cards) if min_cards else evaluate(arch, accel, job, cards)
+        if min_cards:
+            try:
+                result = min_devices(arch, accel, job, max_devices=max_cards)
+            except InfeasibleError as exc:
+                if as_json:
+                    _emit_json({"feasible": False, "model": arch.name, "experts": arch.moe.num_experts,
+                                "accelerator": accel.id, "reasons": [str(exc)]})
+                raise
+        else:
+            result = evaluate(arch, accel, job, cards)
         if not result.feasible and cards is not None:
             # say the smallest count that would fit, when there is one
             try:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-__all__ = ["table", "gib", "count", "seconds", "ratio"]
-
-GIB = 1024**3
+__all__ = ["table", "count"]
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]], *, title: str | None = None) -> str:
@@ -45,21 +43,9 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def gib(n_bytes: float) -> str:
-    return f"{n_bytes / GIB:,.2f} GiB"
-
-
 def count(n: float) -> str:
     """Parameter counts as 30.53B / 768.0M."""
     for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if abs(n) >= scale:
             return f"{n / scale:,.2f}{suffix}"
     return f"{n:,.0f}"
-
-
-def seconds(t: float) -> str:
-    return f"{t:,.1f} s"
-
-
-def ratio(x: float) -> str:
-    return f"{x:,.2f}x"

@@ -100,10 +100,6 @@ class RolloutLayout:
         for f in fields(self):
             _int(getattr(self, f.name), f"rollout_layout.{f.name}")
 
-    @property
-    def instance_devices(self) -> int:
-        return self.tp * self.dp
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "rollout_layout") -> "RolloutLayout":
         check_keys(data, [f.name for f in fields(cls)], where)
@@ -132,9 +128,9 @@ class Lengths:
 
     def __post_init__(self) -> None:
         if not 0 < self.mean <= self.max:
-            raise SpecError(f"lengths: need 0 < mean <= max, got mean {self.mean}, max {self.max}")
+            raise SpecError(f"need 0 < mean <= max, got mean {self.mean}, max {self.max}")
         if self.shape <= 0:
-            raise SpecError(f"lengths: shape must be > 0, got {self.shape}")
+            raise SpecError(f"shape must be > 0, got {self.shape}")
 
     @classmethod
     def parse(cls, value: Any, where: str) -> "Lengths":
@@ -142,11 +138,14 @@ class Lengths:
             mean = _num(value, where, minimum=1)
             return cls(mean=mean, max=int(math.ceil(mean)))
         check_keys(value, ["mean", "max", "shape"], where, required=("mean", "max"))
-        return cls(
-            mean=_num(value["mean"], f"{where}.mean", minimum=1),
-            max=_int(value["max"], f"{where}.max"),
-            shape=_num(value.get("shape", 2.0), f"{where}.shape", minimum=1e-3),
-        )
+        try:
+            return cls(
+                mean=_num(value["mean"], f"{where}.mean", minimum=1),
+                max=_int(value["max"], f"{where}.max"),
+                shape=_num(value.get("shape", 2.0), f"{where}.shape", minimum=1e-3),
+            )
+        except SpecError as exc:
+            raise SpecError(f"{where}: {exc}") from None
 
 
 _JOB_DOC = {
@@ -223,6 +222,12 @@ class Job:
             _int(self.micro_batch_tokens, "micro_batch_tokens")
         if self.mini_batches > self.num_sequences:
             raise SpecError(f"mini_batches={self.mini_batches} exceeds the {self.num_sequences} sequences per step")
+        updates = self.ppo_epochs * self.mini_batches
+        if self.skip_old_logprob and updates > 1:
+            raise SpecError(
+                f"skip_old_logprob: true needs one optimizer step per RL step (on-policy), but ppo_epochs * "
+                f"mini_batches = {self.ppo_epochs} * {self.mini_batches} = {updates}; set skip_old_logprob: false"
+            )
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -253,11 +258,6 @@ class Job:
     @property
     def param_bytes(self) -> int:
         return 4 if self.precision == "fp32" else 2
-
-    def with_layouts(self, train: TrainLayout | None, rollout: RolloutLayout | None) -> "Job":
-        from dataclasses import replace
-
-        return replace(self, train_layout=train, rollout_layout=rollout)
 
     # ---- YAML --------------------------------------------------------------------------------
     @classmethod
@@ -293,7 +293,10 @@ class Job:
                 kw[key] = _num(value, at)
             else:
                 kw[key] = value
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except SpecError as exc:
+            raise SpecError(f"{where}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -8,15 +8,12 @@ from typing import Any
 from planner.arch import count_parameters
 from planner.catalog import catalog_accelerators, catalog_models, load_model, parse_count
 from planner.cost.evaluate import CostResult, min_devices
-from planner.cost.hardware import GIB, Accelerator
+from planner.cost.hardware import Accelerator
 from planner.render import count, table
 from planner.specs import Job
+from planner.units import GIB, gib
 
 __all__ = ["render_cost", "ProxyComparison", "compare_proxies", "render_comparison", "catalog_listing", "render_catalog"]
-
-
-def _gib(x: float) -> str:
-    return f"{x / GIB:,.2f}"
 
 
 def render_cost(r: CostResult) -> str:
@@ -29,7 +26,8 @@ def render_cost(r: CostResult) -> str:
         lines.extend(f"  - {reason}" for reason in r.reasons)
         return "\n".join(lines)
     lines.append(f"  train layout    {r.train_layout.describe()}")
-    lines.append(f"  rollout layout  {r.rollout_layout.describe()} ({r.num_devices // (r.rollout_layout.tp * r.rollout_layout.dp)} instances)")
+    instances = r.num_devices // (r.rollout_layout.tp * r.rollout_layout.dp)
+    lines.append(f"  rollout layout  {r.rollout_layout.describe()} ({instances} instance{'s' if instances > 1 else ''})")
     lines.append("")
     phase_rows = [[p, f"{t:,.1f}", f"{100 * t / r.step_time_s:.0f}%"] for p, t in r.phase_times_s.items()]
     phase_rows.append(["step", f"{r.step_time_s:,.1f}", "100%"])
@@ -37,13 +35,13 @@ def render_cost(r: CostResult) -> str:
     lines.append("")
     mem_rows = []
     for phase, parts in r.memory_per_device_bytes.items():
-        detail = ", ".join(f"{k} {_gib(v)}" for k, v in parts.items() if k != "total")
+        detail = ", ".join(f"{k} {gib(v, suffix=False)}" for k, v in parts.items() if k != "total")
         mark = " <- peak" if phase == r.peak_phase else ""
-        mem_rows.append([phase, _gib(parts["total"]), (detail or "-") + mark])
+        mem_rows.append([phase, gib(parts["total"], suffix=False), (detail or "-") + mark])
     lines.append(table([f"memory per {unit}", "GiB", "breakdown (GiB)"], mem_rows))
     lines.append(
-        f"  usable {_gib(r.usable_bytes_per_device)} GiB per {unit}; host memory for offload "
-        f"{_gib(r.host_memory_bytes_per_node)} of {_gib(r.host_memory_limit_bytes_per_node)} GiB per node"
+        f"  usable {gib(r.usable_bytes_per_device, suffix=False)} GiB per {unit}; host memory for offload "
+        f"{gib(r.host_memory_bytes_per_node, suffix=False)} of {gib(r.host_memory_limit_bytes_per_node, suffix=False)} GiB per node"
     )
     lines.append("")
     hours = f"{r.device_hours_per_step:,.2f} {unit}-hours per step"
@@ -95,7 +93,7 @@ def render_comparison(c: ProxyComparison) -> str:
                 r.num_devices,
                 r.train_layout.describe(),
                 r.rollout_layout.describe(),
-                f"{_gib(peak)} ({r.peak_phase})",
+                f"{gib(peak, suffix=False)} ({r.peak_phase})",
                 f"{r.step_time_s:,.0f}",
                 f"{r.device_hours_per_step:,.2f}",
                 "-" if r is o else f"{o.num_devices / r.num_devices:.1f}x ({1 - r.num_devices / o.num_devices:.1%})",

@@ -54,3 +54,14 @@ def test_user_profile_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_accelerator(str(path))
     assert "unknown key(s) 'hbm_gb'" in str(err.value) and "hbm_gib" in str(err.value)
+
+
+def test_user_profile_rejects_zero_rates(tmp_path):
+    path = tmp_path / "zero.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "x", "family": "nvidia", "hbm_gib": 80, "reserved_gib": 0.5, "hbm_tb_per_s": 0,
+        "intra_node_gb_per_s": 300, "inter_node_gb_per_s": 25, "devices_per_node": 8, "peak_bf16_tflops": 300,
+    }))
+    with pytest.raises(ConfigError) as err:
+        load_accelerator(str(path))
+    assert "hbm_tb_per_s must be a positive number, got 0" in str(err.value)

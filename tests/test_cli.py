@@ -166,3 +166,27 @@ def test_unknown_accelerator_and_bad_options():
     assert result.exit_code == 2 and "exactly one of --cards N or --min-cards" in result.output
     result = CliRunner().invoke(main, ["inspect", "qwen3-30b-a3b", "--experts", "4"])
     assert result.exit_code == 2 and "top_k=8 > K=4" in result.output
+
+
+def test_a3_device_count_must_be_whole_cards():
+    result = CliRunner().invoke(main, ["cost", "deepseek-v3", "--hardware", "atlas-a3", "--cards", "3"])
+    assert result.exit_code == 2
+    assert "3 dies is not a whole number of atlas-a3 cards (2 dies per card)" in result.output
+
+
+def test_min_cards_json_when_nothing_fits():
+    result = CliRunner().invoke(main, ["cost", "deepseek-v3", "--hardware", "h100-sxm", "--min-cards", "--max-cards", "16", "--json"])
+    assert result.exit_code == 2
+    data = json.loads(result.output[: result.output.rindex("}") + 1])
+    assert data["feasible"] is False and "does not fit on up to 16 gpus" in data["reasons"][0]
+
+
+def test_ppo_costs_a_critic(tmp_path):
+    job = write_job(tmp_path, algorithm="ppo", recompute="selective", optimizer_swap=True,
+                    offload={"params": False, "grads": False, "optimizer": True})
+    data = json.loads(run("cost", "qwen3-30b-a3b", "--hardware", "h200", "--min-cards", "--job", job, "--json").output)
+    assert data["feasible"]
+    assert data["phase_times_s"]["values"] == pytest.approx(data["phase_times_s"]["reference"])
+    update = data["memory_per_card_bytes"]["update"]
+    assert update["critic_kept"] > 0 and update["optimizer"] == 0  # swapped optimizer lives on the host
+    assert any("swapped" in n for n in data["notes"])

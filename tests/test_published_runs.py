@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from planner.cost.fit import PHASES, fit_all, load_runs, residual_table
+from planner.cost.fit import PHASES, fit_all, load_runs, residual_table, update_mfu_checks
 from planner.cost.knobs import knobs_path, load_knobs
 
 RUNS = load_runs()
@@ -48,3 +48,9 @@ def test_refit_reproduces_stored_knobs():
     for family, knobs in stored["knobs"].items():
         for name, value in knobs.items():
             assert refit["knobs"][family][name] == pytest.approx(value, rel=1e-4), (family, name)
+
+
+@pytest.mark.parametrize("row", update_mfu_checks(), ids=lambda r: f"{r['check']}:{r['devices']}")
+def test_update_mfu_check_within_30_percent(row):
+    """Not fitted: the update model's implied MFU against verl's reported actor MFU."""
+    assert abs(row["ratio"] - 1) <= 0.30, row

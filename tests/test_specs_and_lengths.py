@@ -28,6 +28,8 @@ def test_default_job_round_trips_through_yaml_dict():
         ({"offload": {"params": "yes"}}, "expected true or false"),
         ({"prompts_per_step": 0}, "must be >= 1"),
         ({"rollout_memory_utilization": 1.5}, "must lie in"),
+        ({"mini_batches": 4}, "skip_old_logprob: true needs one optimizer step per RL step"),
+        ({"response_tokens": {"mean": 3000, "max": 2000}}, "job.response_tokens: need 0 < mean <= max"),
     ],
 )
 def test_bad_jobs_are_rejected_with_the_reason(data, message):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from planner.arch import Architecture
-from planner.cost.hardware import GIB, Accelerator
+from planner.cost.hardware import Accelerator
 from planner.cost.knobs import Knobs
 from planner.cost.layouts import (
     RolloutCandidates,
@@ -26,8 +26,9 @@ from planner.cost.layouts import (
     enumerate_train,
 )
 from planner.cost.model import HOST_USABLE_FRACTION, CostModel
-from planner.errors import InfeasibleError, SpecError
+from planner.errors import InfeasibleError, LayoutError, SpecError
 from planner.specs import Job, RolloutLayout, TrainLayout
+from planner.units import gib
 
 __all__ = ["CostResult", "evaluate", "min_devices", "candidate_device_counts"]
 
@@ -119,10 +120,6 @@ class CostResult:
         return out
 
 
-def _gib(x: float) -> str:
-    return f"{x / GIB:.2f} GiB"
-
-
 def candidate_device_counts(accel: Accelerator, max_devices: int) -> list[int]:
     """Device counts a cluster is allocated in: whole cards below a node, whole nodes above."""
     per_node, per_card = accel.devices_per_node, accel.devices_per_card
@@ -160,6 +157,11 @@ class _Evaluator:
 
     def run(self, devices: int) -> CostResult:
         arch, accel, job, m = self.arch, self.accel, self.job, self.model
+        if devices % accel.devices_per_card:
+            raise SpecError(
+                f"{devices} {accel.device_unit}s is not a whole number of {accel.id} cards "
+                f"({accel.devices_per_card} {accel.device_unit}s per card)"
+            )
         tc = self.train_candidates(devices)
         rc = self.rollout_candidates(devices)
         reasons: list[str] = []
@@ -179,40 +181,41 @@ class _Evaluator:
             lay = tc.layout(i)
             if not train_fit[i]:
                 reasons.append(
-                    f"update phase needs {_gib(te.update_bytes[i])} per {accel.device_unit} at best ({lay.describe()}: "
-                    f"weights {_gib(te.weights_bytes[i])}, grads {_gib(te.grads_bytes[i])}, optimizer "
-                    f"{_gib(te.optimizer_bytes[i])}, activations {_gib(te.activations_bytes[i])}; reference phase "
-                    f"{_gib(te.reference_bytes[i])}) > {_gib(self.usable)} usable on {accel.id}"
+                    f"update phase needs {gib(te.update_bytes[i])} per {accel.device_unit} at best ({lay.describe()}: "
+                    f"weights {gib(te.weights_bytes[i])}, grads {gib(te.grads_bytes[i])}, optimizer "
+                    f"{gib(te.optimizer_bytes[i])}, activations {gib(te.activations_bytes[i])}; reference phase "
+                    f"{gib(te.reference_bytes[i])}) > {gib(self.usable)} usable on {accel.id}"
                 )
             if not host_fit[i]:
                 reasons.append(
-                    f"offloaded states need {_gib(te.host_bytes_per_node[i])} of host memory per node > "
-                    f"{_gib(self.host_limit)} ({HOST_USABLE_FRACTION:.0%} of {_gib(accel.host_memory_bytes_per_node)})"
+                    f"offloaded states need {gib(te.host_bytes_per_node[i])} of host memory per node > "
+                    f"{gib(self.host_limit)} ({HOST_USABLE_FRACTION:.0%} of {gib(accel.host_memory_bytes_per_node)})"
                 )
             if not reasons:
                 reasons.append("no training layout fits both device and host memory")
             return self._infeasible(devices, reasons, len(tc) + len(rc), tc.layout(i))
         train_time = te.update_s + te.reference_s + te.old_logprob_s + te.values_s
         ti = int(np.flatnonzero(ok)[np.argmin(train_time[ok])])
-        kept = te.weights_bytes[ti] + te.grads_bytes[ti] + te.optimizer_bytes[ti] - te.offloaded_bytes[ti]
+        kept = float(te.kept_bytes[ti])
 
         re = m.rollout(rc, kept_train_bytes=kept)
-        need = kept + re.weights_bytes + re.workspace_bytes
-        roll_fit = (need <= job.rollout_memory_utilization * self.usable) & (re.kv_budget_bytes >= re.kv_per_sequence_bytes)
+        # the engine's share of memory, after weights, workspace and what training keeps, must
+        # hold at least one longest sequence's KV cache per rank (vLLM refuses to start otherwise)
+        roll_fit = re.kv_budget_bytes >= re.kv_per_sequence_bytes
         if not roll_fit.any():
             i = int(np.argmax(re.kv_budget_bytes - re.kv_per_sequence_bytes))
             reasons.append(
-                f"rollout: at best ({rc.layout(i).describe()}) weights {_gib(re.weights_bytes[i])} + workspace "
-                f"{_gib(re.workspace_bytes[i])} + training states kept {_gib(kept)} leave "
-                f"{_gib(max(re.kv_budget_bytes[i], 0.0))} for the KV cache of "
-                f"{job.rollout_memory_utilization:.2f} x {_gib(self.usable)}; one {job.max_sequence_tokens}-token sequence needs "
-                f"{_gib(re.kv_per_sequence_bytes[i])}"
+                f"rollout: at best ({rc.layout(i).describe()}) weights {gib(re.weights_bytes[i])} + workspace "
+                f"{gib(re.workspace_bytes[i])} + training states kept {gib(kept)} leave "
+                f"{gib(max(re.kv_budget_bytes[i], 0.0))} of {job.rollout_memory_utilization:.2f} x {gib(self.usable)} "
+                f"for the KV cache; one {job.max_sequence_tokens}-token sequence needs {gib(re.kv_per_sequence_bytes[i])}"
             )
             return self._infeasible(devices, reasons, len(tc) + len(rc), tc.layout(ti), rc.layout(i))
         ri = int(np.flatnonzero(roll_fit)[np.argmin(re.rollout_s[roll_fit])])
 
-        ref_weights = te.weights_bytes[ti] if job.reference_model else 0.0
-        switch = float(m.switch_seconds(te.offloaded_bytes[ti], re.weights_bytes[ri], ref_weights))
+        switch = float(
+            m.switch_seconds(te.offloaded_bytes[ti], re.weights_bytes[ri], te.reference_weight_bytes[ti], rc.instance[ri])
+        )
         phases = {
             "rollout": float(re.rollout_s[ri]),
             "reference": float(te.reference_s[ti]),
@@ -240,6 +243,8 @@ class _Evaluator:
                 "activations": float(te.activations_bytes[ti]),
             },
         }
+        if job.algorithm == "ppo":
+            memory["update"]["critic_kept"] = float(te.other_model_bytes[ti])
         if job.skip_old_logprob:
             memory.pop("old_logprob")
         if not job.reference_model:
@@ -248,6 +253,8 @@ class _Evaluator:
             parts.setdefault("total", float(sum(parts.values())))
         peak_phase = max(memory, key=lambda p: memory[p]["total"])
         notes = self._notes(tc.layout(ti), te, ti, re, ri)
+        if job.optimizer_swap:
+            notes.append("optimizer state is swapped: it lives in host memory and streams in for each optimizer step")
         return CostResult(
             model=arch.name,
             experts=arch.moe.num_experts,
@@ -275,8 +282,16 @@ class _Evaluator:
         arch, job = self.arch, self.job
         notes = []
         if te.uneven_pp[ti]:
-            per = arch.num_layers / lay.pp
-            notes.append(f"pipeline split is uneven: {arch.num_layers} layers over PP{lay.pp} ({per:.2f} per stage; the busiest stage is costed)")
+            notes.append(
+                f"pipeline split is uneven: {arch.num_layers} layers over PP{lay.pp} (stages of {arch.num_layers // lay.pp} "
+                f"and {arch.num_layers // lay.pp + 1}, as MindSpeed's pipeline layer list or Megatron's first/last-stage "
+                "layer counts set them); memory and time are those of the busiest stage"
+            )
+        if re.concurrency[ri] < re.sequences_per_rank[ri]:
+            notes.append(
+                f"rollout is KV-bound: {re.concurrency[ri]:.0f} of {re.sequences_per_rank[ri]:.0f} sequences per DP rank "
+                "fit the KV pool at once; the rest wait"
+            )
         if arch.is_pruned:
             k, e = arch.moe.num_experts, arch.original_num_experts
             notes.append(
@@ -331,18 +346,21 @@ def min_devices(
 ) -> CostResult:
     """The smallest feasible device count (and the best layouts there)."""
     ev = _Evaluator(arch, accel, job, knobs)
-    last = None
-    for n in candidate_device_counts(accel, max_devices):
-        if job.train_layout is not None and job.train_layout.tp * job.train_layout.pp * job.train_layout.cp > n:
-            continue
+    counts = candidate_device_counts(accel, max_devices)
+    if not counts:
+        raise SpecError(f"--max-cards {max_devices} is below the smallest allocation of {accel.id} ({accel.devices_per_card})")
+    last: CostResult | None = None
+    layout_problem = ""
+    for n in counts:
         try:
             result = ev.run(n)
-        except SpecError:
-            continue  # a fixed layout that does not divide this count
+        except LayoutError as exc:  # a fixed layout that does not fit this count
+            layout_problem = str(exc)
+            continue
         if result.feasible:
             return result
         last = result
-    detail = "; ".join(last.reasons) if last is not None else "no device count admits the given layouts"
+    detail = "; ".join(last.reasons) if last is not None else f"the job's layouts fit no device count: {layout_problem}"
     raise InfeasibleError(
         f"{arch.name} (K={arch.moe.num_experts}) does not fit on up to {max_devices} {accel.device_unit}s of {accel.id}: {detail}"
     )

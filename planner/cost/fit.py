@@ -21,9 +21,10 @@ import yaml
 from planner.catalog import load_accelerator, load_model
 from planner.cost.evaluate import CostResult, evaluate
 from planner.cost.knobs import KNOB_BOUNDS, PRIOR, Knobs
+from planner.errors import SpecError
 from planner.specs import Job
 
-__all__ = ["PublishedRun", "load_runs", "predict", "fit_family", "fit_all", "residual_table", "PHASES"]
+__all__ = ["PublishedRun", "load_runs", "predict", "fit_family", "fit_all", "residual_table", "update_mfu_checks", "PHASES"]
 
 PHASES = ("rollout", "reference", "old_logprob", "update", "switch", "step")
 PRIOR_WEIGHT = 0.05
@@ -70,6 +71,27 @@ def load_runs(path: str | Path | None = None) -> list[PublishedRun]:
             )
         )
     return out
+
+
+def update_mfu_checks(path: str | Path | None = None) -> list[dict[str, Any]]:
+    """Predicted vs published actor-update MFU (not fitted; a check of the update model)."""
+    from planner.cost.layouts import TrainCandidates
+    from planner.cost.model import CostModel
+
+    data = yaml.safe_load(Path(path or runs_path()).read_text())
+    rows = []
+    for check in data.get("mfu_checks", []):
+        arch, accel = load_model(check["model"]), load_accelerator(check["hardware"])
+        job = Job.from_dict(check["job"], where=f"mfu check {check['id']}")
+        if job.train_layout is None:
+            raise SpecError(f"mfu check {check['id']}: the job needs the train_layout the MFU was measured with")
+        model = CostModel(arch, accel, job)
+        for devices, published in zip(check["devices"], check["published_mfu"]):
+            update_s = float(model.train(TrainCandidates.single(devices, job.train_layout)).update_s[0])
+            predicted = model.update_model_flops() / (update_s * devices * accel.peak_flops(job.precision))
+            rows.append({"check": check["id"], "devices": devices, "published_mfu": published,
+                         "predicted_mfu": round(predicted, 3), "ratio": round(predicted / published, 3)})
+    return rows
 
 
 def predict(run: PublishedRun, knobs: Knobs) -> CostResult:

@@ -12,10 +12,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from planner.errors import ConfigError
+from planner.units import GIB
 
 __all__ = ["Accelerator"]
-
-GIB = 1024**3
 
 _REQUIRED = (
     "name",
@@ -72,15 +71,21 @@ class Accelerator:
         (NVIDIA A100/H100 datasheets: TF32 dense = BF16 dense / 2); fp16 equals bf16."""
         return self.peak_bf16_flops / 2 if precision == "fp32" else self.peak_bf16_flops
 
+    def link_bytes_per_s(self, group_size):
+        """Per-device bandwidth of a collective over `group_size` devices (array-friendly): the
+        scale-up links (HCCS, NVLink, UB) within the scale-up domain, the NIC beyond it."""
+        group = np.asarray(group_size, dtype=float)
+        return np.where(group <= self.scale_up_devices, self.intra_node_bytes_per_s, self.inter_node_bytes_per_s)
+
     def a2a_bytes_per_s(self, ep, kind: str = "dispatch"):
         """Achieved all-to-all bandwidth per device at EP size `ep` (array-friendly).
 
-        Measured points (DeepEP / DeepEP-Ascend) interpolate in log2(ep); outside them, or without
-        them, the intra-node link serves EP groups within the scale-up domain and the inter-node
-        link the rest.
+        Measured points (DeepEP / DeepEP-Ascend) interpolate in log2(ep). Without them the link
+        bandwidth rules. Beyond the measured range the figure is capped by the link (below the
+        smallest measured EP, the larger of the two; above the largest, the smaller).
         """
         ep = np.asarray(ep, dtype=float)
-        link = np.where(ep <= self.scale_up_devices, self.intra_node_bytes_per_s, self.inter_node_bytes_per_s)
+        link = self.link_bytes_per_s(ep)
         table = self.a2a_dispatch if kind == "dispatch" else self.a2a_combine
         if not table:
             return link
@@ -106,10 +111,10 @@ class Accelerator:
         if missing:
             raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)}")
 
-        def num(key: str, default: float | None = None) -> float:
+        def num(key: str, default: float | None = None, *, positive: bool = True) -> float:
             value = data.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"{where}: {key} must be a non-negative number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (positive and value == 0):
+                raise ConfigError(f"{where}: {key} must be a {'positive' if positive else 'non-negative'} number, got {value!r}")
             return float(value)
 
         if "peak_from_cube" in data:
@@ -125,9 +130,12 @@ class Accelerator:
             raise ConfigError(f"{where}: family must be ascend or nvidia (knobs are fitted per family), got {family!r}")
         per_node = int(num("devices_per_node"))
         hbm = num("hbm_gib") * GIB
-        reserved = num("reserved_gib") * GIB
+        reserved = num("reserved_gib", positive=False) * GIB
         if reserved >= hbm:
             raise ConfigError(f"{where}: reserved_gib {reserved / GIB} >= hbm_gib {hbm / GIB}")
+        per_card = int(num("devices_per_card", 1))
+        if per_node % per_card:
+            raise ConfigError(f"{where}: devices_per_node {per_node} is not a multiple of devices_per_card {per_card}")
 
         def table(key: str) -> tuple[tuple[int, float], ...]:
             raw = data.get(key) or {}
@@ -140,7 +148,7 @@ class Accelerator:
             name=str(data["name"]),
             family=family,
             device_unit=str(data.get("device_unit", "device")),
-            devices_per_card=int(num("devices_per_card", 1)),
+            devices_per_card=per_card,
             devices_per_node=per_node,
             scale_up_devices=int(num("scale_up_devices", per_node)),
             hbm_bytes=hbm,

@@ -49,17 +49,21 @@ ROLLOUT_BATCHED_TOKENS = 8192
 
 @dataclass(frozen=True)
 class TrainEval:
-    """Per-candidate arrays for the training-side phases (reference, old log-prob, update)."""
+    """Per-candidate arrays for the training-side phases (reference, old log-prob, update); the
+    byte breakdown is the busiest pipeline stage's."""
 
     weights_bytes: np.ndarray
     grads_bytes: np.ndarray
     optimizer_bytes: np.ndarray
     activations_bytes: np.ndarray
+    other_model_bytes: np.ndarray  # PPO: the critic's states kept on the device meanwhile
     update_bytes: np.ndarray  # peak over pipeline stages of the update phase
     logprob_bytes: np.ndarray  # actor forward-only pass
     reference_bytes: np.ndarray
+    kept_bytes: np.ndarray  # training states that stay on the device while rolling out
+    offloaded_bytes: np.ndarray  # per device, moved to host and back around the rollout
+    reference_weight_bytes: np.ndarray  # reference weights per device (onloaded for its pass)
     host_bytes_per_node: np.ndarray
-    offloaded_bytes: np.ndarray  # per device, moved to host during rollout
     update_s: np.ndarray
     reference_s: np.ndarray
     old_logprob_s: np.ndarray
@@ -68,7 +72,6 @@ class TrainEval:
     update_a2a_s: np.ndarray
     update_comm_s: np.ndarray
     update_bubble_s: np.ndarray
-    micro_batches: np.ndarray
     uneven_pp: np.ndarray
 
 
@@ -76,11 +79,10 @@ class TrainEval:
 class RolloutEval:
     weights_bytes: np.ndarray
     workspace_bytes: np.ndarray
-    kv_budget_bytes: np.ndarray
+    kv_budget_bytes: np.ndarray  # what the engine's memory share leaves for the KV pool
     kv_per_sequence_bytes: np.ndarray  # one longest sequence
-    kept_train_bytes: np.ndarray  # training states not offloaded while rolling out
-    rollout_bytes: np.ndarray  # phase peak: kept + weights + workspace + KV pool
-    concurrency: np.ndarray  # sequences one DP rank holds at once (KV-bound or all)
+    concurrency: np.ndarray  # sequences one DP rank decodes at once (KV-bound or all of them)
+    sequences_per_rank: np.ndarray
     prefill_s: np.ndarray
     decode_s: np.ndarray
     rollout_s: np.ndarray
@@ -129,30 +131,27 @@ class CostModel:
         a = arch.attention
         # Forward FLOPs per token in matmuls: 2 per active parameter, the embedding lookup excluded
         # (PaLM appendix B; Megatron num_floating_point_operations counts the router too: we do).
-        self.matmul_flops_per_token = 2.0 * (self.counts.active - self.counts.embeddings)
+        # A tied output head still multiplies: count it once for the lookup-free embedding.
+        tied_head = arch.vocab_size * arch.hidden_size if arch.tie_embeddings else 0
+        self.matmul_flops_per_token = 2.0 * (self.counts.active - self.counts.embeddings + tied_head)
         self.expert_flops_per_token = 2.0 * arch.num_moe_layers * arch.moe.top_k * self.expert_params
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim if a.kind == "mla" else a.head_dim
         # QK^T and AV per query and attended key: 2*heads*(d_qk + d_v) FLOPs
         self.attn_flops_per_pair = 2.0 * a.num_heads * (qk + a.v_dim)
-        self.windows = arch.layer_windows
         groups: dict = {}
-        for w in self.windows:
+        for w in arch.layer_windows:
             groups[w] = groups.get(w, 0) + 1
-        self._groups = list(groups.items())
+        self._groups = list(groups.items())  # distinct attention windows, layers using each
         prompt = job.prompt_tokens.mean
         # E[sum over layers of attended pairs of one training sequence]
         self.train_pairs_per_seq = L.expect(lambda r: self._pairs(prompt + r))
         self.prefill_pairs_per_seq = float(self._pairs(np.array([prompt]))[0])
 
-    def _window_groups(self) -> list[tuple[tuple[str, int] | None, int]]:
-        """Distinct attention windows and how many layers use each."""
-        return self._groups
-
     def _pairs(self, seq_len: np.ndarray) -> np.ndarray:
         """Attended (query, key) pairs of causal attention over a sequence, summed over layers."""
         n = np.asarray(seq_len, dtype=float)
         total = np.zeros_like(n)
-        for w, layers in self._window_groups():
+        for w, layers in self._groups:
             if w is None:
                 part = n * (n + 1) / 2
             elif w[0] == "sliding":
@@ -170,7 +169,7 @@ class CostModel:
         """Keys one decode query attends to at `context`, summed over layers."""
         c = np.asarray(context, dtype=float)
         total = np.zeros_like(c)
-        for w, layers in self._window_groups():
+        for w, layers in self._groups:
             if w is None:
                 total += layers * c
             elif w[0] == "sliding":
@@ -180,10 +179,6 @@ class CostModel:
         return total
 
     # ---- byte sizes ---------------------------------------------------------------------------
-    @property
-    def _weight_b(self) -> int:
-        return self.job.param_bytes
-
     def _state_bytes(self) -> tuple[float, float, float]:
         """(weight, grad, optimizer) bytes per parameter for the backend and precision."""
         job = self.job
@@ -198,7 +193,8 @@ class CostModel:
 
     # ---- training side ------------------------------------------------------------------------
     def _stages(self, cand: TrainCandidates):
-        """Flattened (candidate, stage) arrays: stage index, owner candidate, per-stage sums."""
+        """Flattened (candidate, stage) arrays: owner candidate, stage index, the owner's stage
+        count, where each owner's stages start, and per-stage sums of the per-layer counts."""
         pp = cand.pp
         owner = np.repeat(np.arange(len(cand)), pp)
         first = np.concatenate([[0], np.cumsum(pp)[:-1]])
@@ -209,7 +205,7 @@ class CostModel:
         hi = ((stage + 1) * L) // ppf
         sums = {f: self._prefix[f][hi] - self._prefix[f][lo] for f in self._prefix}
         sums["layers"] = (hi - lo).astype(float)
-        return owner, stage, ppf, sums
+        return owner, stage, ppf, first, sums
 
     def train(self, cand: TrainCandidates) -> TrainEval:
         arch, job, accel, kn = self.arch, self.job, self.accel, self.knobs
@@ -218,22 +214,23 @@ class CostModel:
         tp, pp, ep, cp, etp = (x.astype(float) for x in (cand.tp, cand.pp, cand.ep, cand.cp, cand.etp))
         dp = devices / (tp * pp * cp)
         edp = devices / (etp * ep * pp)
-        kv_split = np.minimum(tp, arch.attention.num_kv_heads) if arch.attention.kind == "gqa" else tp
         dp_opt = dp * cp if job.distributed_optimizer else np.ones_like(dp)
         edp_opt = edp if job.distributed_optimizer else np.ones_like(dp)
+        models = 2.0 if job.algorithm == "ppo" else 1.0  # PPO: a critic of the actor's size
 
-        owner, stage, ppf, s = self._stages(cand)
+        owner, stage, ppf, starts, s = self._stages(cand)
         o = owner
         is_first = (stage == 0).astype(float)
         is_last = (stage == ppf - 1).astype(float)
+        # the output layer: untied, or (tied, PP > 1) a copy Megatron keeps on the last stage
+        head = self.head_params if self.head_params else np.where(ppf > 1, self.embedding_params, 0.0)
         dense_local = (
-            (s["attention_sharded"] + s["shared_experts"] + s["dense_mlp"]) / tp[o]
-            + s["attention_kv"] / kv_split[o]
+            (s["attention_sharded"] + s["attention_kv"] + s["shared_experts"] + s["dense_mlp"]) / tp[o]
             + s["attention_replicated"]
             + s["norms"]
             + s["router"]
             + is_first * self.embedding_params / tp[o]
-            + is_last * (self.head_params / tp[o] + self.final_norm_params)
+            + is_last * (head / tp[o] + self.final_norm_params)
         )
         expert_local = s["routed_experts"] / (ep[o] * etp[o])
         params_local = dense_local + expert_local
@@ -245,6 +242,9 @@ class CostModel:
         opt_all = dense_local * ob / dp_opt[o] + expert_local * ob / edp_opt[o] + 2 * router_extra
         # swapped optimizer state lives on the host and streams in for the step
         opt = opt_all * 0.0 if job.optimizer_swap else opt_all
+        off = job.offload
+        # what stays on the device while another phase (rollout, reference) runs
+        kept = weights * (not off.params) + grads * (not off.grads) + opt * (not off.optimizer)
 
         # micro-batches per DP rank per optimizer step, and tokens per device per micro-batch
         tokens_opt = job.tokens_per_step / job.mini_batches
@@ -254,40 +254,31 @@ class CostModel:
         n_moe = s["moe"]
         in_flight = np.minimum(ppf - stage, m[o])
         act = self._stage_activation(t_dev[o], n_moe, s["layers"], ep_imb[o], in_flight, is_last)
-        update_stage = weights + grads + opt + act
+        other_model = (models - 1.0) * kept  # the critic's (or actor's) states kept meanwhile
+        update_stage = weights + grads + opt + act + other_model
         # forward-only pass: weights and one layer's working set plus the output log-probs
         fwd_work = t_dev[o] * (np.maximum(self.act_moe_layer + self.act_routed, self.act_dense_layer) + is_last * self.act_output)
-        logprob_stage = weights + fwd_work
+        logprob_stage = weights + fwd_work + (kept - weights * (not off.params)) + other_model
+        reference_stage = params_local * wb + fwd_work + models * kept
 
-        n = len(cand)
-        peak_idx = self._argmax_by_owner(update_stage, owner, n)
+        peak_idx = self._argmax_by_owner(update_stage, starts, owner)
         update_bytes = update_stage[peak_idx]
-        logprob_bytes = np.maximum.reduceat(logprob_stage, np.concatenate([[0], np.cumsum(cand.pp)[:-1]]))
-
-        # colocated offload: what leaves the device during rollout (and comes back for the update)
-        off = job.offload
-        offl = (
-            weights[peak_idx] * off.params + grads[peak_idx] * off.grads + opt[peak_idx] * off.optimizer
-            if job.colocated
-            else np.zeros(n)
-        )
-        ref_weights = params_local * wb
-        ref_peak = np.maximum.reduceat(ref_weights + fwd_work, np.concatenate([[0], np.cumsum(cand.pp)[:-1]]))
-        kept_in_ref = (update_bytes - act[peak_idx]) - offl  # actor states that stay during ref
-        reference_bytes = ref_peak + (kept_in_ref if job.colocated else 0) if job.reference_model else np.zeros(n)
-        ref_host = weights[peak_idx] if (job.reference_model and job.colocated) else 0.0
-        swapped = opt_all[peak_idx] if job.optimizer_swap else 0.0
-        host_per_node = (offl + ref_host + swapped) * np.minimum(devices, accel.devices_per_node)
-        if job.algorithm == "ppo":  # critic of the actor's size, offloaded alike
-            host_per_node = host_per_node * 2
+        logprob_bytes = np.maximum.reduceat(logprob_stage, starts)
+        reference_bytes = np.maximum.reduceat(reference_stage, starts) if job.reference_model else np.zeros(len(cand))
+        kept_max = models * np.maximum.reduceat(kept, starts)
+        moved = models * np.maximum.reduceat(weights + grads + opt - kept, starts)  # offloaded, per device
+        ref_weights = np.maximum.reduceat(params_local * wb, starts) if job.reference_model else np.zeros(len(cand))
+        swapped = models * np.maximum.reduceat(opt_all, starts) if job.optimizer_swap else 0.0
+        host_per_node = (moved + ref_weights + swapped) * np.minimum(devices, accel.devices_per_node)
 
         # ---- time --------------------------------------------------------------------------
         peak = accel.peak_flops(job.precision)
-        tokens = job.tokens_per_step
-        seqs = job.num_sequences
-        fwd_flops = tokens * self.matmul_flops_per_token + seqs * self.train_pairs_per_seq * self.attn_flops_per_pair
-        expert_share = tokens * self.expert_flops_per_token / fwd_flops
+        fwd_flops = self.forward_flops_per_step()
+        expert_share = job.tokens_per_step * self.expert_flops_per_token / fwd_flops
         slow = 1.0 + expert_share * (ep_imb - 1.0)  # the busiest EP rank sets the pace
+        moe_stage = np.maximum.reduceat(n_moe, starts)
+        layers_stage = np.maximum.reduceat(s["layers"], starts)
+        slow = slow * layers_stage * pp / arch.num_layers  # and the busiest pipeline stage
         recompute_fwd = {"none": 0.0, "selective": 0.0, "full": 1.0}[job.recompute]
         train_flops = job.ppo_epochs * fwd_flops * (3.0 + recompute_fwd)
         compute = train_flops / (devices * peak * kn.train_mfu) * slow
@@ -297,58 +288,48 @@ class CostModel:
 
         # EP all-to-all: per micro-batch and MoE layer of the busiest stage, dispatch + combine in
         # forward and again in backward (and in the recomputed forward)
-        moe_stage = np.maximum.reduceat(n_moe, np.concatenate([[0], np.cumsum(cand.pp)[:-1]]))
-        layers_stage = np.maximum.reduceat(s["layers"], np.concatenate([[0], np.cumsum(cand.pp)[:-1]]))
         a2a_bw = 0.5 * (accel.a2a_bytes_per_s(ep, "dispatch") + accel.a2a_bytes_per_s(ep, "combine")) * kn.a2a_efficiency
         micro_all = m * job.mini_batches  # micro-batches per DP rank per epoch
         a2a_bytes = t_dev * arch.moe.top_k * arch.hidden_size * job.activation_bytes * (ep - 1) / ep * ep_imb
         per_pass = np.where(ep > 1, micro_all * moe_stage * 2 * a2a_bytes / a2a_bw, 0.0)
         a2a_update = job.ppo_epochs * per_pass * (2.0 + recompute_fwd)
-        a2a_fwd = per_pass
         # TP (sequence-parallel) all-gather / reduce-scatter: 4 per layer per forward pass
-        tp_bw = np.where(tp <= accel.devices_per_node, accel.intra_node_bytes_per_s, accel.inter_node_bytes_per_s)
         tp_bytes = job.micro_tokens / cp * arch.hidden_size * job.activation_bytes * (tp - 1) / tp
-        tp_pass = micro_all * layers_stage * 4 * tp_bytes / tp_bw
+        tp_pass = micro_all * layers_stage * 4 * tp_bytes / accel.link_bytes_per_s(tp)
         tp_update = job.ppo_epochs * tp_pass * (2.0 + recompute_fwd)
-        # DP: reduce-scatter grads and all-gather params once per optimizer step
-        dp_group = tp * cp * dp  # devices spanned by one DP group (TP innermost)
-        dp_bw = np.where(dp_group <= accel.devices_per_node, accel.intra_node_bytes_per_s, accel.inter_node_bytes_per_s)
-        edp_group = devices / pp
-        edp_bw = np.where(edp_group <= accel.devices_per_node, accel.intra_node_bytes_per_s, accel.inter_node_bytes_per_s)
+        # DP: reduce-scatter grads and all-gather params once per optimizer step; a DP group and
+        # an expert-DP group both span the devices of one pipeline stage (TP innermost)
+        stage_bw = accel.link_bytes_per_s(devices / pp)
         dense_peak = dense_local[peak_idx]
         expert_peak = expert_local[peak_idx]
-        sync = (dense_peak * (gb + wb) * (dp * cp - 1) / (dp * cp) / dp_bw + expert_peak * (gb + wb) * (edp - 1) / edp / edp_bw)
-        dp_sync = sync * job.ppo_epochs * job.mini_batches
-        swap = 2.0 * swapped / accel.host_link_bytes_per_s * job.ppo_epochs * job.mini_batches
-        update = compute + bubble + a2a_update + tp_update + dp_sync + swap
-        logprob = fwd_compute + fwd_bubble + a2a_fwd + tp_pass
-        zeros = np.zeros(n)
-        ref_s = logprob if job.reference_model else zeros
-        old_s = zeros if job.skip_old_logprob else logprob
-        values_s = logprob if job.algorithm == "ppo" else zeros
-        if job.algorithm == "ppo":
-            update = update * 2  # critic update of the same size
-        uneven = (self.arch.num_layers % cand.pp) != 0
+        sync = (dense_peak * (dp * cp - 1) / (dp * cp) + expert_peak * (edp - 1) / edp) * (gb + wb) / stage_bw
+        steps = job.ppo_epochs * job.mini_batches
+        swap = 2.0 * swapped / accel.host_link_bytes_per_s * steps
+        update = (compute + bubble + a2a_update + tp_update + sync * steps + swap) * models
+        logprob = fwd_compute + fwd_bubble + per_pass + tp_pass
+        zeros = np.zeros(len(cand))
         return TrainEval(
             weights_bytes=weights[peak_idx],
             grads_bytes=grads[peak_idx],
             optimizer_bytes=opt[peak_idx],
             activations_bytes=act[peak_idx],
+            other_model_bytes=other_model[peak_idx],
             update_bytes=update_bytes,
             logprob_bytes=logprob_bytes,
             reference_bytes=reference_bytes,
+            kept_bytes=kept_max,
+            offloaded_bytes=moved,
+            reference_weight_bytes=ref_weights,
             host_bytes_per_node=host_per_node,
-            offloaded_bytes=offl,
             update_s=update,
-            reference_s=ref_s,
-            old_logprob_s=old_s,
-            values_s=values_s,
+            reference_s=logprob if job.reference_model else zeros,
+            old_logprob_s=zeros if job.skip_old_logprob else logprob,
+            values_s=logprob if job.algorithm == "ppo" else zeros,
             update_compute_s=compute,
             update_a2a_s=a2a_update,
-            update_comm_s=tp_update + dp_sync,
+            update_comm_s=tp_update + sync * steps,
             update_bubble_s=bubble,
-            micro_batches=m,
-            uneven_pp=uneven,
+            uneven_pp=(arch.num_layers % cand.pp) != 0,
         )
 
     def _stage_activation(self, tokens, n_moe, n_layers, imbalance, in_flight, is_last, transient=True):
@@ -366,6 +347,18 @@ class CostModel:
             held = tokens * in_flight * per_mb
         return held + is_last * tokens * self.act_output
 
+    def forward_flops_per_step(self) -> float:
+        """Model FLOPs of one forward pass over every token of the step: 2 per active matmul
+        parameter per token (PaLM appendix B) plus causal attention over the length distribution."""
+        job = self.job
+        return job.tokens_per_step * self.matmul_flops_per_token + job.num_sequences * self.train_pairs_per_seq * self.attn_flops_per_pair
+
+    def update_model_flops(self) -> float:
+        """Model FLOPs of the update (forward + backward = 3 forwards, per epoch; PPO adds the
+        critic), the numerator of the MFU verl reports; recomputation is not model FLOPs."""
+        models = 2.0 if self.job.algorithm == "ppo" else 1.0
+        return 3.0 * self.job.ppo_epochs * self.forward_flops_per_step() * models
+
     def saved_activation_bytes(self, tokens: float) -> float:
         """Bytes one forward pass over `tokens` tokens saves for backward on a single device (no
         parallelism, one micro-batch, balanced routing): what saved_tensors_hooks measure."""
@@ -379,9 +372,8 @@ class CostModel:
         return {"weights": float(te.weights_bytes[0]), "grads": float(te.grads_bytes[0]), "optimizer": float(te.optimizer_bytes[0])}
 
     @staticmethod
-    def _argmax_by_owner(values: np.ndarray, owner: np.ndarray, n: int) -> np.ndarray:
-        """Index into `values` of each owner's maximum (owners are contiguous, in order)."""
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(owner)) + 1])
+    def _argmax_by_owner(values: np.ndarray, starts: np.ndarray, owner: np.ndarray) -> np.ndarray:
+        """Index into `values` of each owner's maximum (owners contiguous, beginning at `starts`)."""
         best = np.maximum.reduceat(values, starts)
         hits = np.flatnonzero(values == best[owner])
         _, first = np.unique(owner[hits], return_index=True)
@@ -415,7 +407,7 @@ class CostModel:
     def kv_sequence_bytes(self, cand: RolloutCandidates, context: float) -> np.ndarray:
         """KV bytes of one sequence of `context` tokens on one device (windowed layers capped)."""
         kept = 0.0
-        for w, layers in self._window_groups():
+        for w, layers in self._groups:
             kept += layers * (context if w is None else min(context, w[1]))
         return self.kv_bytes_per_token(cand) * kept / self.arch.num_layers
 
@@ -424,6 +416,7 @@ class CostModel:
         tp = cand.tp.astype(float)
         inst = cand.instance.astype(float)
         dp = cand.dp.astype(float)
+        expert_parallel = cand.ep > 1
         weights = self.rollout_weight_bytes(cand)
         h = arch.hidden_size
         widest = max(arch.dense_intermediate, arch.moe.shared_intermediate, arch.moe.expert_intermediate * arch.moe.top_k)
@@ -432,64 +425,68 @@ class CostModel:
         budget = job.rollout_memory_utilization * accel.usable_bytes - weights - workspace - kept
         seq_max = self.kv_sequence_bytes(cand, job.max_sequence_tokens)
         live_ctx = job.prompt_tokens.mean + L.live_context_extra
-        seq_live = self.kv_sequence_bytes(cand, live_ctx)
-        capacity = np.maximum(budget, 0.0) / seq_live
-        instances = cand.instances.astype(float)
-        n_rank = job.num_sequences * job.rollout_oversampling / (instances * dp)
-        conc = np.minimum(n_rank, np.floor(capacity))
-        conc_safe = np.maximum(conc, 1.0)
+        capacity = np.maximum(budget, 0.0) / self.kv_sequence_bytes(cand, live_ctx)
+        n_rank = job.num_sequences * job.rollout_oversampling / (cand.instances.astype(float) * dp)
+        conc = np.maximum(np.minimum(n_rank, np.floor(capacity)), 1.0)
 
-        peak = accel.peak_flops(job.precision)
+        peak = accel.peak_flops("bf16")  # rollout engines serve bf16 whatever the training precision
         prompt = job.prompt_tokens.mean
         # prefill: compute-bound over the instance
         prefill_flops = n_rank * dp * (prompt * self.matmul_flops_per_token + self.prefill_pairs_per_seq * self.attn_flops_per_pair)
         prefill = prefill_flops / (inst * peak * kn.logprob_mfu)
 
         # decode: sum over step bins of the step time at the live batch
-        nonexpert_bytes = weights - self.routed_total / inst * 2.0
         expert_bytes_dev = self.routed_total / inst * 2.0
+        nonexpert_bytes = weights - expert_bytes_dev
         k_over_e = arch.moe.top_k / arch.moe.num_experts
         kv_tok = self.kv_bytes_per_token(cand)
+        inst_bw = accel.link_bytes_per_s(inst)
+        tp_bw = accel.link_bytes_per_s(tp)
+        # collectives beyond the scale-up domain pay RDMA latency: DeepEP's low-latency dispatch
+        # takes 77 us within an H800 node and 118-194 us across nodes (legacy README table)
+        layer_overhead = kn.decode_layer_overhead_s * np.where(inst > accel.scale_up_devices, 2.0, 1.0)
 
         def step_time(batch: np.ndarray, context: np.ndarray) -> np.ndarray:
             touched = 1.0 - (1.0 - k_over_e) ** (batch * dp)
-            kv_read = batch * kv_tok * self._span(context) / arch.num_layers
-            nbytes = nonexpert_bytes + expert_bytes_dev * touched + kv_read
-            flops = batch * (self.matmul_flops_per_token + self.attn_flops_per_pair * self._span(context)) / tp
+            span = self._span(context)
+            nbytes = nonexpert_bytes + expert_bytes_dev * touched + batch * kv_tok * span / arch.num_layers
+            flops = batch * (self.matmul_flops_per_token + self.attn_flops_per_pair * span) / tp
             t = np.maximum(nbytes / (accel.hbm_bytes_per_s * kn.decode_mbu), flops / (peak * kn.logprob_mfu))
-            return t + kn.decode_step_overhead_s + arch.num_layers * kn.decode_layer_overhead_s
+            # per layer: attention TP all-reduce; MoE dispatch + combine (EP) or all-reduce of the
+            # instance's tokens (experts tensor-parallel over the instance)
+            attn_comm = 2.0 * batch * h * 2.0 * (tp - 1) / tp / tp_bw
+            moe_comm = np.where(
+                expert_parallel,
+                2.0 * batch / tp * arch.moe.top_k * h * 2.0 * (inst - 1) / inst / inst_bw,
+                2.0 * batch * dp * h * 2.0 * (inst - 1) / inst / inst_bw,
+            )
+            comm = arch.num_layers * attn_comm + arch.num_moe_layers * moe_comm
+            return t + comm + kn.decode_step_overhead_s + arch.num_layers * layer_overhead
 
-        steps = L.bin_steps
         decode = np.zeros_like(tp)
-        for b in range(len(steps)):
-            batch = conc_safe * L.survival[b]
-            decode = decode + steps[b] * step_time(batch, np.full_like(tp, prompt + L.bin_mid[b]))
+        for steps, survival, mid in zip(L.bin_steps, L.survival, L.bin_mid):
+            decode = decode + steps * step_time(conc * survival, np.full_like(tp, prompt + mid))
         # more sequences than the KV pool holds: full-batch steps until the queue drains
-        extra_steps = np.maximum(n_rank - conc_safe, 0.0) * L.mean / conc_safe
-        decode = decode + extra_steps * step_time(conc_safe, np.full_like(tp, live_ctx))
-        total = prefill + decode
-        rollout_bytes = kept + weights + workspace + np.maximum(budget, 0.0)
+        extra_steps = np.maximum(n_rank - conc, 0.0) * L.mean / conc
+        decode = decode + extra_steps * step_time(conc, np.full_like(tp, live_ctx))
         return RolloutEval(
             weights_bytes=weights,
             workspace_bytes=workspace,
             kv_budget_bytes=budget,
             kv_per_sequence_bytes=seq_max,
-            kept_train_bytes=kept,
-            rollout_bytes=rollout_bytes,
             concurrency=conc,
+            sequences_per_rank=n_rank,
             prefill_s=prefill,
             decode_s=decode,
-            rollout_s=total,
+            rollout_s=prefill + decode,
         )
 
     # ---- switching between phases -----------------------------------------------------------
-    def switch_seconds(self, offloaded_bytes, rollout_weight_bytes, ref_weight_bytes=0.0) -> np.ndarray:
-        """Offload before rollout and onload before the update (host link, both ways), reference
-        onload/offload, resharding train -> rollout weights over the scale-up links, fixed costs."""
+    def switch_seconds(self, offloaded_bytes, rollout_weight_bytes, reference_weight_bytes, rollout_instance) -> np.ndarray:
+        """Offload before rollout and onload before the update, reference onload and offload (host
+        link, each both ways), resharding train -> rollout weights over the instance's links, and
+        the fixed engine costs (sleep/wake, cache release)."""
         accel = self.accel
-        host = accel.host_link_bytes_per_s
-        moved = 2.0 * np.asarray(offloaded_bytes, dtype=float)
-        if self.job.reference_model and self.job.colocated:
-            moved = moved + 2.0 * np.asarray(ref_weight_bytes, dtype=float)
-        reshard = np.asarray(rollout_weight_bytes, dtype=float) / accel.intra_node_bytes_per_s
-        return moved / host + reshard + self.knobs.switch_fixed_s
+        moved = 2.0 * (np.asarray(offloaded_bytes, dtype=float) + np.asarray(reference_weight_bytes, dtype=float))
+        reshard = np.asarray(rollout_weight_bytes, dtype=float) / accel.link_bytes_per_s(rollout_instance)
+        return moved / accel.host_link_bytes_per_s + reshard + self.knobs.switch_fixed_s

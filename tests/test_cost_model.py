@@ -1,0 +1,65 @@
+"""Properties of the cost model that follow from its formulas' sources."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.arch import Architecture
+from planner.catalog import load_accelerator, load_model, load_model_config
+from planner.cost.evaluate import evaluate, min_devices
+from planner.cost.layouts import TrainCandidates
+from planner.cost.model import CostModel
+from planner.specs import Job, Lengths, TrainLayout
+
+
+def test_tied_head_still_costs_its_matmul():
+    _, config = load_model_config("qwen3-30b-a3b")
+    untied = CostModel(Architecture.from_config(config), load_accelerator("h100-sxm"), Job())
+    tied = CostModel(Architecture.from_config({**config, "tie_word_embeddings": True}), load_accelerator("h100-sxm"), Job())
+    assert tied.matmul_flops_per_token == pytest.approx(untied.matmul_flops_per_token)
+
+
+def test_megatron_state_bytes_per_parameter():
+    """6 + 12/DP bytes per parameter with the distributed optimizer (Megatron-LM)."""
+    arch = load_model("mixtral-8x7b")
+    for dp in (1, 4):
+        model = CostModel(arch, load_accelerator("h100-sxm"), Job(distributed_optimizer=True, recompute="full"))
+        te = model.train(TrainCandidates.single(dp * 8, TrainLayout(tp=8, etp=8)))
+        per_param = (te.weights_bytes[0] + te.grads_bytes[0] + te.optimizer_bytes[0]) / (te.weights_bytes[0] / 2)
+        assert per_param == pytest.approx(6 + 12 / dp, rel=1e-6)
+
+
+def test_pruning_keeps_update_flops_and_cuts_states():
+    accel, job = load_accelerator("ascend-910b2"), Job()
+    full = CostModel(load_model("qwen3-30b-a3b"), accel, job)
+    proxy = CostModel(load_model("qwen3-30b-a3b", experts=32), accel, job)
+    # the router shrinks with K; everything a token multiplies otherwise stays
+    assert proxy.update_model_flops() == pytest.approx(full.update_model_flops(), rel=0.01)
+    def states(m: CostModel) -> float:
+        return sum(m.model_state_bytes().values())
+
+    assert states(proxy) / states(full) == pytest.approx(
+        (full.counts.total - full.counts.routed_experts * 0.75) / full.counts.total, rel=0.02
+    )
+
+
+def test_minimum_devices_fall_with_k_and_results_are_consistent():
+    accel, job = load_accelerator("ascend-910b2"), Job()
+    counts = [min_devices(load_model("qwen3-30b-a3b", experts=k), accel, job).num_devices for k in (128, 64, 32, 16)]
+    assert counts == sorted(counts, reverse=True) and counts[-1] < counts[0]
+    result = evaluate(load_model("qwen3-30b-a3b"), accel, job, counts[0])
+    assert result.feasible
+    assert result.memory_per_device_bytes[result.peak_phase]["total"] <= accel.usable_bytes
+    smaller = evaluate(load_model("qwen3-30b-a3b"), accel, job, counts[0] // 2)
+    assert not smaller.feasible and smaller.reasons
+
+
+def test_longer_responses_cost_more_rollout_and_update():
+    accel = load_accelerator("h100-sxm")
+    arch = load_model("qwen3-30b-a3b")
+    short = evaluate(arch, accel, Job(), 32)
+    long = evaluate(arch, accel, dataclasses.replace(Job(), response_tokens=Lengths(mean=3000, max=6144)), 32)
+    assert long.phase_times_s["rollout"] > short.phase_times_s["rollout"]
+    assert long.phase_times_s["update"] > short.phase_times_s["update"]

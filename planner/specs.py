@@ -156,7 +156,7 @@ _JOB_DOC = {
     "response_tokens": "{mean, max[, shape]}: response lengths; gamma-shaped, truncated at max",
     "precision": "bf16 | fp16 | fp32 (training compute and weights)",
     "recompute": "none | selective | full (activation recomputation in the update)",
-    "colocated": "actor, reference and rollout share the devices (time-shared)",
+    "colocated": "actor, reference and rollout share the devices (time-shared); false is not modelled yet",
     "offload": "{params, grads, optimizer}: moved to host while another phase runs",
     "reference_model": "a frozen reference model for the KL term (one forward pass per step)",
     "skip_old_logprob": "on-policy: the old log-prob pass is skipped (equals the detached current)",
@@ -168,7 +168,9 @@ _JOB_DOC = {
     "distributed_optimizer": "optimizer state sharded over data-parallel ranks (default true)",
     "optimizer_swap": "optimizer state lives in host memory and is swapped in for the step (MindSpeed swap_optimizer, verl optimizer_cpu_offload; default false)",
     "optimizer_moments": "fp32 | bf16 Adam moments (default fp32)",
-    "trainer_backend": "megatron | transformers: whose kernels set the activation memory (default megatron)",
+    "trainer_backend": "megatron | transformers (default megatron): whose kernels set the activation bytes, and the "
+    "bytes per parameter (megatron: bf16 weights, fp32 main grads, fp32 master + Adam moments; transformers: torch AdamW "
+    "on the model as loaded, grads and moments in the parameter dtype); sharding follows Megatron's rules for both",
     "rollout_memory_utilization": "fraction of usable device memory the rollout engine may take (default 0.85)",
     "expert_imbalance": "tokens on the busiest expert-parallel rank over the mean (default: the accelerator family's fitted value for real routers; 1.0 = forced balance)",
     "reward_s": "fixed time of the reward phase per step in seconds (default 0: rule-based, overlapped)",

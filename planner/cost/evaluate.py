@@ -112,11 +112,11 @@ class CostResult:
             "reasons": self.reasons,
             "notes": self.notes,
         }
-        if self.devices_per_card > 1:
-            out["units"] = (
-                f"num_cards, memory_per_card_bytes, accelerator_hours_per_step and tokens_per_s_per_card count "
-                f"{unit}s (the device torch_npu sees); one physical card holds {self.devices_per_card} {unit}s"
-            )
+        out["units"] = (
+            f"num_cards, memory_per_card_bytes, accelerator_hours_per_step and tokens_per_s_per_card count "
+            f"{unit}s, the devices the training framework sees; one physical card holds {self.devices_per_card} {unit}"
+            + ("s" if self.devices_per_card > 1 else "")
+        )
         return out
 
 

@@ -1,7 +1,9 @@
 """Parallel layouts as the frameworks accept them, as arrays for vectorised evaluation.
 
 Training (Megatron-Core rules): world = tp*pp*cp*dp; tp divides the attention heads and, for GQA,
-the kv heads (num_query_groups % tp == 0); pp <= layers (uneven splits allowed and reported); expert
+the kv heads (num_query_groups % tp == 0); pp <= layers; when pp does not divide the layers, stages
+get floor/ceil shares (MindSpeed's pipeline_num_transformer_layers list expresses any such split,
+Megatron-Core's first/last-stage layer counts some of them) and the result says so; expert
 parallelism borrows ranks from tp*cp*dp (ep*etp divides it) and ep divides the expert count K;
 etp divides the expert width.
 

@@ -9,6 +9,8 @@ __all__ = [
     "ConfigError",
     "LayoutError",
     "InfeasibleError",
+    "PlanError",
+    "CheckpointError",
 ]
 
 
@@ -38,5 +40,15 @@ class LayoutError(SpecError):
 
 class InfeasibleError(PlannerError):
     """No layout fits the memory (or the budget); the message says what would."""
+
+    exit_code = 2
+
+
+class PlanError(SpecError):
+    """A pruning plan that breaks a builder rule; the message names the rule and the numbers."""
+
+
+class CheckpointError(PlannerError):
+    """A checkpoint that cannot be read safely (corrupt, truncated, inconsistent with its config)."""
 
     exit_code = 2

@@ -22,6 +22,10 @@ Attention windows (`window_rule`): none; sliding_all (sliding_window, when set, 
 mixtral, phimoe); layer_types (sliding_window on layers typed sliding_attention: gpt_oss); chunked
 (attention_chunk_size on the RoPE layers of no_rope_layers: llama4).
 
+Aliases: transformers 5 config classes map some keys onto others (attribute_map) and save the mapped
+name, so a config.json may say num_local_experts where the published file says num_experts; both
+are read, and pruning rewrites whichever the file holds.
+
 Scoring (`scoring`), i.e. how gate values come out of router logits:
   softmax           softmax over all experts, then top-k (renormalised when norm_topk_prob)
   softmax_renorm    softmax over all, top-k, always renormalised (mixtral)
@@ -74,6 +78,7 @@ class Family:
     lm_head_bias_key: str | None = None
     mtp_key: str | None = None  # num_nextn_predict_layers
     window_rule: str = "none"  # none | sliding_all | layer_types | chunked
+    aliases: Mapping[str, str] = field(default_factory=dict)  # other config.json key -> the key read here
     defaults: Mapping[str, object] = field(default_factory=dict)
 
 
@@ -106,6 +111,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             ),
             Family(
                 model_type="qwen3_moe",
+                aliases={"num_local_experts": "num_experts"},
                 hf_class="Qwen3MoeForCausalLM",
                 experts_key="num_experts",
                 qkv_bias_key="attention_bias",
@@ -124,6 +130,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             ),
             Family(
                 model_type="mixtral",
+                aliases={"num_experts": "num_local_experts"},
                 hf_class="MixtralForCausalLM",
                 experts_key="num_local_experts",
                 expert_intermediate_key="intermediate_size",
@@ -135,6 +142,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             ),
             Family(
                 model_type="olmoe",
+                aliases={"num_local_experts": "num_experts"},
                 hf_class="OlmoeForCausalLM",
                 experts_key="num_experts",
                 qkv_bias_key="attention_bias",
@@ -151,6 +159,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             ),
             Family(
                 model_type="deepseek_v2",
+                aliases={"num_experts": "n_routed_experts"},
                 hf_class="DeepseekV2ForCausalLM",
                 experts_key="n_routed_experts",
                 attention="mla",
@@ -184,6 +193,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             ),
             Family(
                 model_type="deepseek_v3",
+                aliases={"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
                 hf_class="DeepseekV3ForCausalLM",
                 experts_key="n_routed_experts",
                 attention="mla",
@@ -218,6 +228,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             ),
             Family(
                 model_type="glm4_moe",
+                aliases={"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
                 hf_class="Glm4MoeForCausalLM",
                 experts_key="n_routed_experts",
                 qkv_bias_key="attention_bias",
@@ -248,6 +259,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             ),
             Family(
                 model_type="gpt_oss",
+                aliases={"num_experts": "num_local_experts"},
                 hf_class="GptOssForCausalLM",
                 experts_key="num_local_experts",
                 qkv_bias_key="attention_bias",
@@ -299,6 +311,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             ),
             Family(
                 model_type="ernie4_5_moe",
+                aliases={"num_experts": "moe_num_experts", "num_experts_per_tok": "moe_k"},
                 hf_class="Ernie4_5_MoeForCausalLM",
                 experts_key="moe_num_experts",
                 top_k_key="moe_k",

@@ -216,6 +216,9 @@ class _Reader:
         family default, else `default`; a required key with none of these is an error."""
         if key in self.config:
             return self.config[key]
+        for alias, canonical in self.family.aliases.items():
+            if canonical == key and alias in self.config:
+                return self.config[alias]
         if self.family.defaults.get(key) is not None:
             return self.family.defaults[key]
         if default is not _MISSING:
@@ -430,14 +433,15 @@ def config_with_experts(config: Mapping[str, Any], num_experts: int) -> dict:
     """
     out = dict(config)
     model_type = out.get("model_type")
-    if model_type in TEXT_CONFIG_WRAPPERS:
-        text = dict(out["text_config"])
-        family = FAMILIES[TEXT_CONFIG_WRAPPERS[model_type]]
-        text[family.experts_key] = int(num_experts)
-        out["text_config"] = text
-        return out
-    family = FAMILIES.get(str(model_type))
+    wrapped = model_type in TEXT_CONFIG_WRAPPERS
+    family = FAMILIES.get(TEXT_CONFIG_WRAPPERS.get(model_type, str(model_type)))
     if family is None:
         raise ConfigError(f"model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}")
-    out[family.experts_key] = int(num_experts)
+    target = dict(out["text_config"]) if wrapped else out
+    keys = [family.experts_key, *(a for a, c in family.aliases.items() if c == family.experts_key)]
+    present = [k for k in keys if k in target] or [family.experts_key]
+    for key in present:
+        target[key] = int(num_experts)
+    if wrapped:
+        out["text_config"] = target
     return out

@@ -1,0 +1,265 @@
+"""Write the proxy checkpoint a plan describes: streamed, sliced, renumbered, verified, atomic.
+
+Every rule is checked before a byte is written. Each source shard becomes at most one output shard
+holding its kept tensors: whole tensors and kept expert rows are copied as byte ranges (kernel-side
+where the platform allows), so memory stays bounded by one copy chunk and dropped experts are never
+read. The result goes to OUT_DIR.tmp and is renamed to OUT_DIR only once it is complete and has
+passed verification; an existing OUT_DIR is replaced only with force.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from planner import __version__
+from planner.arch import config_with_experts
+from planner.checkpoint.reader import INDEX_NAME, SINGLE_NAME, Checkpoint, MoELayer
+from planner.checkpoint.safetensors import DTYPE_BYTES, OutTensor, Segment, TensorInfo, write_shard
+from planner.errors import CheckpointError, PlanError, SpecError
+from planner.plan import Plan
+
+__all__ = ["BuildReport", "build", "EXPERT_MAP_NAME"]
+
+log = logging.getLogger(__name__)
+EXPERT_MAP_NAME = "expert_map.json"
+_SKIP_FILES = {INDEX_NAME, SINGLE_NAME, "config.json", EXPERT_MAP_NAME}
+
+
+@dataclass
+class BuildReport:
+    out_dir: Path
+    experts: int
+    original_experts: int
+    tensors_written: int
+    bytes_written: int
+    bytes_skipped: int  # dropped experts, never read
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+    verification: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "out_dir": str(self.out_dir),
+            "experts": self.experts,
+            "original_experts": self.original_experts,
+            "tensors_written": self.tensors_written,
+            "bytes_written": self.bytes_written,
+            "bytes_skipped": self.bytes_skipped,
+            "seconds": round(self.seconds, 3),
+            "warnings": self.warnings,
+            "verification": self.verification,
+        }
+
+
+def _slice(info: TensorInfo, dim: int, keep: tuple[int, ...], name: str | None = None) -> OutTensor:
+    """The tensor restricted to indices `keep` along `dim`, as byte ranges of the source."""
+    shape = info.shape
+    outer = math.prod(shape[:dim])
+    inner = math.prod(shape[dim + 1 :]) * DTYPE_BYTES[info.dtype]
+    if inner != int(inner):
+        raise CheckpointError(f"{info.name}: cannot slice {info.dtype} along dim {dim}: rows are not whole bytes")
+    inner = int(inner)
+    segments: list[Segment] = []
+    for o in range(outer):
+        base = info.begin + o * shape[dim] * inner
+        for k in keep:
+            start = base + k * inner
+            if segments and segments[-1].offset + segments[-1].length == start:
+                last = segments.pop()
+                segments.append(Segment(info.path, last.offset, last.length + inner))
+            else:
+                segments.append(Segment(info.path, start, inner))
+    new_shape = shape[:dim] + (len(keep),) + shape[dim + 1 :]
+    return OutTensor(name or info.name, info.dtype, new_shape, tuple(segments))
+
+
+def _whole(info: TensorInfo, name: str | None = None) -> OutTensor:
+    return OutTensor(name or info.name, info.dtype, info.shape, (Segment(info.path, info.begin, info.nbytes),))
+
+
+def _layer_of(name: str, prefix: str) -> int | None:
+    if not name.startswith(prefix + "."):
+        return None
+    head = name[len(prefix) + 1 :].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _plan_tensors(ckpt: Checkpoint, plan: Plan) -> tuple[dict[str, list[OutTensor]], int]:
+    """Output tensors per source shard, and the source bytes left unread."""
+    moe_by_name: dict[str, tuple[MoELayer, str]] = {}
+    for layer in ckpt.moe_layers.values():
+        for ex in layer.experts.values():
+            for suffix, t in ex.items():
+                moe_by_name[t.name] = (layer, "expert")
+        for t in layer.fused.values():
+            moe_by_name[t.name] = (layer, "fused")
+        for kind in ("router", "router_bias", "correction_bias"):
+            t = getattr(layer, kind)
+            if t is not None:
+                moe_by_name[t.name] = (layer, kind)
+    mtp_start = ckpt.arch.num_layers
+    out: dict[str, list[OutTensor]] = {}
+    skipped = 0
+    for shard_name, shard in ckpt.shards.items():
+        tensors = []
+        for info in sorted(shard.tensors.values(), key=lambda t: t.begin):
+            layer_idx = _layer_of(info.name, ckpt.layer_prefix)
+            if layer_idx is not None and layer_idx >= mtp_start and plan.mtp == "drop":
+                skipped += info.nbytes
+                continue
+            hit = moe_by_name.get(info.name)
+            if hit is None:
+                tensors.append(_whole(info))
+                continue
+            layer, kind = hit
+            keep = plan.layers[layer.index]
+            if kind == "expert":
+                rest = info.name[len(layer.prefix) + len(".experts.") :]
+                eid, suffix = rest.split(".", 1)
+                if int(eid) in keep:
+                    tensors.append(_whole(info, f"{layer.prefix}.experts.{keep.index(int(eid))}.{suffix}"))
+                else:
+                    skipped += info.nbytes
+            elif kind == "correction_bias":
+                tensors.append(_slice(info, layer.correction_dim, keep))
+                skipped += info.nbytes - tensors[-1].nbytes
+            else:  # router rows, router bias, fused expert tensors: experts on dim 0
+                tensors.append(_slice(info, 0, keep))
+                skipped += info.nbytes - tensors[-1].nbytes
+        out[shard_name] = tensors
+    return out, skipped
+
+
+def _new_config(ckpt: Checkpoint, plan: Plan) -> dict:
+    config = config_with_experts(ckpt.config, plan.experts)
+    if plan.mtp == "drop" and any(layer.mtp for layer in ckpt.moe_layers.values()):
+        target = config["text_config"] if ckpt.text_wrapper else config
+        target["num_nextn_predict_layers"] = 0
+    return config
+
+
+def _expert_map(ckpt: Checkpoint, plan: Plan, report_warnings: list[str]) -> dict:
+    return {
+        "schema": "planner.expert_map/1",
+        "planner_version": __version__,
+        "source": {"path": str(ckpt.path), "fingerprint": ckpt.fingerprint()},
+        "model": plan.model,
+        "original_experts": plan.original_experts,
+        "experts": plan.experts,
+        "method": plan.method,
+        "feature_spec": plan.feature_spec,
+        "seed": plan.seed,
+        "rule": "kept experts are real (unmerged) original experts renumbered 0..K-1 in ascending original id; "
+        "router rows, router biases and correction biases sliced alike",
+        "mtp": {
+            "layers": [i for i, layer in ckpt.moe_layers.items() if layer.mtp],
+            "choice": plan.mtp if any(layer.mtp for layer in ckpt.moe_layers.values()) else "none (no MTP layer in the checkpoint)",
+        },
+        "layers": {
+            str(i): {
+                "kept": list(ids),
+                "new_id_of": {str(orig): new for new, orig in enumerate(ids)},
+                "labels": list(plan.labels[i]) if plan.labels and i in plan.labels else None,
+            }
+            for i, ids in sorted(plan.layers.items())
+        },
+        "plan_sha256": hashlib.sha256(plan.to_yaml().encode()).hexdigest(),
+        "warnings": report_warnings,
+    }
+
+
+def _write_atomic_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def build(
+    ckpt: Checkpoint,
+    plan: Plan,
+    out_dir: str | Path,
+    *,
+    force: bool = False,
+    verify: str = "auto",
+    progress: Callable[[int, int], None] | None = None,
+) -> BuildReport:
+    """Build the proxy into `out_dir`. `verify`: auto (load in transformers when the checkpoint is
+    small enough), always, never (structural checks run in every case)."""
+    start = time.perf_counter()
+    out_dir = Path(out_dir).expanduser()
+    warnings = plan.check(ckpt.arch, list(ckpt.moe_layers))
+    if plan.checkpoint_fingerprint and plan.checkpoint_fingerprint != ckpt.fingerprint():
+        raise PlanError(
+            f"the plan was made for checkpoint {plan.checkpoint_fingerprint[:12]}..., this one is "
+            f"{ckpt.fingerprint()[:12]}...; make the plan again from this checkpoint"
+        )
+    if out_dir.exists() and not force:
+        raise SpecError(f"{out_dir} exists; pass --force to replace it")
+    if out_dir.resolve() == ckpt.path.resolve():
+        raise SpecError(f"{out_dir} is the source checkpoint; choose another output directory")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        per_shard, skipped = _plan_tensors(ckpt, plan)
+        non_empty = [(name, ts) for name, ts in per_shard.items() if ts]
+        total = sum(t.nbytes for _, ts in non_empty for t in ts)
+        written = 0
+        weight_map: dict[str, str] = {}
+        for i, (_, tensors) in enumerate(non_empty):
+            name = SINGLE_NAME if len(non_empty) == 1 else f"model-{i + 1:05d}-of-{len(non_empty):05d}.safetensors"
+            written += write_shard(tmp / name, tensors, {"format": "pt"})
+            weight_map.update({t.name: name for t in tensors})
+            if progress:
+                progress(written, total)
+        if len(non_empty) > 1:
+            _write_atomic_json(tmp / INDEX_NAME, {"metadata": {"total_size": written}, "weight_map": weight_map})
+        _write_atomic_json(tmp / "config.json", _new_config(ckpt, plan))
+        for item in sorted(ckpt.path.iterdir()):
+            if item.is_file() and not item.is_symlink() and item.name not in _SKIP_FILES and item.suffix != ".safetensors":
+                shutil.copy2(item, tmp / item.name)
+        _write_atomic_json(tmp / EXPERT_MAP_NAME, _expert_map(ckpt, plan, warnings))
+
+        proxy = Checkpoint(tmp)  # structural verification: headers, index, shapes and counts vs config
+        if proxy.arch.moe.num_experts != plan.experts or any(l.num_experts != plan.experts for l in proxy.moe_layers.values()):
+            raise CheckpointError(f"{tmp}: the written checkpoint does not hold {plan.experts} experts per MoE layer")
+        verification = {"structure": "ok"}
+        if verify == "always" or (verify == "auto" and ckpt.total_bytes <= 4 * 1024**3):
+            from planner.checkpoint.verify import verify_proxy
+
+            verification.update(verify_proxy(ckpt.path, tmp, plan))
+        else:
+            verification["load"] = "skipped (checkpoint above 4 GiB or verify=never)"
+        data = json.loads((tmp / EXPERT_MAP_NAME).read_text())
+        data["verification"] = verification
+        _write_atomic_json(tmp / EXPERT_MAP_NAME, data)
+        if out_dir.exists():
+            old = out_dir.with_name(out_dir.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return BuildReport(
+        out_dir=out_dir,
+        experts=plan.experts,
+        original_experts=plan.original_experts,
+        tensors_written=len(weight_map),
+        bytes_written=written,
+        bytes_skipped=skipped,
+        seconds=time.perf_counter() - start,
+        warnings=warnings,
+        verification=verification,
+    )

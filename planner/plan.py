@@ -1,0 +1,185 @@
+"""The pruning plan: which original experts each MoE layer keeps. Frozen, validated, YAML in/out.
+
+A plan with ids is built exactly as written. Kept ids are renumbered 0..K-1 in ascending original
+order, which keeps every routing group's experts together. The rules (DESIGN.md section 5) are
+checked against the model before anything is written; a violation names the rule and the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from planner.arch import Architecture
+from planner.errors import PlanError, SpecError
+
+__all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "METHODS"]
+
+PLAN_SCHEMA = "planner.plan/1"
+METHODS = ("agglomerative", "kmeans", "router", "saliency", "frequency", "random", "manual")
+_KEYS = ("schema", "model", "experts", "original_experts", "method", "mtp", "checkpoint_fingerprint",
+         "target_ep", "seed", "feature_spec", "layers", "labels")  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: str
+    experts: int  # K, the same in every MoE layer
+    original_experts: int
+    layers: Mapping[int, tuple[int, ...]]  # MoE layer index -> kept original expert ids, ascending
+    method: str = "manual"
+    mtp: str = "drop"  # drop the MTP layers, or prune them with their own kept ids
+    checkpoint_fingerprint: str | None = None
+    target_ep: tuple[int, ...] = ()  # EP sizes the proxy must run with
+    seed: int | None = None
+    feature_spec: str | None = None
+    labels: Mapping[int, tuple[int, ...]] | None = None  # cluster of every original expert, per layer
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise SpecError(f"plan: method {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.mtp not in ("drop", "prune"):
+            raise SpecError(f"plan: mtp must be drop or prune, got {self.mtp!r}")
+        object.__setattr__(self, "layers", {int(k): tuple(sorted(int(i) for i in v)) for k, v in self.layers.items()})
+        if self.labels is not None:
+            object.__setattr__(self, "labels", {int(k): tuple(int(i) for i in v) for k, v in self.labels.items()})
+
+    # ---- rules --------------------------------------------------------------------------------
+    def check(self, arch: Architecture, moe_layers: list[int] | None = None) -> list[str]:
+        """Raise PlanError on the first broken rule; return warnings (which do not block a build).
+
+        `moe_layers` lists the MoE layers the checkpoint holds (MTP layers included when present);
+        default: the architecture's trunk MoE layers."""
+        moe = arch.moe
+        e, k = arch.original_num_experts, self.experts
+        if self.original_experts != e:
+            raise PlanError(f"plan is for {self.original_experts} experts per layer; the model has {e}")
+        if k > e or k < 1:
+            raise PlanError(f"rule 1 <= K <= E: K={k}, E={e}")
+        if moe.top_k > k:
+            raise PlanError(f"rule top_k <= K: top_k={moe.top_k} > K={k}")
+        if moe.grouped:
+            g = moe.n_group
+            if k % g:
+                raise PlanError(f"rule K % n_group == 0: K={k}, n_group={g}")
+            if k // g < 2:
+                raise PlanError(f"rule K/n_group >= 2 (group scores sum each group's top-2): K/n_group={k // g}")
+            if moe.topk_group * (k // g) < moe.top_k:
+                raise PlanError(
+                    f"rule topk_group*K/n_group >= top_k: {moe.topk_group}*{k // g}={moe.topk_group * (k // g)} < top_k={moe.top_k}"
+                )
+        for ep in self.target_ep:
+            if k % ep:
+                raise PlanError(f"rule K % EP == 0 for the declared layout: K={k}, EP={ep}")
+        expected = sorted(moe_layers if moe_layers is not None else arch.moe_layers)
+        trunk_only = [i for i in expected if i < arch.num_layers]
+        want = expected if self.mtp == "prune" else trunk_only
+        have = sorted(self.layers)
+        if have != want:
+            missing = sorted(set(want) - set(have))
+            extra = sorted(set(have) - set(want))
+            raise PlanError(
+                f"rule one kept set per MoE layer: the plan lists layers {_span(have)}, the model's MoE layers are "
+                f"{_span(want)} (missing {missing[:6]}, extra {extra[:6]})"
+            )
+        for layer, ids in self.layers.items():
+            if len(ids) != k or len(set(ids)) != k:
+                raise PlanError(
+                    f"rule one K for every MoE layer: layer {layer} keeps {len(set(ids))} distinct experts, K={k}"
+                )
+            bad = [i for i in ids if not 0 <= i < e]
+            if bad:
+                raise PlanError(f"rule expert ids in 0..E-1: layer {layer} keeps {bad[:5]}, E={e}")
+            if moe.grouped:
+                per = e // moe.n_group
+                counts = [sum(1 for i in ids if i // per == grp) for grp in range(moe.n_group)]
+                if any(c != k // moe.n_group for c in counts):
+                    raise PlanError(
+                        f"rule equal experts per routing group: layer {layer} keeps {counts} per group, "
+                        f"each group must keep K/n_group={k // moe.n_group}"
+                    )
+        warnings = []
+        if k & (k - 1):
+            warnings.append(f"K={k} is not a power of two: fused grouped-gate kernels (sglang, vLLM) want one")
+        if k < 4 * moe.top_k:
+            warnings.append(
+                f"K/top_k = {k}/{moe.top_k} < 4: routing is nearly dense and loses the fragility behind mismatch faults"
+            )
+        return warnings
+
+    # ---- YAML ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schema": PLAN_SCHEMA,
+            "model": self.model,
+            "experts": self.experts,
+            "original_experts": self.original_experts,
+            "method": self.method,
+            "mtp": self.mtp,
+        }
+        for key in ("checkpoint_fingerprint", "seed", "feature_spec"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.target_ep:
+            out["target_ep"] = list(self.target_ep)
+        out["layers"] = {int(i): list(ids) for i, ids in sorted(self.layers.items())}
+        if self.labels is not None:
+            out["labels"] = {int(i): list(lab) for i, lab in sorted(self.labels.items())}
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=120)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "plan") -> "Plan":
+        if not isinstance(data, Mapping):
+            raise SpecError(f"{where}: expected a mapping")
+        unknown = [k for k in data if k not in _KEYS]
+        if unknown:
+            raise SpecError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(_KEYS)}")
+        if data.get("schema", PLAN_SCHEMA) != PLAN_SCHEMA:
+            raise SpecError(f"{where}: schema {data.get('schema')!r} is not {PLAN_SCHEMA}")
+        missing = [k for k in ("model", "experts", "original_experts", "layers") if k not in data]
+        if missing:
+            raise SpecError(f"{where}: missing required key(s) {', '.join(missing)}")
+        layers = data["layers"]
+        if not isinstance(layers, Mapping) or not all(isinstance(v, (list, tuple)) for v in layers.values()):
+            raise SpecError(f"{where}: layers must map each MoE layer index to a list of kept expert ids")
+        try:
+            return cls(
+                model=str(data["model"]),
+                experts=int(data["experts"]),
+                original_experts=int(data["original_experts"]),
+                layers={int(k): tuple(int(i) for i in v) for k, v in layers.items()},
+                method=str(data.get("method", "manual")),
+                mtp=str(data.get("mtp", "drop")),
+                checkpoint_fingerprint=data.get("checkpoint_fingerprint"),
+                target_ep=tuple(int(x) for x in data.get("target_ep", ()) or ()),
+                seed=data.get("seed"),
+                feature_spec=data.get("feature_spec"),
+                labels={int(k): tuple(int(i) for i in v) for k, v in data["labels"].items()} if data.get("labels") else None,
+            )
+        except (TypeError, ValueError) as exc:
+            raise SpecError(f"{where}: {exc}") from None
+
+
+def _span(ids: list[int]) -> str:
+    if not ids:
+        return "[]"
+    if ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}..{ids[-1]}"
+    return str(ids[:8]) + ("..." if len(ids) > 8 else "")
+
+
+def load_plan(path: str | Path) -> Plan:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except OSError as exc:
+        raise SpecError(f"cannot read plan {p}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{p}: not valid YAML: {exc}") from None
+    return Plan.from_dict(data, where=str(p))

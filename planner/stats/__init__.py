@@ -1,0 +1,1 @@
+"""Expert statistics: weight sketches, calibration features, clustering, per-plan statistics."""

@@ -1,0 +1,280 @@
+"""The proxy builder on real checkpoints saved by transformers: round trips, rules, bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from checkpoints import add_mtp_layer, corrupt_header_length, family_config, save_tiny  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+from planner.checkpoint import EXPERT_MAP_NAME, Checkpoint, build  # noqa: E402
+from planner.errors import CheckpointError, PlanError, SpecError  # noqa: E402
+from planner.plan import Plan, load_plan  # noqa: E402
+
+FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
+            "llama4_text", "ernie4_5_moe", "phimoe"]  # fmt: skip
+
+
+def even_plan(ckpt: Checkpoint, k: int, **kw) -> Plan:
+    """Keep the last k experts of every MoE layer (the first k/n_group of every group when grouped)."""
+    arch = ckpt.arch
+    e, g = arch.original_num_experts, arch.moe.n_group
+    per, kg = e // g, k // g
+    ids = [grp * per + per - kg + j for grp in range(g) for j in range(kg)]
+    layers = [i for i, layer in ckpt.moe_layers.items() if kw.get("mtp") == "prune" or not layer.mtp]
+    return Plan(model=arch.name, experts=k, original_experts=e, layers={i: ids for i in layers}, **kw)
+
+
+def keys(path) -> set[str]:
+    out = set()
+    for f in path.glob("*.safetensors"):
+        with safe_open(f, "np") as fh:
+            out |= set(fh.keys())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "single"])
+def test_round_trip(tmp_path, family, sharded):
+    source = save_tiny(tmp_path / "src", family_config(family), sharded=sharded)
+    ckpt = Checkpoint(source)
+    e = ckpt.arch.original_num_experts
+    for k in sorted({e, *ckpt.arch.legal_expert_counts()[:2]}):
+        out = tmp_path / f"k{k}"
+        report = build(ckpt, even_plan(ckpt, k), out, verify="always")
+        v = report.verification
+        assert v["load"] == "strict ok" and v["forward"] == "finite" and v["generated_tokens"] == 4
+        if k == e:
+            assert v["logits"] == "bit-identical to the original" and report.bytes_skipped == 0
+        else:
+            assert v["kl_original_proxy"] >= 0 and report.bytes_skipped > 0
+        config = json.loads((out / "config.json").read_text())
+        original = json.loads((source / "config.json").read_text())
+        changed = {key for key in config if config[key] != original.get(key)}
+        assert changed <= {ckpt.arch.moe.experts_key, "num_local_experts", "num_experts"} and (changed or k == e)
+        assert (out / "tokenizer_config.json").is_file() and (out / "generation_config.json").is_file()
+        emap = json.loads((out / EXPERT_MAP_NAME).read_text())
+        assert emap["experts"] == k and emap["source"]["fingerprint"] == ckpt.fingerprint()
+        assert all(len(layer["kept"]) == k for layer in emap["layers"].values())
+        assert (out / "model.safetensors.index.json").is_file() == sharded
+        assert not (tmp_path / f"k{k}.tmp").exists()
+
+
+def test_kept_experts_are_copied_bit_for_bit_and_renumbered(tmp_path):
+    source = save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=True)
+    ckpt = Checkpoint(source)
+    plan = Plan(model="q", experts=4, original_experts=8, layers={i: [7, 1, 4, 2] for i in ckpt.moe_layers})
+    build(ckpt, plan, tmp_path / "out", verify="never")
+    proxy = Checkpoint(tmp_path / "out")
+    for layer in ckpt.moe_layers:
+        old, new = ckpt.moe_layers[layer], proxy.moe_layers[layer]
+        for new_id, orig in enumerate([1, 2, 4, 7]):
+            for suffix, info in new.experts[new_id].items():
+                assert proxy.read_bytes(info) == ckpt.read_bytes(old.experts[orig][suffix])
+        router_old, router_new = ckpt.read_float32(old.router), proxy.read_float32(new.router)
+        assert (router_new == router_old[[1, 2, 4, 7]]).all()
+
+
+def test_correction_bias_stays_fp32_and_is_sliced(tmp_path):
+    source = save_tiny(tmp_path / "src", family_config("deepseek_v3"), sharded=False, dtype=__import__("torch").bfloat16)
+    ckpt = Checkpoint(source)
+    plan = even_plan(ckpt, 4)
+    build(ckpt, plan, tmp_path / "out", verify="never")
+    proxy = Checkpoint(tmp_path / "out")
+    for i, layer in proxy.moe_layers.items():
+        assert layer.correction_bias.dtype == "F32" and layer.correction_bias.shape == (4,)
+        assert layer.router.dtype == "F32"
+        full = ckpt.read_float32(ckpt.moe_layers[i].correction_bias)
+        assert (proxy.read_float32(layer.correction_bias) == full[list(plan.layers[i])]).all()
+
+
+def test_mtp_dropped_or_pruned(tmp_path):
+    source = save_tiny(tmp_path / "src", family_config("deepseek_v3"), sharded=False)
+    add_mtp_layer(source)
+    ckpt = Checkpoint(source)
+    n = ckpt.arch.num_layers
+    assert ckpt.moe_layers[n].mtp
+    build(ckpt, even_plan(ckpt, 4), tmp_path / "drop", verify="always")
+    assert not any(k.startswith(f"model.layers.{n}.") for k in keys(tmp_path / "drop"))
+    assert json.loads((tmp_path / "drop" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert json.loads((tmp_path / "drop" / EXPERT_MAP_NAME).read_text())["mtp"] == {"layers": [n], "choice": "drop"}
+    plan = even_plan(ckpt, 4, mtp="prune")
+    report = build(ckpt, plan, tmp_path / "prune", verify="always")
+    assert report.verification["load"] == "strict ok"
+    proxy = Checkpoint(tmp_path / "prune")
+    assert proxy.moe_layers[n].num_experts == 4 and proxy.moe_layers[n].router.shape[0] == 4
+    assert f"model.layers.{n}.eh_proj.weight" in keys(tmp_path / "prune")
+
+
+# ---- rules: each violation names the rule and writes nothing --------------------------------------
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    path = tmp_path_factory.mktemp("grouped")
+    config = family_config("deepseek_v3", n_group=2, topk_group=1, num_experts_per_tok=3)
+    return Checkpoint(save_tiny(path / "src", config, sharded=False))
+
+
+def _violation(ckpt, tmp_path, plan, message):
+    with pytest.raises((PlanError, SpecError)) as err:
+        build(ckpt, plan, tmp_path / "out", verify="never")
+    assert message in str(err.value)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_rule_top_k_at_most_k(grouped, tmp_path):
+    plan = Plan(model="g", experts=2, original_experts=8, layers={i: [0, 4] for i in grouped.moe_layers})
+    _violation(grouped, tmp_path, plan, "rule top_k <= K: top_k=3 > K=2")
+
+
+def test_rule_k_multiple_of_groups(grouped, tmp_path):
+    plan = Plan(model="g", experts=5, original_experts=8, layers={i: [0, 1, 2, 4, 5] for i in grouped.moe_layers})
+    _violation(grouped, tmp_path, plan, "rule K % n_group == 0: K=5, n_group=2")
+
+
+def test_rule_topk_group_reach(grouped, tmp_path):
+    plan = Plan(model="g", experts=4, original_experts=8, layers={i: [0, 1, 4, 5] for i in grouped.moe_layers})
+    _violation(grouped, tmp_path, plan, "rule topk_group*K/n_group >= top_k: 1*2=2 < top_k=3")
+
+
+def test_rule_two_per_group(tmp_path):
+    ckpt = Checkpoint(save_tiny(tmp_path / "src", family_config("deepseek_v3", n_group=4, topk_group=4), sharded=False))
+    plan = Plan(model="g", experts=4, original_experts=8, layers={i: [0, 2, 4, 6] for i in ckpt.moe_layers})
+    _violation(ckpt, tmp_path, plan, "rule K/n_group >= 2")
+
+
+def test_rule_equal_per_group(grouped, tmp_path):
+    plan = Plan(model="g", experts=6, original_experts=8, layers={i: [0, 1, 2, 3, 4, 5] for i in grouped.moe_layers})
+    _violation(grouped, tmp_path, plan, "rule equal experts per routing group: layer 1 keeps [4, 2]")
+
+
+def test_rule_one_k_per_layer(tmp_path):
+    ckpt = Checkpoint(save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False))
+    layers = {i: [0, 1, 2, 3] for i in ckpt.moe_layers}
+    layers[max(layers)] = [0, 1, 2]
+    plan = Plan(model="q", experts=4, original_experts=8, layers=layers)
+    _violation(ckpt, tmp_path, plan, "rule one K for every MoE layer: layer 4 keeps 3 distinct experts, K=4")
+
+
+def test_rule_every_moe_layer_listed(tmp_path):
+    ckpt = Checkpoint(save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False))
+    plan = Plan(model="q", experts=4, original_experts=8, layers={0: [0, 1, 2, 3]})
+    _violation(ckpt, tmp_path, plan, "rule one kept set per MoE layer")
+
+
+def test_rule_k_divisible_by_declared_ep(tmp_path):
+    ckpt = Checkpoint(save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False))
+    plan = Plan(model="q", experts=6, original_experts=8, layers={i: list(range(6)) for i in ckpt.moe_layers}, target_ep=(4,))
+    _violation(ckpt, tmp_path, plan, "rule K % EP == 0 for the declared layout: K=6, EP=4")
+
+
+def test_rule_ids_in_range(tmp_path):
+    ckpt = Checkpoint(save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False))
+    plan = Plan(model="q", experts=4, original_experts=8, layers={i: [0, 1, 2, 9] for i in ckpt.moe_layers})
+    _violation(ckpt, tmp_path, plan, "rule expert ids in 0..E-1")
+
+
+def test_plan_for_another_checkpoint_is_refused(tmp_path):
+    ckpt = Checkpoint(save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False))
+    plan = even_plan(ckpt, 4, checkpoint_fingerprint="0" * 64)
+    _violation(ckpt, tmp_path, plan, "the plan was made for checkpoint 000000000000")
+
+
+def test_existing_output_needs_force(tmp_path):
+    ckpt = Checkpoint(save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(SpecError, match="exists; pass --force"):
+        build(ckpt, even_plan(ckpt, 4), tmp_path / "out", verify="never")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    build(ckpt, even_plan(ckpt, 4), tmp_path / "out", force=True, verify="never")
+    assert not (tmp_path / "out" / "keep.txt").exists() and Checkpoint(tmp_path / "out").arch.moe.num_experts == 4
+
+
+def test_plan_round_trips_through_yaml(tmp_path):
+    plan = Plan(model="q", experts=4, original_experts=8, layers={0: [5, 1, 2, 3]}, method="saliency",
+                labels={0: [0, 1, 2, 3, 3, 0, 1, 2]}, seed=3)  # fmt: skip
+    path = tmp_path / "plan.yaml"
+    path.write_text(plan.to_yaml())
+    assert load_plan(path) == plan and plan.layers[0] == (1, 2, 3, 5)
+
+
+# ---- bad checkpoints: a clear error and no OUT_DIR ------------------------------------------------
+
+@pytest.fixture
+def sharded_source(tmp_path):
+    return save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=True)
+
+
+def _bad(source, tmp_path, message):
+    with pytest.raises((CheckpointError, SpecError)) as err:
+        build(Checkpoint(source), Plan(model="q", experts=4, original_experts=8, layers={}), tmp_path / "out")
+    assert message in str(err.value)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_truncated_header(sharded_source, tmp_path):
+    shard = sorted(sharded_source.glob("*.safetensors"))[0]
+    corrupt_header_length(shard, shard.stat().st_size * 2)
+    _bad(sharded_source, tmp_path, "truncated header")
+
+
+def test_header_data_length_mismatch(sharded_source, tmp_path):
+    shard = sorted(sharded_source.glob("*.safetensors"))[1]
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [header[name]["shape"][0] + 1] + header[name]["shape"][1:]
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    shard.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n :])
+    _bad(sharded_source, tmp_path, "header/data length mismatch")
+
+
+def test_truncated_data(sharded_source, tmp_path):
+    shard = sorted(sharded_source.glob("*.safetensors"))[2]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    _bad(sharded_source, tmp_path, "truncated file?")
+
+
+def test_missing_shard(sharded_source, tmp_path):
+    sorted(sharded_source.glob("*.safetensors"))[-1].unlink()
+    _bad(sharded_source, tmp_path, "is missing")
+
+
+def test_weight_map_escaping_the_directory(sharded_source, tmp_path):
+    index = sharded_source / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    name = next(iter(doc["weight_map"]))
+    doc["weight_map"][name] = "../elsewhere.safetensors"
+    index.write_text(json.dumps(doc))
+    _bad(sharded_source, tmp_path, "escapes the checkpoint directory")
+
+
+def test_shape_disagreeing_with_config(sharded_source, tmp_path):
+    config = json.loads((sharded_source / "config.json").read_text())
+    config["moe_intermediate_size"] = 40
+    (sharded_source / "config.json").write_text(json.dumps(config))
+    _bad(sharded_source, tmp_path, "gate_proj.weight has shape [24, 48], config.json implies [40, 48]")
+
+
+def test_expert_count_disagreeing_with_config(sharded_source, tmp_path):
+    config = json.loads((sharded_source / "config.json").read_text())
+    config["num_local_experts"] = 16
+    (sharded_source / "config.json").write_text(json.dumps(config))
+    _bad(sharded_source, tmp_path, "router has 8 rows, config.json says 16 experts")
+
+
+def test_pickled_weights_are_never_loaded(tmp_path):
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps(family_config("qwen3_moe")))
+    (source / "pytorch_model.bin").write_bytes(b"\x80\x04not for unpickling")
+    with pytest.raises(CheckpointError, match="pickled weights are never loaded"):
+        Checkpoint(source)

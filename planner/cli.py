@@ -157,6 +157,158 @@ def demo(model, hardware, job_path, experts, as_json) -> None:
     _run(body)
 
 
+def _progress(label: str):
+    """A progress callback printing to stderr: one updating line on a terminal, else every 10%."""
+    state = {"last": -1}
+
+    def report(done: int, total: int) -> None:
+        pct = int(100 * done / total) if total else 100
+        if sys.stderr.isatty():
+            click.echo(f"\r{label}: {pct:3d}% ({done:,}/{total:,})", err=True, nl=pct >= 100)
+        elif pct // 10 != state["last"] // 10 or pct == 100 and state["last"] != 100:
+            click.echo(f"{label}: {pct}%", err=True)
+        state["last"] = pct
+
+    return report
+
+
+def _ints(text: str | None) -> list[int]:
+    try:
+        return [int(x) for x in str(text).split(",") if x.strip()] if text else []
+    except ValueError:
+        raise SpecError(f"expected comma-separated integers, got {text!r}") from None
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.option("--calib-text", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Calibration text file (default: Python standard-library docstrings).")
+@click.option("--calib-tokens", type=int, default=4096, show_default=True)
+@click.option("--seq-len", type=int, default=256, show_default=True, help="Tokens per calibration sequence.")
+@click.option("--experts", default=None, help="Comma-separated K values to cluster for (default: E/2, E/4, E/8 where legal).")
+@click.option("--methods", default="agglomerative", show_default=True, help="Comma-separated clustering methods.")
+@click.option("--weights-only", is_flag=True, help="Data-free features only (router rows, weight sketches).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True)
+@click.option("--force", is_flag=True, help="Overwrite an existing stats file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the per-plan summaries as JSON.")
+def stats(checkpoint, calib_text, calib_tokens, seq_len, experts, methods, weights_only, seed, output, force, as_json) -> None:
+    """Expert features, clusterings and per-plan statistics of a checkpoint."""
+    from planner.checkpoint import Checkpoint
+    from planner.stats.compute import compute_stats, default_experts
+    from planner.stats.store import save_stats
+    from planner.summary import render_stats
+
+    def body():
+        if Path(output).exists() and not force:
+            raise SpecError(f"{output} exists; pass --force to overwrite it")
+        ckpt = Checkpoint(checkpoint)
+        ks = _ints(experts) or default_experts(ckpt.arch)
+        text = Path(calib_text).read_text(errors="replace") if calib_text else None
+        bars = {}
+
+        def progress(stage, done, total):
+            bars.setdefault(stage, _progress(stage))(done, total)
+
+        result = compute_stats(ckpt, experts=ks, methods=tuple(m.strip() for m in methods.split(",")), calib_text=text,
+                               calib_tokens=calib_tokens, seq_len=seq_len, weights_only=weights_only, seed=seed,
+                               progress=progress)  # fmt: skip
+        save_stats(result, output, force=force)
+        if as_json:
+            _emit_json({key: plan["summary"] for key, plan in result["plans"].items()})
+        else:
+            click.echo(render_stats(result))
+            click.echo(f"wrote {output}")
+
+    _run(body)
+
+
+def _make_plan(ckpt, experts: int, method: str, stats_path, mtp: str, target_ep, seed: int):
+    from planner.stats.compute import compute_stats, plan_from_stats
+    from planner.stats.store import load_stats
+
+    if stats_path:
+        data = load_stats(stats_path, fingerprint=ckpt.fingerprint())
+    else:
+        data = compute_stats(ckpt, experts=[experts], methods=(method,), weights_only=True, seed=seed)
+    return plan_from_stats(data, experts, method, model=str(ckpt.path), mtp=mtp, target_ep=tuple(target_ep), seed=seed)
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.option("--experts", type=int, required=True, help="K: routed experts kept per MoE layer.")
+@click.option("--method", default="agglomerative", show_default=True,
+              type=click.Choice(["agglomerative", "kmeans", "router", "saliency", "frequency", "random"]))
+@click.option("--stats", "stats_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Stats file of this checkpoint (default: data-free features computed now).")
+@click.option("--mtp", type=click.Choice(["drop", "prune"]), default="drop", show_default=True)
+@click.option("--target-ep", default=None, help="Comma-separated EP sizes the proxy must run with.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True)
+@click.option("--force", is_flag=True)
+def plan(checkpoint, experts, method, stats_path, mtp, target_ep, seed, output, force) -> None:
+    """Choose the experts to keep (one real expert per cluster) and write the plan YAML."""
+    from planner.checkpoint import Checkpoint
+
+    def body():
+        if Path(output).exists() and not force:
+            raise SpecError(f"{output} exists; pass --force to overwrite it")
+        ckpt = Checkpoint(checkpoint)
+        result = _make_plan(ckpt, experts, method, stats_path, mtp, _ints(target_ep), seed)
+        warnings = result.check(ckpt.arch, list(ckpt.moe_layers))
+        tmp = Path(output + ".tmp")
+        tmp.write_text(result.to_yaml())
+        tmp.replace(output)
+        for w in warnings:
+            click.echo(f"warning: {w}", err=True)
+        click.echo(f"wrote {output}: K={experts} of {result.original_experts} experts, {len(result.layers)} MoE layers, method {method}")
+
+    _run(body)
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--experts", type=int, default=None, help="Build without a plan file: K experts per layer.")
+@click.option("--method", default="agglomerative", show_default=True,
+              type=click.Choice(["agglomerative", "kmeans", "router", "saliency", "frequency", "random"]))
+@click.option("--stats", "stats_path", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--mtp", type=click.Choice(["drop", "prune"]), default="drop", show_default=True)
+@click.option("--verify", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
+              help="Load the proxy in transformers after building (auto: checkpoints up to 4 GiB).")
+@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
+@click.option("--json", "as_json", is_flag=True)
+def build(checkpoint, out_dir, plan_path, experts, method, stats_path, mtp, verify, force, as_json) -> None:
+    """Write the proxy checkpoint: kept experts sliced and renumbered, verified, atomic."""
+    from planner.checkpoint import Checkpoint
+    from planner.checkpoint import build as build_proxy
+    from planner.plan import load_plan
+
+    def body():
+        if (plan_path is None) == (experts is None):
+            raise SpecError("give exactly one of --plan plan.yaml or --experts K")
+        ckpt = Checkpoint(checkpoint)
+        the_plan = load_plan(plan_path) if plan_path else _make_plan(ckpt, experts, method, stats_path, mtp, (), 0)
+        report = build_proxy(ckpt, the_plan, out_dir, force=force, verify=verify, progress=_progress("writing"))
+        if as_json:
+            _emit_json(report.to_json())
+        else:
+            from planner.units import human_bytes
+
+            click.echo(
+                f"built {out_dir}: K={report.experts} of {report.original_experts} experts, "
+                f"{human_bytes(report.bytes_written)} written, {human_bytes(report.bytes_skipped)} of dropped experts "
+                f"never read, {report.seconds:.1f} s"
+            )
+            for key, value in report.verification.items():
+                click.echo(f"  {key}: {value}")
+            for w in report.warnings:
+                click.echo(f"  warning: {w}")
+
+    _run(body)
+
+
 @main.command("fit-knobs")
 @click.option("--runs", "runs_path", type=click.Path(exists=True, dir_okay=False), default=None, help="Published runs YAML (default: calibration/published_runs.yaml).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Where to write the fitted knobs (default: print).")

@@ -13,7 +13,7 @@ from planner.render import count, table
 from planner.specs import Job
 from planner.units import GIB, gib
 
-__all__ = ["render_cost", "ProxyComparison", "compare_proxies", "render_comparison", "catalog_listing", "render_catalog"]
+__all__ = ["render_stats", "render_cost", "ProxyComparison", "compare_proxies", "render_comparison", "catalog_listing", "render_catalog"]
 
 
 def render_cost(r: CostResult) -> str:
@@ -207,3 +207,39 @@ def render_catalog(listing: dict[str, Any]) -> str:
         )
     )
     return "\n".join(out)
+
+
+_STAT_COLUMNS = (
+    ("frequency_dropped", "freq dropped"),
+    ("saliency_dropped", "saliency dropped"),
+    ("dispersion", "dispersion"),
+    ("silhouette", "silhouette"),
+    ("reconstruction_error", "recon error"),
+    ("routing_agreement", "routing agree"),
+    ("load_cv_after", "load CV after"),
+)
+
+
+def render_stats(stats: dict[str, Any]) -> str:
+    """Per-plan statistics as a table: layer means (min..max) and the end-to-end KL."""
+    ck = stats["checkpoint"]
+    cal = stats.get("calibration")
+    head = (
+        f"{ck['path']}: {ck['model_type']}, {ck['num_experts']} experts, top-{ck['top_k']}, {len(ck['moe_layers'])} MoE layers; "
+        + (f"calibration {cal['tokens']} tokens ({cal['source']}, {cal['tokenizer']})" if cal else "weights only")
+    )
+    present = [(k, label) for k, label in _STAT_COLUMNS if any(k in p["summary"] for p in stats["plans"].values())]
+    rows = []
+    for key, p in stats["plans"].items():
+        summary = p["summary"]
+        cells = [key]
+        for name, _ in present:
+            v = summary.get(name)
+            cells.append("-" if v is None else f"{v['mean']:.3f} ({v['min']:.2f}..{v['max']:.2f})")
+        if "kl_original_proxy" in summary:
+            cells.append(f"{summary['kl_original_proxy']:.3g}")
+        rows.append(cells)
+    headers = ["plan", *(label for _, label in present)]
+    if any("kl_original_proxy" in p["summary"] for p in stats["plans"].values()):
+        headers.append("KL(orig||proxy)")
+    return "\n".join([head, table(headers, rows), f"features: {stats['feature_spec']}"])

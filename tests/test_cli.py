@@ -190,3 +190,40 @@ def test_ppo_costs_a_critic(tmp_path):
     update = data["memory_per_card_bytes"]["update"]
     assert update["critic_kept"] > 0 and update["optimizer"] == 0  # swapped optimizer lives on the host
     assert any("swapped" in n for n in data["notes"])
+
+
+# ---- stats, plan, build -----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_stats_plan_build_flow(tmp_path):
+    pytest.importorskip("torch")
+    from checkpoints import family_config, save_tiny
+
+    source = save_tiny(tmp_path / "src", family_config("deepseek_v3"), sharded=True)
+    stats = tmp_path / "stats.json"
+    result = run("stats", str(source), "--experts", "4", "--methods", "agglomerative,saliency", "--calib-tokens", "256",
+                 "--seq-len", "64", "-o", str(stats))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "K=4/agglomerative" in result.output and "KL(orig||proxy)" in result.output
+    plan = tmp_path / "plan.yaml"
+    assert run("plan", str(source), "--experts", "4", "--method", "saliency", "--stats", str(stats), "-o", str(plan)).exit_code == 0
+    again = CliRunner().invoke(main, ["plan", str(source), "--experts", "4", "--stats", str(stats), "-o", str(plan)])
+    assert again.exit_code == 2 and "exists; pass --force" in again.output
+    built = run("build", str(source), str(tmp_path / "proxy"), "--plan", str(plan), "--json")
+    data = json.loads(built.output[built.output.index("{"):])
+    assert data["experts"] == 4 and data["verification"]["load"] == "strict ok"
+    direct = run("build", str(source), str(tmp_path / "proxy2"), "--experts", "4", "--method", "kmeans")
+    assert direct.exit_code == 0 and "never read" in direct.output
+
+
+def test_plan_errors_exit_2(tmp_path):
+    pytest.importorskip("torch")
+    from checkpoints import family_config, save_tiny
+
+    source = save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False)
+    result = CliRunner().invoke(main, ["plan", str(source), "--experts", "4", "--method", "saliency", "-o", str(tmp_path / "p.yaml")])
+    assert result.exit_code == 2 and "ranks experts by calibration statistics" in result.output
+    result = CliRunner().invoke(main, ["build", str(source), str(tmp_path / "out"), "--experts", "1"])
+    assert result.exit_code == 2 and "top_k" in result.output and not (tmp_path / "out").exists()
+    result = CliRunner().invoke(main, ["build", str(tmp_path / "nowhere"), str(tmp_path / "out"), "--experts", "4"])
+    assert result.exit_code == 2 and "not a checkpoint directory" in result.output

@@ -1,0 +1,364 @@
+"""Expert statistics of a checkpoint, the clusterings for every requested K, and per-plan statistics.
+
+compute_stats(ckpt, ...) runs:
+  1. data-free features (router rows, weight sketches; planner.stats.sketch), always;
+  2. with calibration text (the default), one pass of the real model, layer by layer: per expert the
+     routing frequency, gate mass, REAP saliency (mean over routed tokens of gate x ||output||), its
+     outputs on a shared token sample (HC-SMoE's functional signature: every expert on the same
+     tokens), router-logit profile, co-activation and max activation; per layer router entropy and
+     load CV;
+  3. for every K and method, the kept experts of every layer (planner.stats.cluster);
+  4. per-plan statistics: share of routing frequency, gate mass and saliency dropped, intra-cluster
+     dispersion and silhouette (from the features); with calibration one more pass per plan with the
+     pruned MoE blocks swapped in: MoE-output reconstruction error, top-k agreement with the original
+     routing mapped through the clusters, router entropy and load CV after pruning, and
+     KL(original || proxy) of next-token distributions. Each per layer and as mean/min/max.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from planner.checkpoint.reader import Checkpoint
+from planner.plan import Plan
+from planner.stats.cluster import ROUTER_WEIGHT, blended_distance, cosine_distance, mds_embedding, select, silhouette
+from planner.stats.sketch import SKETCH_DIM, weight_features
+
+__all__ = ["LayerFeatures", "compute_stats", "plan_from_stats", "summarise", "default_experts"]
+
+PROFILE_TOKENS = 1024  # router-logit profile length per expert
+OUTPUT_PROFILE_TOKENS = 256  # shared tokens every expert is run on for its output profile
+KL_POSITIONS = 256  # positions whose original next-token distribution is kept for the KL
+
+
+@dataclass
+class LayerFeatures:
+    distance: np.ndarray  # blended expert distance (E x E)
+    router_distance: np.ndarray
+    embedding: np.ndarray  # MDS coordinates of `distance` (for k-means)
+    frequency: np.ndarray | None = None  # share of tokens routed to each expert
+    gate_mass: np.ndarray | None = None
+    saliency: np.ndarray | None = None
+    max_activation: np.ndarray | None = None
+    coactivation: np.ndarray | None = None
+    entropy: float | None = None  # mean normalised router entropy over tokens
+    load_cv: float | None = None
+    super_experts: list[int] = field(default_factory=list)
+
+
+def _entropy_cv(probs: np.ndarray, counts: np.ndarray) -> tuple[float, float]:
+    """Mean router entropy over tokens normalised by log(experts) (0 for a single expert), and the
+    coefficient of variation of tokens per expert."""
+    p = np.clip(probs, 1e-12, 1.0)
+    n = probs.shape[-1]
+    ent = float((-(p * np.log(p)).sum(-1)).mean() / np.log(n)) if n > 1 else 0.0
+    cv = float(counts.std() / counts.mean()) if counts.mean() > 0 else 0.0
+    return ent, cv
+
+
+def _router_probs(logits, scoring: str):
+    import torch
+
+    if scoring in ("sigmoid", "sigmoid_topk"):
+        s = torch.sigmoid(logits.float())
+        return (s / s.sum(-1, keepdim=True)).numpy()
+    return torch.softmax(logits.float(), dim=-1).numpy()
+
+
+def _super_experts(max_act: np.ndarray, all_layers_max: float) -> list[int]:
+    """Experts with extreme output activations (REAP's rule: above the layer's 99.5th percentile
+    and above a tenth of the model-wide maximum)."""
+    if not np.isfinite(max_act).any() or all_layers_max <= 0:
+        return []
+    thresh = max(np.percentile(max_act, 99.5), all_layers_max / 10)
+    return [int(i) for i in np.flatnonzero(max_act >= thresh)]
+
+
+def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict, "object", object]:
+    import torch
+
+    from planner.stats.layerwise import LayerwiseModel
+
+    runner = LayerwiseModel(ckpt)
+    scoring = ckpt.arch.moe.scoring
+    raw: dict[int, dict] = {}
+    rng = np.random.default_rng(0)
+
+    def collect(i, block, x, out):
+        tokens = x.reshape(-1, x.shape[-1]).float()
+        call = runner.route(block, tokens)
+        e = ckpt.arch.original_num_experts
+        topk = call.topk_ids.numpy()
+        weights = call.topk_weights.float().numpy()
+        counts = np.bincount(topk.reshape(-1), minlength=e).astype(float)
+        gate = np.bincount(topk.reshape(-1), weights=weights.reshape(-1), minlength=e)
+        n_tok = tokens.shape[0]
+        pick = np.sort(rng.choice(n_tok, size=min(PROFILE_TOKENS, n_tok), replace=False))
+        shared = tokens[torch.from_numpy(pick[:OUTPUT_PROFILE_TOKENS])]
+        saliency, max_act = np.zeros(e), np.zeros(e)
+        out_profile = np.zeros((e, shared.shape[0] * tokens.shape[1]), dtype=np.float32)
+        for ex in range(e):
+            # function: the expert's output on the same shared tokens, whatever the router does
+            out_profile[ex] = runner.expert_output(block, ex, shared).float().reshape(-1).numpy()
+            rows, slots = np.nonzero(topk == ex)
+            if rows.size == 0:
+                continue
+            y = runner.expert_output(block, ex, tokens[torch.from_numpy(rows)]).float()
+            saliency[ex] = float((weights[rows, slots] * y.norm(dim=-1).numpy()).mean())
+            max_act[ex] = float(y.abs().max())
+        onehot = np.zeros((n_tok, e))
+        np.put_along_axis(onehot, topk, 1.0, axis=1)
+        probs = _router_probs(call.logits, scoring)
+        entropy, cv = _entropy_cv(probs, counts)
+        raw[i] = {
+            "frequency": counts / n_tok,
+            "gate_mass": gate / n_tok,
+            "saliency": saliency,
+            "max_activation": max_act,
+            "output_profile": out_profile,
+            "profile": call.logits.float().numpy()[pick].T,
+            "coactivation": (onehot.T @ onehot) / n_tok,
+            "entropy": entropy,
+            "load_cv": cv,
+        }
+        if progress:
+            progress(len(raw), len(ckpt.moe_layers))
+        return None
+
+    with runner.moe(collect):
+        logits = runner.forward(torch.from_numpy(ids))
+    reference = logits.reshape(-1, logits.shape[-1])[:KL_POSITIONS].double()
+    return raw, runner, torch.log_softmax(reference, -1)
+
+
+def _features(ckpt: Checkpoint, weights, raw: dict | None) -> dict[int, LayerFeatures]:
+    out = {}
+    global_max = max((float(r["max_activation"].max()) for r in (raw or {}).values()), default=0.0)
+    for i in ckpt.moe_layers:
+        sketch_d = cosine_distance(weights.sketch[i])
+        if raw is None or i not in raw:  # weights only, or an MTP layer the model never runs
+            router_d = cosine_distance(weights.router[i])
+            dist = (1 - ROUTER_WEIGHT) * sketch_d + ROUTER_WEIGHT * router_d
+            out[i] = LayerFeatures(dist, router_d, mds_embedding(dist))
+            continue
+        r = raw[i]
+        router_d = cosine_distance(r["profile"])
+        dist = blended_distance(r["output_profile"], r["profile"])
+        out[i] = LayerFeatures(
+            distance=dist,
+            router_distance=router_d,
+            embedding=mds_embedding(dist),
+            frequency=r["frequency"],
+            gate_mass=r["gate_mass"],
+            saliency=r["saliency"],
+            max_activation=r["max_activation"],
+            coactivation=r["coactivation"],
+            entropy=r["entropy"],
+            load_cv=r["load_cv"],
+            super_experts=_super_experts(r["max_activation"], global_max),
+        )
+    return out
+
+
+def default_experts(arch) -> list[int]:
+    """E/2, E/4 and E/8 where legal for the model (top-k and routing groups allowing)."""
+    legal = set(arch.legal_expert_counts())
+    e = arch.original_num_experts
+    return [k for k in (e // 2, e // 4, e // 8) if k in legal] or [max(legal)]
+
+
+def summarise(per_layer: dict[int, float]) -> dict[str, float]:
+    values = np.array(list(per_layer.values()), dtype=float)
+    return {"mean": float(values.mean()), "min": float(values.min()), "max": float(values.max())}
+
+
+def _selection_stats(f: LayerFeatures, kept: list[int], labels: np.ndarray) -> dict[str, float]:
+    rep_of = {int(labels[k]): k for k in kept}
+    dispersion = float(np.mean([f.distance[e, rep_of[int(labels[e])]] for e in range(len(labels))]))
+    out = {"dispersion": dispersion, "silhouette": silhouette(f.distance, labels) if len(kept) > 1 else 0.0}
+    dropped = np.setdiff1d(np.arange(len(labels)), kept)
+    for name in ("frequency", "gate_mass", "saliency"):
+        values = getattr(f, name)
+        if values is not None and values.sum() > 0:
+            out[f"{name}_dropped"] = float(values[dropped].sum() / values.sum())
+    return out
+
+
+def _proxy_pass(ckpt, runner, ids, selections: dict[int, tuple[list[int], np.ndarray]], reference) -> dict:
+    """Run the model with every MoE block swapped for its pruned copy; measure each layer's swap."""
+    import torch
+
+    per_layer: dict[int, dict[str, float]] = {}
+    scoring = ckpt.arch.moe.scoring
+
+    def swap(i, block, x, out):
+        kept, labels = selections[i]
+        tokens = x.reshape(-1, x.shape[-1]).float()
+        original = out[0] if isinstance(out, tuple) else out
+        pruned = runner.pruned_block(block, kept)
+        with torch.no_grad():
+            replaced = pruned(x)
+        new = replaced[0] if isinstance(replaced, tuple) else replaced
+        err = float((new - original).norm() / original.norm().clamp_min(1e-12))
+        before, after = runner.route(block, tokens), runner.route(pruned, tokens)
+        rep_index = {int(labels[k]): n for n, k in enumerate(kept)}
+        mapped = np.vectorize(lambda e: rep_index[int(labels[e])])(before.topk_ids.numpy())
+        proxy = after.topk_ids.numpy()
+        jaccard = [len(set(a) & set(b)) / len(set(a) | set(b)) for a, b in zip(mapped, proxy)]
+        counts = np.bincount(proxy.reshape(-1), minlength=len(kept)).astype(float)
+        entropy, cv = _entropy_cv(_router_probs(after.logits, scoring), counts)
+        per_layer[i] = {"reconstruction_error": err, "routing_agreement": float(np.mean(jaccard)),
+                        "entropy_after": entropy, "load_cv_after": cv}  # fmt: skip
+        if isinstance(out, tuple):
+            return (new, *out[1:])
+        return new
+
+    with runner.moe(swap):
+        logits = runner.forward(torch.from_numpy(ids))
+    q = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[:KL_POSITIONS].double(), -1)
+    kl = float((reference.exp() * (reference - q)).sum(-1).mean())
+    return {"per_layer": per_layer, "kl_original_proxy": kl}
+
+
+def compute_stats(
+    ckpt: Checkpoint,
+    *,
+    experts: list[int],
+    methods: tuple[str, ...] = ("agglomerative",),
+    calib_text: str | None = None,
+    calib_tokens: int = 4096,
+    seq_len: int = 256,
+    weights_only: bool = False,
+    seed: int = 0,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict:
+    start = time.perf_counter()
+    arch = ckpt.arch
+    for k in experts:
+        arch.with_experts(k)  # raises, naming the rule, when K cannot be kept
+
+    def step(name):
+        return (lambda done, total: progress(name, done, total)) if progress else None
+
+    weights = weight_features(ckpt, progress=step("weights"))
+    raw = runner = reference = ids = provenance = None
+    if not weights_only:
+        from planner.stats.text import calibration_ids
+
+        ids, provenance = calibration_ids(ckpt.path, arch.vocab_size, text=calib_text, tokens=calib_tokens, seq_len=seq_len)
+        raw, runner, reference = _calibration_pass(ckpt, ids, step("calibration"))
+    features = _features(ckpt, weights, raw)
+
+    layers_doc = {}
+    for i, f in features.items():
+        entry: dict = {"distance": f.distance, "router_distance": f.router_distance, "embedding": f.embedding}
+        for name in ("frequency", "gate_mass", "saliency", "max_activation", "coactivation"):
+            if getattr(f, name) is not None:
+                entry[name] = getattr(f, name)
+        if f.entropy is not None:
+            entry.update(entropy=f.entropy, load_cv=f.load_cv, super_experts=f.super_experts)
+        layers_doc[str(i)] = entry
+
+    plans: dict[str, dict] = {}
+    for k in sorted(set(experts)):
+        for method in methods:
+            key = f"K={k}/{method}"
+            selections = {
+                i: select(method, k, distance=f.distance, router_distance=f.router_distance, saliency=f.saliency,
+                          frequency=f.frequency, protected=set(f.super_experts), n_group=arch.moe.n_group, seed=seed)
+                for i, f in features.items()
+            }  # fmt: skip
+            per_layer = {i: _selection_stats(features[i], kept, lab) for i, (kept, lab) in selections.items()}
+            kl = None
+            if runner is not None:
+                measured = _proxy_pass(ckpt, runner, ids, selections, reference)
+                for i, values in measured["per_layer"].items():
+                    per_layer[i].update(values)
+                kl = measured["kl_original_proxy"]
+                if progress:
+                    progress(f"proxy {key}", 1, 1)
+            names = sorted({n for v in per_layer.values() for n in v})
+            plans[key] = {
+                "experts": k,
+                "method": method,
+                "kept": {str(i): kept for i, (kept, _) in selections.items()},
+                "labels": {str(i): [int(x) for x in lab] for i, (_, lab) in selections.items()},
+                "per_layer": {str(i): v for i, v in per_layer.items()},
+                "summary": {
+                    "kept_fraction": k / arch.original_num_experts,
+                    "top_k_over_k": arch.moe.top_k / k,
+                    "experts_per_group": k // arch.moe.n_group,
+                    **{n: summarise({i: v[n] for i, v in per_layer.items() if n in v}) for n in names},
+                    **({"kl_original_proxy": kl} if kl is not None else {}),
+                },
+            }
+    return {
+        "checkpoint": {
+            "path": str(ckpt.path),
+            "fingerprint": ckpt.fingerprint(),
+            "model_type": arch.model_type,
+            "num_experts": arch.original_num_experts,
+            "top_k": arch.moe.top_k,
+            "n_group": arch.moe.n_group,
+            "scoring": arch.moe.scoring,
+            "norm_topk_prob": arch.moe.norm_topk_prob,
+            "moe_layers": list(ckpt.moe_layers),
+            "num_layers": arch.num_layers,
+        },
+        "calibration": provenance,
+        "feature_spec": (
+            f"distance = {1 - ROUTER_WEIGHT:g} x cosine(outputs on {OUTPUT_PROFILE_TOKENS} shared tokens) "
+            f"+ {ROUTER_WEIGHT:g} x cosine(router logits on {PROFILE_TOKENS} tokens)"
+            if raw is not None
+            else f"distance = {1 - ROUTER_WEIGHT:g} x cosine(count sketch d={SKETCH_DIM}) + {ROUTER_WEIGHT:g} x cosine(router rows)"
+        ),
+        "seed": seed,
+        "weights": {"bytes_read": weights.bytes_read, "seconds": weights.seconds},
+        "seconds": time.perf_counter() - start,
+        "layers": layers_doc,
+        "plans": plans,
+    }
+
+
+def plan_from_stats(stats: dict, experts: int, method: str, *, model: str, mtp: str = "drop",
+                    target_ep: tuple[int, ...] = (), seed: int = 0) -> Plan:  # fmt: skip
+    """A plan from stored features: a stored clustering when it matches, else a new one."""
+    ck = stats["checkpoint"]
+    key = f"K={experts}/{method}"
+    if key in stats["plans"] and stats.get("seed", 0) == seed:
+        kept = {int(i): v for i, v in stats["plans"][key]["kept"].items()}
+        labels = {int(i): v for i, v in stats["plans"][key]["labels"].items()}
+    else:
+        kept, labels = {}, {}
+        for i, entry in stats["layers"].items():
+            ids, lab = select(
+                method, experts, distance=np.asarray(entry["distance"]), router_distance=np.asarray(entry["router_distance"]),
+                saliency=_opt(entry, "saliency"), frequency=_opt(entry, "frequency"),
+                protected=set(entry.get("super_experts", [])), n_group=ck["n_group"], seed=seed,
+            )  # fmt: skip
+            kept[int(i)], labels[int(i)] = ids, [int(x) for x in lab]
+    if mtp == "drop":  # MTP layers are numbered from num_layers
+        kept = {i: v for i, v in kept.items() if i < ck["num_layers"]}
+        labels = {i: v for i, v in labels.items() if i < ck["num_layers"]}
+    return Plan(
+        model=model,
+        experts=experts,
+        original_experts=ck["num_experts"],
+        layers=kept,
+        labels=labels,
+        method=method,
+        mtp=mtp,
+        checkpoint_fingerprint=ck["fingerprint"],
+        target_ep=target_ep,
+        seed=seed,
+        feature_spec=stats["feature_spec"],
+    )
+
+
+def _opt(entry: dict, name: str) -> np.ndarray | None:
+    return np.asarray(entry[name]) if name in entry else None
+

@@ -1,0 +1,223 @@
+"""Run transformers' own model over calibration tokens, one decoder layer in memory at a time.
+
+The model is built on the meta device; embeddings, final norm and head are loaded up front; each
+decoder layer is loaded from the checkpoint just before its forward (a forward pre-hook) and sent
+back to meta just after (a forward hook), so peak memory is about one layer plus activations. On-disk
+names map to the in-memory modules through the family data (per-expert tensors stacked into
+transformers 5's fused gate_up_proj / down_proj).
+
+Hooks on each MoE block see the router's logits, the routing (top-k ids and weights) and the block's
+input and output, and can swap the block for a pruned one (a proxy pass): what the statistics need.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+from contextlib import contextmanager
+from typing import Callable
+
+import numpy as np
+
+from planner.checkpoint.reader import Checkpoint
+from planner.errors import CheckpointError
+
+__all__ = ["LayerwiseModel", "MoECall"]
+
+
+def _torch():
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:  # pragma: no cover
+        raise CheckpointError(f"calibration statistics need torch and transformers (pip install 'planner[hf]'): {exc}") from None
+    return torch, transformers
+
+
+class MoECall:
+    """What one MoE block forward saw: its input, output, router logits and routing."""
+
+    def __init__(self, layer: int):
+        self.layer = layer
+        self.input = None
+        self.output = None
+        self.logits = None
+        self.topk_ids = None
+        self.topk_weights = None
+
+
+class LayerwiseModel:
+    def __init__(self, ckpt: Checkpoint):
+        torch, transformers = _torch()
+        self.torch = torch
+        self.ckpt = ckpt
+        self.names = ckpt.names
+        config = transformers.AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
+        self.config = config.get_text_config() if ckpt.text_wrapper else config
+        with torch.device("meta"):
+            self.model = transformers.AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
+        self.model.eval()
+        self.decoder = self.model.model
+        self.mem_moe = self.names["memory"]["moe"]
+        self._load_outside_layers()
+        self.moe_hook: Callable | None = None
+        for i, layer in enumerate(self.decoder.layers):
+            layer.register_forward_pre_hook(self._loader(i))
+            layer.register_forward_hook(self._releaser(i))
+            if i in ckpt.moe_layers:
+                block = getattr(layer, self.mem_moe)
+                block.register_forward_hook(self._block_hook(i))
+
+    # ---- weights ------------------------------------------------------------------------------
+    def _disk_name(self, mem_key: str) -> str:
+        prefix = self.ckpt.layer_prefix  # e.g. "model.layers" or "language_model.model.layers"
+        outer = prefix[: -len("model.layers")]
+        m = re.match(r"^model\.layers\.(\d+)\.(.+)$", mem_key)
+        if not m:
+            return outer + mem_key
+        layer, rest = m.group(1), m.group(2)
+        memory = self.names["memory"]
+        block = f"{self.mem_moe}."
+        if rest.startswith(block):
+            inner = rest[len(block) :]
+            disk_block = f"{prefix}.{layer}.{self.names['moe']}"
+            if inner == memory["router"]:
+                return f"{disk_block}.{self.names['router'][0]}"
+            if "correction_bias" in memory and inner == memory["correction_bias"]:
+                return f"{disk_block}.{self.names['correction_bias'][0]}"
+            return f"{disk_block}.{inner}"
+        return f"{prefix}.{layer}.{rest}"
+
+    def _tensor(self, mem_key: str, like):
+        torch = self.torch
+        disk = self._disk_name(mem_key)
+        info = self.ckpt.tensors.get(disk)
+        if info is not None:
+            return torch.from_numpy(np.array(self.ckpt.read_float32(info))).reshape(like.shape)
+        per_expert = self.names.get("per_expert")
+        m = re.match(r"^model\.layers\.(\d+)\..*\.experts\.(gate_up_proj|down_proj)$", mem_key)
+        if per_expert and m:  # transformers 5 holds per-expert checkpoints fused in memory
+            experts = self.ckpt.moe_layers[int(m.group(1))].experts
+            if m.group(2) == "gate_up_proj":
+                rows = [np.concatenate([self.ckpt.read_float32(experts[e][per_expert["gate"]]),
+                                        self.ckpt.read_float32(experts[e][per_expert["up"]])]) for e in sorted(experts)]
+            else:
+                rows = [self.ckpt.read_float32(experts[e][per_expert["down"]]) for e in sorted(experts)]
+            return torch.from_numpy(np.stack(rows)).reshape(like.shape)
+        raise CheckpointError(f"{self.ckpt.path}: no tensor on disk for {mem_key} (looked for {disk})")
+
+    def _materialize(self, module, prefix: str) -> None:
+        torch = self.torch
+        persistent = set(module.state_dict().keys())
+        module.to_empty(device="cpu")
+        with torch.no_grad():
+            for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+                if name not in persistent:
+                    raise CheckpointError(f"{prefix}{name} is a non-persistent buffer; cannot rebuild it layer by layer")
+                tensor.copy_(self._tensor(prefix + name, tensor))
+
+    def _load_outside_layers(self) -> None:
+        torch = self.torch
+        layers = self.decoder.layers
+        self.decoder.layers = torch.nn.ModuleList()  # detach while loading the rest
+        try:
+            rotary = getattr(self.decoder, "rotary_emb", None)
+            if rotary is not None:  # non-persistent buffers: rebuild on the CPU from the config
+                self.decoder.rotary_emb = None
+            for name, module in (("model.", self.decoder), ("lm_head.", self.model.lm_head)):
+                if name == "lm_head." and self.config.tie_word_embeddings:
+                    continue
+                self._materialize(module, name)
+            if rotary is not None:
+                self.decoder.rotary_emb = type(rotary)(config=self.config)
+        finally:
+            self.decoder.layers = layers
+        if self.config.tie_word_embeddings:
+            self.model.lm_head.weight = self.decoder.embed_tokens.weight
+
+    def _loader(self, i: int):
+        def hook(module, args):
+            self._materialize(module, f"model.layers.{i}.")
+
+        return hook
+
+    def _releaser(self, i: int):
+        def hook(module, args, output):
+            module.to("meta")
+
+        return hook
+
+    # ---- MoE block hooks ------------------------------------------------------------------
+    def _block_hook(self, i: int):
+        def hook(module, args, output):
+            if self.moe_hook is None:
+                return None
+            return self.moe_hook(i, module, args[0], output)
+
+        return hook
+
+    @contextmanager
+    def moe(self, fn: Callable):
+        """Within the block, `fn(layer, block, input, output)` runs after every MoE block forward;
+        a non-None return value replaces the block's output."""
+        self.moe_hook = fn
+        try:
+            yield
+        finally:
+            self.moe_hook = None
+
+    def forward(self, ids) -> "object":
+        with self.torch.no_grad():
+            return self.model(input_ids=ids, use_cache=False).logits
+
+    # ---- routing and experts of a loaded block -------------------------------------------------
+    def route(self, block, x) -> MoECall:
+        """Router logits and top-k routing of `block` on tokens `x` (tokens x hidden)."""
+        torch = self.torch
+        call = MoECall(-1)
+        router = getattr(block, self.names["memory"]["router"].split(".")[0])
+        with torch.no_grad():
+            out = router(x)
+        if len(out) == 3:  # (logits, weights, ids)
+            call.logits, call.topk_weights, call.topk_ids = out
+        else:  # llama4: (scores, sigmoid of the top-k logits and zero elsewhere; logits)
+            scores, call.logits = out
+            call.topk_weights, call.topk_ids = torch.topk(scores, block.top_k, dim=-1)
+        return call
+
+    def expert_output(self, block, e: int, x):
+        """Expert e's output on tokens x (unweighted), through transformers' expert module."""
+        torch = self.torch
+        experts = block.experts
+        with torch.no_grad():
+            if len(inspect.signature(experts.forward).parameters) == 1:  # llama4: experts over a routed block
+                gate, up = (x @ experts.gate_up_proj[e]).chunk(2, dim=-1)
+                return (experts.act_fn(gate) * up) @ experts.down_proj[e]
+            ids = torch.full((x.shape[0], 1), e, dtype=torch.long)
+            ones = torch.ones((x.shape[0], 1), dtype=x.dtype)
+            return experts(x, ids, ones)
+
+    def pruned_block(self, block, keep: list[int]):
+        """A copy of `block` keeping experts `keep`: every expert-indexed parameter sliced."""
+        torch = self.torch
+        cfg = copy.deepcopy(self.config)
+        setattr(cfg, self.ckpt.arch.moe.experts_key, len(keep))
+        with torch.device("meta"):
+            pruned = type(block)(cfg)
+        pruned.to_empty(device="cpu")
+        index = torch.tensor(keep, dtype=torch.long)
+        full = block.state_dict()
+        e = self.ckpt.arch.original_num_experts
+        with torch.no_grad():
+            for name, tensor in pruned.state_dict().items():
+                src = full[name]
+                if src.shape == tensor.shape:
+                    tensor.copy_(src)
+                    continue
+                dims = [d for d, (a, b) in enumerate(zip(src.shape, tensor.shape)) if a != b]
+                if len(dims) != 1 or src.shape[dims[0]] != e:
+                    raise CheckpointError(f"cannot slice {name}: {list(src.shape)} -> {list(tensor.shape)}")
+                tensor.copy_(src.index_select(dims[0], index))
+        pruned.eval()
+        return pruned

@@ -1,0 +1,73 @@
+"""The stats file: schema-versioned JSON carrying the checkpoint's fingerprint.
+
+Arrays are stored as base64 of their little-endian float32 bytes with dtype and shape, so a file
+of a 256-expert, 58-layer model stays tens of megabytes. A stats file from another checkpoint (a
+different fingerprint) is refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from planner.errors import SpecError
+
+__all__ = ["STATS_SCHEMA", "save_stats", "load_stats"]
+
+STATS_SCHEMA = "planner.stats/1"
+
+
+def _encode(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj, dtype="<f4")
+        return {"__array__": "float32", "shape": list(arr.shape), "base64": base64.b64encode(arr.tobytes()).decode()}
+    if isinstance(obj, dict):
+        return {str(k): _encode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_encode(v) for v in obj]
+    if isinstance(obj, (np.floating, np.integer)):
+        return obj.item()
+    return obj
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if obj.get("__array__") == "float32":
+            return np.frombuffer(base64.b64decode(obj["base64"]), dtype="<f4").reshape(obj["shape"]).astype(np.float64)
+        return {k: _decode(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    return obj
+
+
+def save_stats(stats: dict, path: str | Path, *, force: bool = False) -> None:
+    p = Path(path)
+    if p.exists() and not force:
+        raise SpecError(f"{p} exists; pass --force to overwrite it")
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps({"schema": STATS_SCHEMA, **_encode(stats)}))
+    tmp.replace(p)
+
+
+def load_stats(path: str | Path, *, fingerprint: str | None = None) -> dict:
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except OSError as exc:
+        raise SpecError(f"cannot read stats file {p}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{p}: not a stats file (invalid JSON at line {exc.lineno})") from None
+    if not isinstance(doc, dict) or doc.get("schema") != STATS_SCHEMA:
+        raise SpecError(f"{p}: schema {doc.get('schema') if isinstance(doc, dict) else None!r} is not {STATS_SCHEMA}")
+    stats = _decode(doc)
+    have = stats["checkpoint"]["fingerprint"]
+    if fingerprint is not None and have != fingerprint:
+        raise SpecError(
+            f"{p} was computed on checkpoint {have[:12]}... ({stats['checkpoint']['path']}), not on this one "
+            f"({fingerprint[:12]}...); run planner stats on this checkpoint"
+        )
+    return stats

@@ -1,0 +1,136 @@
+"""Expert statistics, clustering and plans on real checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from checkpoints import family_config, save_tiny  # noqa: E402
+from trained import train_clustered_moe  # noqa: E402
+
+from planner.checkpoint import Checkpoint  # noqa: E402
+from planner.errors import SpecError  # noqa: E402
+from planner.stats.cluster import agglomerative, cosine_distance, kmeans, mds_embedding, select, silhouette  # noqa: E402
+from planner.stats.compute import compute_stats, plan_from_stats  # noqa: E402
+from planner.stats.layerwise import LayerwiseModel  # noqa: E402
+from planner.stats.store import load_stats, save_stats  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return Checkpoint(train_clustered_moe(tmp_path_factory.mktemp("trained") / "moe"))
+
+
+# ---- clustering on known structure ------------------------------------------------------------
+
+def blobs(seed=0):
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(4, 32)) * 5
+    x = np.concatenate([c + rng.normal(scale=0.1, size=(4, 32)) for c in centers])
+    return x, np.repeat(np.arange(4), 4)
+
+
+@pytest.mark.parametrize("method", ["agglomerative", "kmeans"])
+def test_well_separated_clusters_are_recovered(method):
+    x, truth = blobs()
+    d = cosine_distance(x)
+    labels = agglomerative(d, 4) if method == "agglomerative" else kmeans(mds_embedding(d), 4)
+    assert len(set(labels)) == 4
+    assert all(len(set(labels[truth == c])) == 1 for c in range(4))
+    assert silhouette(d, labels) > 0.8
+
+
+def test_select_keeps_one_per_cluster_and_protects_super_experts():
+    x, truth = blobs()
+    d = cosine_distance(x)
+    saliency = np.arange(16, dtype=float)
+    kept, labels = select("agglomerative", 4, distance=d, router_distance=d, saliency=saliency)
+    assert sorted(truth[kept]) == [0, 1, 2, 3] and kept == [3, 7, 11, 15]  # the most salient member of each
+    kept, _ = select("agglomerative", 4, distance=d, router_distance=d, saliency=saliency, protected={4})
+    assert 4 in kept and 7 not in kept
+    kept, labels = select("saliency", 4, distance=d, router_distance=d, saliency=saliency, protected={0})
+    assert kept == [0, 13, 14, 15] and len(set(labels)) == 4
+
+
+@pytest.mark.parametrize("method", ["agglomerative", "kmeans", "router", "saliency", "frequency", "random"])
+def test_grouped_routing_keeps_k_over_groups_in_every_group(method):
+    x, _ = blobs()
+    d = cosine_distance(x)
+    kept, labels = select(method, 8, distance=d, router_distance=d, saliency=np.ones(16), frequency=np.ones(16), n_group=4)
+    assert [sum(1 for k in kept if k // 4 == g) for g in range(4)] == [2, 2, 2, 2]
+    assert len(set(labels)) == 8
+
+
+# ---- the layer-by-layer model ------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral", "llama4_text"])
+def test_layer_by_layer_model_reproduces_transformers_logits(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    source = save_tiny(tmp_path / "src", family_config(family), sharded=True)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)(input_ids=ids).logits
+    runner = LayerwiseModel(Checkpoint(source))
+    assert torch.equal(runner.forward(ids), reference)
+    assert all(p.device.type == "meta" for p in runner.decoder.layers.parameters())  # layers released
+
+
+# ---- the stats file ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_stats_file_round_trip_and_fingerprint(tmp_path):
+    a = Checkpoint(save_tiny(tmp_path / "a", family_config("qwen3_moe"), sharded=False))
+    b = Checkpoint(save_tiny(tmp_path / "b", family_config("qwen3_moe"), sharded=False, seed=1))
+    stats = compute_stats(a, experts=[4], methods=("agglomerative", "saliency"), calib_tokens=256, seq_len=64)
+    save_stats(stats, tmp_path / "stats.json")
+    doc = json.loads((tmp_path / "stats.json").read_text())
+    assert doc["schema"] == "planner.stats/1" and doc["checkpoint"]["fingerprint"] == a.fingerprint()
+    loaded = load_stats(tmp_path / "stats.json", fingerprint=a.fingerprint())
+    assert np.allclose(loaded["layers"]["0"]["distance"], stats["layers"]["0"]["distance"], atol=1e-6)
+    with pytest.raises(SpecError, match="not on this one"):
+        load_stats(tmp_path / "stats.json", fingerprint=b.fingerprint())
+    with pytest.raises(SpecError, match="exists; pass --force"):
+        save_stats(stats, tmp_path / "stats.json")
+    summary = stats["plans"]["K=4/agglomerative"]["summary"]
+    for name in ("frequency_dropped", "saliency_dropped", "dispersion", "silhouette", "reconstruction_error",
+                 "routing_agreement", "entropy_after", "load_cv_after"):  # fmt: skip
+        assert set(summary[name]) == {"mean", "min", "max"}
+    assert summary["kl_original_proxy"] > 0
+    plan = plan_from_stats(loaded, 4, "kmeans", model="a")
+    assert plan.checkpoint_fingerprint == a.fingerprint() and all(len(v) == 4 for v in plan.layers.values())
+
+
+def test_weights_only_stats_need_no_model_run(tmp_path):
+    ckpt = Checkpoint(save_tiny(tmp_path / "src", family_config("gpt_oss"), sharded=True))
+    stats = compute_stats(ckpt, experts=[4], methods=("agglomerative", "random"), weights_only=True)
+    assert stats["calibration"] is None and "saliency" not in stats["layers"]["0"]
+    assert stats["weights"]["bytes_read"] > 0
+    with pytest.raises(SpecError, match="ranks experts by calibration statistics"):
+        compute_stats(ckpt, experts=[4], methods=("saliency",), weights_only=True)
+
+
+# ---- acceptance: clustering beats random choices on a trained MoE --------------------------------
+
+@pytest.mark.slow
+def test_default_method_keeps_more_mass_and_reconstructs_better_than_random(trained):
+    default = compute_stats(trained, experts=[4, 8], calib_tokens=2048, seq_len=64)
+    randoms = [compute_stats(trained, experts=[4, 8], methods=("random",), calib_tokens=2048, seq_len=64, seed=s)
+               for s in range(5)]  # fmt: skip
+    for k in (4, 8):
+        ours = default["plans"][f"K={k}/agglomerative"]["summary"]
+        rand = [r["plans"][f"K={k}/random"]["summary"] for r in randoms]
+        assert ours["frequency_dropped"]["mean"] < np.mean([r["frequency_dropped"]["mean"] for r in rand])
+        assert ours["reconstruction_error"]["mean"] < np.mean([r["reconstruction_error"]["mean"] for r in rand])
+
+
+@pytest.mark.slow
+def test_same_seed_same_plan(trained):
+    a = compute_stats(trained, experts=[4], methods=("kmeans",), calib_tokens=512, seq_len=64, seed=3)
+    b = compute_stats(trained, experts=[4], methods=("kmeans",), calib_tokens=512, seq_len=64, seed=3)
+    assert a["plans"]["K=4/kmeans"]["kept"] == b["plans"]["K=4/kmeans"]["kept"]

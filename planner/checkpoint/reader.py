@@ -77,7 +77,9 @@ class MoELayer:
 def to_float32(raw: bytes | memoryview, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """Decode safetensors bytes to float32 without torch (bf16 by bit shift; fp8 by table)."""
     if dtype == "BF16":
-        bits = np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16
+        halves = np.frombuffer(raw, dtype="<u2")
+        bits = np.empty(halves.size, dtype=np.uint32)
+        np.left_shift(halves, 16, out=bits, dtype=np.uint32)
         return bits.view(np.float32).reshape(shape)
     if dtype in ("F8_E4M3", "F8_E5M2"):
         return _fp8_table(dtype)[np.frombuffer(raw, dtype=np.uint8)].reshape(shape)

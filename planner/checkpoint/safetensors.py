@@ -159,6 +159,14 @@ def copy_range(src_fd: int, dst_fd: int, offset: int, length: int, chunk: int = 
         done += copied
 
 
+def _prefetch(fd: int, segments: list[Segment]) -> None:
+    """Ask the kernel to read the kept ranges of a source file ahead (kept experts are scattered
+    between dropped ones; many requests in flight read them faster than one at a time)."""
+    if hasattr(os, "posix_fadvise"):
+        for seg in segments:
+            os.posix_fadvise(fd, seg.offset, seg.length, os.POSIX_FADV_WILLNEED)
+
+
 def _header(tensors: Iterable[OutTensor], metadata: Mapping[str, str]) -> bytes:
     doc: dict = {"__metadata__": dict(metadata)} if metadata else {}
     pos = 0
@@ -188,6 +196,7 @@ def write_shard(path: Path, tensors: list[OutTensor], metadata: Mapping[str, str
                         os.close(old)
                     sources = {seg.path: os.open(seg.path, os.O_RDONLY)}
                     src = sources[seg.path]
+                    _prefetch(src, [s for tt in tensors for s in tt.segments if s.path == seg.path])
                 copy_range(src, fd, seg.offset, seg.length)
     finally:
         for src in sources.values():

@@ -1,11 +1,11 @@
 """Data-free expert features, streamed from the checkpoint: router rows and weight sketches.
 
-A weight sketch is a count sketch (Charikar et al. 2002; a sparse Johnson-Lindenstrauss
-projection) of an expert's flattened gate, up and down weights into `dim` buckets: every weight
-position hashes to one bucket with a random sign, the same hash for every expert of a layer, so
-inner products between experts' weights are preserved in expectation. It costs one pass over the
-weights (no matrix multiply), so it runs near disk speed; experts are read one tensor at a time
-in file order and nothing else is read.
+A weight sketch is a bilinear random projection of each expert weight matrix, S = R1^T W R2 with
+R1 (rows x 16) and R2 (cols x 16) Gaussian of variance 1/16, the same R for every expert of a role
+and shape: E[<S, S'>] = <W, W'>, so inner products (and cosine distances) between experts' weights
+are preserved in expectation (a Johnson-Lindenstrauss-type sketch for matrices). 256 numbers per
+matrix, for the price of one thin matrix product, so it runs at about the speed weights come off
+disk. Experts are read one tensor at a time in file order and nothing else is read.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import numpy as np
 
 from planner.checkpoint.reader import Checkpoint, to_float32
 
-__all__ = ["WeightFeatures", "weight_features"]
+__all__ = ["WeightFeatures", "weight_features", "SKETCH_DIM"]
 
-SKETCH_DIM = 256
+SIDE = 16
+SKETCH_DIM = SIDE * SIDE
 
 
 @dataclass
@@ -32,37 +33,36 @@ class WeightFeatures:
     seconds: float
 
 
-class _Hasher:
-    """Bucket and sign of each position of a tensor role, cached per (role, size): computed once
-    and reused for every expert and layer."""
+class _Projections:
+    """The pair of Gaussian projections of a (role, shape), generated once and reused."""
 
-    def __init__(self, dim: int, seed: int):
-        self.dim, self.seed = dim, seed
-        self.cache: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.cache: dict[tuple[str, tuple[int, int]], tuple[np.ndarray, np.ndarray]] = {}
 
-    def __call__(self, role: str, n: int) -> tuple[np.ndarray, np.ndarray]:
-        key = (role, n)
+    def __call__(self, role: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        key = (role, shape)
         if key not in self.cache:
-            rng = np.random.default_rng([self.seed, zlib.crc32(role.encode()), n])  # stable across runs
-            buckets = rng.integers(0, self.dim, size=n, dtype=np.uint16)
-            signs = (rng.integers(0, 2, size=n, dtype=np.int8) * 2 - 1).astype(np.float32)
-            self.cache[key] = (buckets, signs)
+            rng = np.random.default_rng([self.seed, zlib.crc32(role.encode()), *shape])  # stable across runs
+            scale = 1.0 / np.sqrt(SIDE)
+            self.cache[key] = (
+                (rng.standard_normal((shape[0], SIDE)) * scale).astype(np.float32),
+                (rng.standard_normal((shape[1], SIDE)) * scale).astype(np.float32),
+            )
         return self.cache[key]
 
 
-def _sketch(values: np.ndarray, role: str, hasher: _Hasher) -> np.ndarray:
-    flat = values.reshape(-1)
-    buckets, signs = hasher(role, flat.size)
-    return np.bincount(buckets, weights=flat * signs, minlength=hasher.dim).astype(np.float32)
+def _sketch(values: np.ndarray, role: str, proj: _Projections) -> np.ndarray:
+    matrix = values.reshape(values.shape[0], -1) if values.ndim > 1 else values.reshape(1, -1)
+    r1, r2 = proj(role, matrix.shape)
+    return (r1.T @ (matrix @ r2)).reshape(-1)
 
 
-def weight_features(
-    ckpt: Checkpoint, *, dim: int = SKETCH_DIM, seed: int = 0, progress: Callable[[int, int], None] | None = None
-) -> WeightFeatures:
+def weight_features(ckpt: Checkpoint, *, seed: int = 0, progress: Callable[[int, int], None] | None = None) -> WeightFeatures:
     """Router rows and per-expert weight sketches of every MoE layer, in one pass over the expert
     and router tensors in file order."""
     start = time.perf_counter()
-    hasher = _Hasher(dim, seed)
+    proj = _Projections(seed)
     work = []  # (file, offset, layer, kind, expert, role, info) in file order
     for idx, layer in ckpt.moe_layers.items():
         work.append((layer.router.path, layer.router.begin, idx, "router", -1, "", layer.router))
@@ -76,18 +76,18 @@ def weight_features(
     work.sort(key=lambda w: (str(w[0]), w[1]))
     total = sum(w[6].nbytes for w in work)
     router: dict[int, np.ndarray] = {}
-    sketch = {idx: np.zeros((layer.num_experts, dim), dtype=np.float32) for idx, layer in ckpt.moe_layers.items()}
+    sketch = {idx: np.zeros((layer.num_experts, SKETCH_DIM), dtype=np.float32) for idx, layer in ckpt.moe_layers.items()}
     done = 0
     for _path, _offset, idx, kind, eid, role, info in work:
         if kind == "router":
             router[idx] = ckpt.read_float32(info)
         elif kind == "expert":
-            sketch[idx][eid] += _sketch(ckpt.read_float32(info), role, hasher)
+            sketch[idx][eid] += _sketch(ckpt.read_float32(info), role, proj)
         else:  # fused: one expert row at a time keeps memory to one expert
             row = info.row_bytes()
             for e in range(info.shape[0]):
                 raw = _read_range(info.path, info.begin + e * row, row)
-                sketch[idx][e] += _sketch(to_float32(raw, info.dtype, info.shape[1:]), role, hasher)
+                sketch[idx][e] += _sketch(to_float32(raw, info.dtype, info.shape[1:]), role, proj)
         done += info.nbytes
         if progress:
             progress(done, total)

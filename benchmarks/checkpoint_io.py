@@ -1,0 +1,192 @@
+"""Build and weight-statistics speed on synthetic checkpoints with Qwen3-30B-A3B's real layout.
+
+Makes checkpoints of Qwen3-30B-A3B's tensor shapes (128 experts of 768 x 2048, bf16, per-expert keys
+as on the Hub) with 2 and 4 decoder layers (about 3.6 and 6.0 GB; shards of 1 GiB), then measures in
+the same run:
+  1. `planner build` to K=32 (structural verification on) vs `cp -r` of the very bytes it wrote:
+     speed ratio (goal >= 0.7 of cp);
+  2. peak RSS of the build process at both sizes (goal: bounded by about a shard plus a layer and
+     independent of checkpoint size);
+  3. weight-only statistics (router rows and count sketches of every expert) vs a plain sequential
+     read of the same files: throughput ratio.
+Files are fresh in the page cache for every contender alike; where the kernel lets us drop caches
+(root) the cold-cache build is measured as well.
+
+    python benchmarks/checkpoint_io.py [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from planner.catalog import load_model_config
+from planner.checkpoint.safetensors import OutTensor, write_shard
+
+GIB = 1024**3
+BLOCK = np.random.default_rng(0).normal(0, 0.02, size=16 << 20).astype(np.float32)
+BF16_BLOCK = (BLOCK.view(np.uint32) >> 16).astype(np.uint16).tobytes()  # 32 MiB of valid bf16
+
+
+def _bytes(n: int) -> bytes:
+    reps = -(-n // len(BF16_BLOCK))
+    return (BF16_BLOCK * reps)[:n] if reps > 1 else BF16_BLOCK[:n]
+
+
+def make_checkpoint(path: Path, layers: int) -> int:
+    """A qwen3_moe checkpoint with Qwen3-30B-A3B's shapes and `layers` decoder layers."""
+    _, config = load_model_config("qwen3-30b-a3b")
+    config = {**config, "num_hidden_layers": layers}
+    h, inter, e, v = config["hidden_size"], config["moe_intermediate_size"], config["num_experts"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    tensors = [("model.embed_tokens.weight", (v, h)), ("lm_head.weight", (v, h)), ("model.norm.weight", (h,))]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        tensors += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,)),
+                    (f"{p}.self_attn.q_proj.weight", (q, h)), (f"{p}.self_attn.k_proj.weight", (kv, h)),
+                    (f"{p}.self_attn.v_proj.weight", (kv, h)), (f"{p}.self_attn.o_proj.weight", (h, q)),
+                    (f"{p}.self_attn.q_norm.weight", (128,)), (f"{p}.self_attn.k_norm.weight", (128,)),
+                    (f"{p}.mlp.gate.weight", (e, h))]  # fmt: skip
+        for x in range(e):
+            tensors += [(f"{p}.mlp.experts.{x}.gate_proj.weight", (inter, h)), (f"{p}.mlp.experts.{x}.up_proj.weight", (inter, h)),
+                        (f"{p}.mlp.experts.{x}.down_proj.weight", (h, inter))]  # fmt: skip
+    path.mkdir(parents=True)
+    shards, current, size = [], [], 0
+    for name, shape in tensors:
+        n = int(np.prod(shape)) * 2
+        if current and size + n > GIB:
+            shards.append(current)
+            current, size = [], 0
+        current.append(OutTensor(name, "BF16", shape, data=_bytes(n)))
+        size += n
+    shards.append(current)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        total += write_shard(path / name, shard, {"format": "pt"})
+        weight_map.update({t.name: name for t in shard})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config))
+    return total
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(cmd: list[str]) -> tuple[float, str]:
+    """(seconds, last line of stdout) of a child process."""
+    start = time.perf_counter()
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return time.perf_counter() - start, (out.strip().splitlines() or [""])[-1]
+
+
+# peak RSS from /proc (ru_maxrss is inherited across fork and exec, so it would report this script's)
+RSS = "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')) / 1024)"
+BUILD = "from planner.checkpoint import Checkpoint, build; from planner.plan import Plan; import sys; " \
+        "c = Checkpoint(sys.argv[1]); ids = list(range(0, 128, 4)); " \
+        "build(c, Plan(model='bench', experts=32, original_experts=128, layers={i: ids for i in c.moe_layers}), " \
+        "sys.argv[2], verify='never'); " + RSS  # fmt: skip
+STATS = "from planner.checkpoint import Checkpoint; from planner.stats.sketch import weight_features; import sys, json; " \
+        "f = weight_features(Checkpoint(sys.argv[1])); " \
+        "hwm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')) / 1024; " \
+        "print(json.dumps([f.bytes_read, f.seconds, hwm]))"  # fmt: skip
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="planner-bench-"))
+    py = sys.executable
+
+    def clean(*names):
+        for d in names:
+            shutil.rmtree(work / d, ignore_errors=True)
+        os.sync()  # no writeback of earlier runs competes with the next measurement
+
+    try:
+        for layers in (2, 4):
+            src = work / f"qwen3-{layers}l"
+            start = time.perf_counter()
+            total = make_checkpoint(src, layers)
+            os.sync()
+            print(f"\n{layers} layers: synthetic checkpoint {total / GIB:.2f} GiB written in {time.perf_counter() - start:.1f} s")
+            builds, cps, rss = [], [], []
+            for _ in range(args.repeats):  # alternate, so both meet the same state of the machine
+                clean("proxy", "proxy-cp")
+                seconds, peak = timed([py, "-c", BUILD, str(src), str(work / "proxy")])
+                builds.append(seconds)
+                rss.append(float(peak))
+                os.sync()
+                cps.append(timed(["cp", "-r", str(work / "proxy"), str(work / "proxy-cp")])[0])
+            written = sum(f.stat().st_size for f in (work / "proxy").glob("*.safetensors"))
+            b, c = _median(builds), _median(cps)
+            print(f"  build to K=32 (median of {args.repeats}): {b:.2f} s for {written / GIB:.2f} GiB ({written / GIB / b:.2f} GiB/s), "
+                  f"peak RSS {max(rss):.0f} MiB")  # fmt: skip
+            print(f"  cp -r of the same {written / GIB:.2f} GiB (median): {c:.2f} s -> build runs at {c / b:.2f} of cp's speed")
+            clean("proxy-cp")
+            if drop_caches():
+                clean("proxy")
+                drop_caches()
+                cold_s, _ = timed([py, "-c", BUILD, str(src), str(work / "proxy")])
+                os.sync()
+                drop_caches()
+                cold_cp, _ = timed(["cp", "-r", str(work / "proxy"), str(work / "proxy-cp")])
+                print(f"  cold page cache: build {cold_s:.2f} s (reads kept ranges scattered over {total / GIB:.2f} GiB), "
+                      f"cp {cold_cp:.2f} s (reads {written / GIB:.2f} GiB contiguously) -> {cold_cp / cold_s:.2f} of cp's speed")  # fmt: skip
+            clean("proxy", "proxy-cp")
+            def plain_read() -> tuple[int, float]:
+                start, n = time.perf_counter(), 0
+                for shard in sorted(src.glob("*.safetensors")):
+                    with open(shard, "rb") as fh:
+                        while chunk := fh.read(64 << 20):
+                            n += len(chunk)
+                return n, time.perf_counter() - start
+
+            plain_read()  # warm: every contender reads from the page cache
+            stats, plains = [], []
+            for _ in range(args.repeats):
+                _, out = timed([py, "-c", STATS, str(src)])
+                read, stats_s, stats_rss = json.loads(out)
+                stats.append(stats_s)
+                plain, seconds = plain_read()
+                plains.append(seconds)
+            s_, p_ = _median(stats), _median(plains)
+            print(f"  weight-only stats, warm cache: {read / GIB:.2f} GiB in {s_:.2f} s ({read / GIB / s_:.2f} GiB/s); "
+                  f"plain sequential read {plain / GIB:.2f} GiB in {p_:.2f} s ({plain / GIB / p_:.2f} GiB/s) "
+                  f"-> {read / s_ / (plain / p_):.2f} of read throughput; peak RSS {stats_rss:.0f} MiB")  # fmt: skip
+            if drop_caches():
+                _, out = timed([py, "-c", STATS, str(src)])
+                read, cold_stats, _ = json.loads(out)
+                drop_caches()
+                plain, cold_plain = plain_read()
+                print(f"  weight-only stats, cold cache: {read / GIB / cold_stats:.2f} GiB/s; plain read "
+                      f"{plain / GIB / cold_plain:.2f} GiB/s -> {read / cold_stats / (plain / cold_plain):.2f} of read throughput")
+            shutil.rmtree(src)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

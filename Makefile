@@ -24,6 +24,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/published_runs.py
 	$(PY) benchmarks/layout_search.py
+	$(PY) benchmarks/checkpoint_io.py
+	$(PY) benchmarks/clustering_quality.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,6 +17,9 @@ from planner.errors import InfeasibleError, PlannerError, SpecError
 DEFAULT_MODEL = "qwen3-30b-a3b"
 DEFAULT_HARDWARE = "ascend-910b2"
 DEMO_EXPERTS = (64, 32, 16)
+# the selection methods of planner.stats.cluster (not imported here: it pulls numpy-only code, but
+# the CLI module stays import-light)
+SELECTION_METHODS = ["agglomerative", "kmeans", "router", "saliency", "frequency", "random"]
 
 
 def _json_default(obj: Any) -> Any:
@@ -238,7 +241,7 @@ def _make_plan(ckpt, experts: int, method: str, stats_path, mtp: str, target_ep,
 @click.argument("checkpoint", type=click.Path(file_okay=False))
 @click.option("--experts", type=int, required=True, help="K: routed experts kept per MoE layer.")
 @click.option("--method", default="agglomerative", show_default=True,
-              type=click.Choice(["agglomerative", "kmeans", "router", "saliency", "frequency", "random"]))
+              type=click.Choice(SELECTION_METHODS))
 @click.option("--stats", "stats_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Stats file of this checkpoint (default: data-free features computed now).")
 @click.option("--mtp", type=click.Choice(["drop", "prune"]), default="drop", show_default=True)
@@ -272,7 +275,7 @@ def plan(checkpoint, experts, method, stats_path, mtp, target_ep, seed, output, 
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("--experts", type=int, default=None, help="Build without a plan file: K experts per layer.")
 @click.option("--method", default="agglomerative", show_default=True,
-              type=click.Choice(["agglomerative", "kmeans", "router", "saliency", "frequency", "random"]))
+              type=click.Choice(SELECTION_METHODS))
 @click.option("--stats", "stats_path", type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("--mtp", type=click.Choice(["drop", "prune"]), default="drop", show_default=True)
 @click.option("--verify", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 
 pytest.importorskip("torch")
@@ -278,3 +280,31 @@ def test_pickled_weights_are_never_loaded(tmp_path):
     (source / "pytorch_model.bin").write_bytes(b"\x80\x04not for unpickling")
     with pytest.raises(CheckpointError, match="pickled weights are never loaded"):
         Checkpoint(source)
+
+
+def test_fp8_experts_keep_their_block_scales(tmp_path):
+    """DeepSeek-V3's published layout: FP8 expert weights with a weight_scale_inv per 128x128 block."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from planner.stats.compute import compute_stats
+
+    source = save_tiny(tmp_path / "src", family_config("deepseek_v3"), sharded=False)
+    tensors = load_file(source / "model.safetensors")
+    for name in [n for n in tensors if ".experts." in n]:
+        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = torch.rand(1, 1) + 0.5
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    ckpt = Checkpoint(source)
+    plan = even_plan(ckpt, 4)
+    build(ckpt, plan, tmp_path / "out", verify="never")
+    proxy = Checkpoint(tmp_path / "out")
+    for i, layer in proxy.moe_layers.items():
+        for new_id, orig in enumerate(plan.layers[i]):
+            for suffix in ("gate_proj.weight", "gate_proj.weight_scale_inv"):
+                assert proxy.read_bytes(layer.experts[new_id][suffix]) == ckpt.read_bytes(ckpt.moe_layers[i].experts[orig][suffix])
+        assert layer.experts[0]["down_proj.weight"].dtype == "F8_E4M3"
+    stats = compute_stats(ckpt, experts=[4], weights_only=True)
+    assert np.isfinite(stats["layers"]["1"]["distance"]).all()
+    with pytest.raises(SpecError, match="quantised weights"):
+        compute_stats(ckpt, experts=[4])

@@ -41,3 +41,10 @@ def test_cost_never_imports_upward():
                 top = node.module.split(".")[1]
                 allowed = {"arch", "cost", "errors", "specs", "units"} | ({"catalog"} if path.name == "fit.py" else set())
                 assert top in allowed, (path, node.module)
+
+
+def test_cli_selection_methods_match_the_clustering_module():
+    from planner.cli import SELECTION_METHODS
+    from planner.stats.cluster import METHODS
+
+    assert tuple(SELECTION_METHODS) == METHODS

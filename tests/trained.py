@@ -45,7 +45,7 @@ def train_clustered_moe(path: Path, *, experts: int = 16, clusters: int = 4, top
         optimizer.zero_grad()
         out.loss.backward()
         optimizer.step()
-        losses.append(float(out.loss))
+        losses.append(out.loss.item())
     model.eval()
     model.config.output_router_logits = False
     model.save_pretrained(path)

@@ -246,6 +246,14 @@ def compute_stats(
 
     weights = weight_features(ckpt, progress=step("weights"))
     raw = runner = reference = ids = provenance = None
+    quantised = sorted({t.dtype for t in ckpt.tensors.values() if t.dtype.startswith(("F8", "F4")) or t.dtype == "U8"})
+    if quantised and not weights_only:
+        from planner.errors import SpecError
+
+        raise SpecError(
+            f"{ckpt.path} holds quantised weights ({', '.join(quantised)}): calibration statistics need a bf16, fp16 or "
+            "fp32 checkpoint; use --weights-only (FP8 experts are dequantised with their block scales for the sketches)"
+        )
     if not weights_only:
         from planner.stats.text import calibration_ids
 

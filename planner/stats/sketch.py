@@ -58,6 +58,14 @@ def _sketch(values: np.ndarray, role: str, proj: _Projections) -> np.ndarray:
     return (r1.T @ (matrix @ r2)).reshape(-1)
 
 
+def _dequantise(values: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """W = q * s per block: blocks are values.shape / scale_inv.shape (128 x 128 in DeepSeek-V3)."""
+    bh = -(-values.shape[0] // scale_inv.shape[0])
+    bw = -(-values.shape[1] // scale_inv.shape[1])
+    full = np.repeat(np.repeat(scale_inv, bh, axis=0), bw, axis=1)[: values.shape[0], : values.shape[1]]
+    return values * full
+
+
 def weight_features(ckpt: Checkpoint, *, seed: int = 0, progress: Callable[[int, int], None] | None = None) -> WeightFeatures:
     """Router rows and per-expert weight sketches of every MoE layer, in one pass over the expert
     and router tensors in file order."""
@@ -82,7 +90,11 @@ def weight_features(ckpt: Checkpoint, *, seed: int = 0, progress: Callable[[int,
         if kind == "router":
             router[idx] = ckpt.read_float32(info)
         elif kind == "expert":
-            sketch[idx][eid] += _sketch(ckpt.read_float32(info), role, proj)
+            values = ckpt.read_float32(info)
+            scales = ckpt.moe_layers[idx].experts[eid].get(role + "_scale_inv")
+            if scales is not None:  # FP8 with 128x128 block scales (DeepSeek-V3 layout): dequantise
+                values = _dequantise(values, ckpt.read_float32(scales))
+            sketch[idx][eid] += _sketch(values, role, proj)
         else:  # fused: one expert row at a time keeps memory to one expert
             row = info.row_bytes()
             for e in range(info.shape[0]):

@@ -13,13 +13,11 @@ from typing import Any
 import click
 
 from planner.errors import InfeasibleError, PlannerError, SpecError
+from planner.plan import SELECTION_METHODS
 
 DEFAULT_MODEL = "qwen3-30b-a3b"
 DEFAULT_HARDWARE = "ascend-910b2"
 DEMO_EXPERTS = (64, 32, 16)
-# the selection methods of planner.stats.cluster (not imported here: it pulls numpy-only code, but
-# the CLI module stays import-light)
-SELECTION_METHODS = ["agglomerative", "kmeans", "router", "saliency", "frequency", "random"]
 
 
 def _json_default(obj: Any) -> Any:

@@ -16,10 +16,11 @@ import yaml
 from planner.arch import Architecture
 from planner.errors import PlanError, SpecError
 
-__all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "METHODS"]
+__all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "METHODS", "SELECTION_METHODS"]
 
 PLAN_SCHEMA = "planner.plan/1"
-METHODS = ("agglomerative", "kmeans", "router", "saliency", "frequency", "random", "manual")
+SELECTION_METHODS = ("agglomerative", "kmeans", "router", "saliency", "frequency", "random")
+METHODS = (*SELECTION_METHODS, "manual")
 _KEYS = ("schema", "model", "experts", "original_experts", "method", "mtp", "checkpoint_fingerprint",
          "target_ep", "seed", "feature_spec", "layers", "labels")  # fmt: skip
 
@@ -72,6 +73,8 @@ class Plan:
                     f"rule topk_group*K/n_group >= top_k: {moe.topk_group}*{k // g}={moe.topk_group * (k // g)} < top_k={moe.top_k}"
                 )
         for ep in self.target_ep:
+            if ep < 1:
+                raise PlanError(f"target_ep entries must be >= 1, got {ep}")
             if k % ep:
                 raise PlanError(f"rule K % EP == 0 for the declared layout: K={k}, EP={ep}")
         expected = sorted(moe_layers if moe_layers is not None else arch.moe_layers)
@@ -101,6 +104,8 @@ class Plan:
                         f"rule equal experts per routing group: layer {layer} keeps {counts} per group, "
                         f"each group must keep K/n_group={k // moe.n_group}"
                     )
+        if self.labels is not None:
+            self._check_labels(e)
         warnings = []
         if k & (k - 1):
             warnings.append(f"K={k} is not a power of two: fused grouped-gate kernels (sglang, vLLM) want one")
@@ -109,6 +114,18 @@ class Plan:
                 f"K/top_k = {k}/{moe.top_k} < 4: routing is nearly dense and loses the fragility behind mismatch faults"
             )
         return warnings
+
+    def _check_labels(self, e: int) -> None:
+        """Cluster labels (used to remap routing-replay masks) must describe the kept sets: every
+        expert labelled 0..K-1, one kept expert per label."""
+        if sorted(self.labels) != sorted(self.layers):
+            raise PlanError(f"labels cover layers {sorted(self.labels)[:8]}, the plan's kept sets cover {sorted(self.layers)[:8]}")
+        for layer, lab in self.labels.items():
+            if len(lab) != e or any(not 0 <= x < self.experts for x in lab):
+                raise PlanError(f"labels of layer {layer} must give each of the {e} experts a cluster in 0..{self.experts - 1}")
+            kept_labels = sorted(lab[i] for i in self.layers[layer])
+            if kept_labels != list(range(self.experts)):
+                raise PlanError(f"layer {layer}: the kept experts {list(self.layers[layer])} must carry one label each of 0..{self.experts - 1}")
 
     # ---- YAML ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -148,11 +165,17 @@ class Plan:
         layers = data["layers"]
         if not isinstance(layers, Mapping) or not all(isinstance(v, (list, tuple)) for v in layers.values()):
             raise SpecError(f"{where}: layers must map each MoE layer index to a list of kept expert ids")
+        for key in ("experts", "original_experts"):
+            if isinstance(data[key], bool) or not isinstance(data[key], int):
+                raise SpecError(f"{where}: {key} must be an integer, got {data[key]!r}")
+        ids = [i for v in layers.values() for i in v]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise SpecError(f"{where}: expert ids must be integers")
         try:
             return cls(
                 model=str(data["model"]),
-                experts=int(data["experts"]),
-                original_experts=int(data["original_experts"]),
+                experts=data["experts"],
+                original_experts=data["original_experts"],
                 layers={int(k): tuple(int(i) for i in v) for k, v in layers.items()},
                 method=str(data.get("method", "manual")),
                 mtp=str(data.get("mtp", "drop")),

@@ -187,15 +187,60 @@ def test_plan_for_another_checkpoint_is_refused(tmp_path):
     _violation(ckpt, tmp_path, plan, "the plan was made for checkpoint 000000000000")
 
 
-def test_existing_output_needs_force(tmp_path):
+def test_existing_output_needs_force_and_only_builds_are_replaced(tmp_path):
     ckpt = Checkpoint(save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
     with pytest.raises(SpecError, match="exists; pass --force"):
         build(ckpt, even_plan(ckpt, 4), tmp_path / "out", verify="never")
+    with pytest.raises(SpecError, match="is not a planner build"):
+        build(ckpt, even_plan(ckpt, 4), tmp_path / "out", force=True, verify="never")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
-    build(ckpt, even_plan(ckpt, 4), tmp_path / "out", force=True, verify="never")
-    assert not (tmp_path / "out" / "keep.txt").exists() and Checkpoint(tmp_path / "out").arch.moe.num_experts == 4
+    build(ckpt, even_plan(ckpt, 4), tmp_path / "proxy", verify="never")
+    build(ckpt, even_plan(ckpt, 2), tmp_path / "proxy", force=True, verify="never")
+    assert Checkpoint(tmp_path / "proxy").arch.moe.num_experts == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "proxy", "src"]  # no .tmp or .old left
+
+
+def test_output_overlapping_the_source_is_refused(tmp_path):
+    ckpt = Checkpoint(save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False))
+    for target in (tmp_path, tmp_path / "src", tmp_path / "src" / "inner"):
+        with pytest.raises(SpecError, match="overlaps the source checkpoint"):
+            build(ckpt, even_plan(ckpt, 4), target, force=True, verify="never")
+    assert (tmp_path / "src" / "model.safetensors").is_file()
+
+
+def test_a_foreign_tmp_directory_is_not_deleted(tmp_path):
+    ckpt = Checkpoint(save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False))
+    (tmp_path / "out.tmp").mkdir()
+    (tmp_path / "out.tmp" / "notes.txt").write_text("mine")
+    with pytest.raises(SpecError, match="is not an unfinished planner build"):
+        build(ckpt, even_plan(ckpt, 4), tmp_path / "out", verify="never")
+    assert (tmp_path / "out.tmp" / "notes.txt").is_file()
+
+
+def test_side_files_carry_over_but_never_other_weights(tmp_path):
+    source = save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False)
+    (source / "pytorch_model.bin").write_bytes(b"stale pickled weights")
+    (source / "pytorch_model.bin.index.json").write_text("{}")
+    (tmp_path / "elsewhere.jinja").write_text("{{ messages }}")
+    (source / "chat_template.jinja").symlink_to(tmp_path / "elsewhere.jinja")
+    build(Checkpoint(source), even_plan(Checkpoint(source), 4), tmp_path / "out", verify="never")
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"tokenizer_config.json", "generation_config.json", "chat_template.jinja"} <= names
+    assert not (tmp_path / "out" / "chat_template.jinja").is_symlink()
+    assert not names & {"pytorch_model.bin", "pytorch_model.bin.index.json"}
+
+
+def test_hub_cache_layout_with_symlinked_shards_is_read(tmp_path):
+    source = save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=True)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for shard in source.glob("*.safetensors"):
+        target = blobs / shard.name
+        shard.rename(target)
+        shard.symlink_to(target)
+    assert Checkpoint(source).arch.moe.num_experts == 8
 
 
 def test_plan_round_trips_through_yaml(tmp_path):
@@ -308,3 +353,41 @@ def test_fp8_experts_keep_their_block_scales(tmp_path):
     assert np.isfinite(stats["layers"]["1"]["distance"]).all()
     with pytest.raises(SpecError, match="quantised weights"):
         compute_stats(ckpt, experts=[4])
+
+
+def test_router_bias_with_the_wrong_expert_count(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = save_tiny(tmp_path / "src", family_config("gpt_oss"), sharded=False)
+    tensors = load_file(source / "model.safetensors")
+    tensors["model.layers.0.mlp.router.bias"] = tensors["model.layers.0.mlp.router.bias"][:4].clone()
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="router bias model.layers.0.mlp.router.bias has shape \\[4\\]; config.json says 8"):
+        Checkpoint(source)
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda h, k: h[k].update(data_offsets=["0", "8"]), "must be integers"),
+    (lambda h, k: h[k].update(data_offsets=[0.0, float(h[k]["data_offsets"][1])]), "must be integers"),
+    (lambda h, k: h.update(__metadata__=["not", "a", "dict"]), "__metadata__ must map strings to strings"),
+])  # fmt: skip
+def test_malformed_headers_are_clear_errors(tmp_path, mutate, message):
+    source = save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False)
+    path = source / "model.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    mutate(header, next(k for k in header if k != "__metadata__"))
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n :])
+    with pytest.raises(CheckpointError, match=message):
+        Checkpoint(source)
+
+
+def test_bytes_belonging_to_no_tensor_are_refused(tmp_path):
+    source = save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False)
+    path = source / "model.safetensors"
+    path.write_bytes(path.read_bytes() + b"\0" * 64)
+    with pytest.raises(CheckpointError, match="trailing bytes"):
+        Checkpoint(source)

@@ -222,7 +222,7 @@ def test_plan_errors_exit_2(tmp_path):
 
     source = save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False)
     result = CliRunner().invoke(main, ["plan", str(source), "--experts", "4", "--method", "saliency", "-o", str(tmp_path / "p.yaml")])
-    assert result.exit_code == 2 and "ranks experts by calibration statistics" in result.output
+    assert result.exit_code == 2 and "rank experts by calibration statistics" in result.output
     result = CliRunner().invoke(main, ["build", str(source), str(tmp_path / "out"), "--experts", "1"])
     assert result.exit_code == 2 and "top_k" in result.output and not (tmp_path / "out").exists()
     result = CliRunner().invoke(main, ["build", str(tmp_path / "nowhere"), str(tmp_path / "out"), "--experts", "4"])

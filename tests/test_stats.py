@@ -111,7 +111,7 @@ def test_weights_only_stats_need_no_model_run(tmp_path):
     stats = compute_stats(ckpt, experts=[4], methods=("agglomerative", "random"), weights_only=True)
     assert stats["calibration"] is None and "saliency" not in stats["layers"]["0"]
     assert stats["weights"]["bytes_read"] > 0
-    with pytest.raises(SpecError, match="ranks experts by calibration statistics"):
+    with pytest.raises(SpecError, match="rank experts by calibration statistics"):
         compute_stats(ckpt, experts=[4], methods=("saliency",), weights_only=True)
 
 

@@ -2,9 +2,11 @@
 
 Every rule is checked before a byte is written. Each source shard becomes at most one output shard
 holding its kept tensors: whole tensors and kept expert rows are copied as byte ranges (kernel-side
-where the platform allows), so memory stays bounded by one copy chunk and dropped experts are never
-read. The result goes to OUT_DIR.tmp and is renamed to OUT_DIR only once it is complete and has
-passed verification; an existing OUT_DIR is replaced only with force.
+where the platform allows), so memory stays bounded by one copy chunk and writing never reads a
+dropped expert (choosing the plan from statistics reads them all, once; verification loads the
+original to compare logits). The result goes to OUT_DIR.tmp and is renamed to OUT_DIR only once it
+is complete and has passed verification; an existing OUT_DIR is replaced only with force, and only
+when it is an earlier planner build.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import math
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +33,10 @@ __all__ = ["BuildReport", "build", "EXPERT_MAP_NAME"]
 
 log = logging.getLogger(__name__)
 EXPERT_MAP_NAME = "expert_map.json"
+TMP_MARKER = ".planner-build-in-progress"
 _SKIP_FILES = {INDEX_NAME, SINGLE_NAME, "config.json", EXPERT_MAP_NAME}
+# weights in other formats are never carried over (a proxy holds only its own safetensors)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".npz")
 
 
 @dataclass
@@ -62,6 +68,8 @@ class BuildReport:
 def _slice(info: TensorInfo, dim: int, keep: tuple[int, ...], name: str | None = None) -> OutTensor:
     """The tensor restricted to indices `keep` along `dim`, as byte ranges of the source."""
     shape = info.shape
+    if not keep or max(keep) >= shape[dim]:
+        raise CheckpointError(f"{info.name}: cannot keep ids up to {max(keep, default=-1)} of dim {dim} in {list(shape)}")
     outer = math.prod(shape[:dim])
     inner = math.prod(shape[dim + 1 :]) * DTYPE_BYTES[info.dtype]
     if inner != int(inner):
@@ -177,7 +185,60 @@ def _expert_map(ckpt: Checkpoint, plan: Plan, report_warnings: list[str]) -> dic
 
 
 def _write_atomic_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _side_files(src: Path) -> list[Path]:
+    """Tokenizer, generation config, chat template and other small files to carry over: regular
+    files (or links to them), never weights in any format nor their indexes."""
+    out = []
+    for item in sorted(src.iterdir()):
+        name = item.name
+        if name in _SKIP_FILES or name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json"):
+            continue
+        if name.startswith("consolidated.") or not item.is_file():  # is_file follows links to files
+            continue
+        out.append(item)
+    return out
+
+
+def _prepare_output(out_dir: Path, src: Path, force: bool) -> Path:
+    """Check OUT_DIR can be (re)placed and make OUT_DIR.tmp, marked as ours."""
+    if out_dir == src or src.is_relative_to(out_dir) or out_dir.is_relative_to(src):
+        raise SpecError(f"{out_dir} overlaps the source checkpoint {src}; choose a directory outside it")
+    if out_dir.exists():
+        if not force:
+            raise SpecError(f"{out_dir} exists; pass --force to replace it")
+        if not (out_dir / EXPERT_MAP_NAME).is_file():
+            raise SpecError(f"{out_dir} exists and is not a planner build (no {EXPERT_MAP_NAME}); not replacing it, even with --force")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        if not (tmp / TMP_MARKER).is_file():
+            raise SpecError(f"{tmp} exists and is not an unfinished planner build; move it away first")
+        shutil.rmtree(tmp)  # a build that died before finishing
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    (tmp / TMP_MARKER).write_text("planner build in progress\n")
+    return tmp
+
+
+def _swap_in(tmp: Path, out_dir: Path) -> None:
+    """Replace OUT_DIR by the finished build; on failure the previous OUT_DIR is restored."""
+    (tmp / TMP_MARKER).unlink()
+    if not out_dir.exists():
+        tmp.rename(out_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    old.rmdir()
+    out_dir.rename(old)
+    try:
+        tmp.rename(out_dir)
+    except OSError:
+        old.rename(out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def build(
@@ -192,21 +253,14 @@ def build(
     """Build the proxy into `out_dir`. `verify`: auto (load in transformers when the checkpoint is
     small enough), always, never (structural checks run in every case)."""
     start = time.perf_counter()
-    out_dir = Path(out_dir).expanduser()
+    out_dir = Path(out_dir).expanduser().resolve()
     warnings = plan.check(ckpt.arch, list(ckpt.moe_layers))
     if plan.checkpoint_fingerprint and plan.checkpoint_fingerprint != ckpt.fingerprint():
         raise PlanError(
             f"the plan was made for checkpoint {plan.checkpoint_fingerprint[:12]}..., this one is "
             f"{ckpt.fingerprint()[:12]}...; make the plan again from this checkpoint"
         )
-    if out_dir.exists() and not force:
-        raise SpecError(f"{out_dir} exists; pass --force to replace it")
-    if out_dir.resolve() == ckpt.path.resolve():
-        raise SpecError(f"{out_dir} is the source checkpoint; choose another output directory")
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = _prepare_output(out_dir, ckpt.path.resolve(), force)
     try:
         per_shard, skipped = _plan_tensors(ckpt, plan)
         non_empty = [(name, ts) for name, ts in per_shard.items() if ts]
@@ -222,33 +276,29 @@ def build(
         if len(non_empty) > 1:
             _write_atomic_json(tmp / INDEX_NAME, {"metadata": {"total_size": written}, "weight_map": weight_map})
         _write_atomic_json(tmp / "config.json", _new_config(ckpt, plan))
-        for item in sorted(ckpt.path.iterdir()):
-            if item.is_file() and not item.is_symlink() and item.name not in _SKIP_FILES and item.suffix != ".safetensors":
-                shutil.copy2(item, tmp / item.name)
-        _write_atomic_json(tmp / EXPERT_MAP_NAME, _expert_map(ckpt, plan, warnings))
+        for item in _side_files(ckpt.path):
+            shutil.copyfile(item, tmp / item.name)  # follows links: the proxy holds real files
 
         proxy = Checkpoint(tmp)  # structural verification: headers, index, shapes and counts vs config
         if proxy.arch.moe.num_experts != plan.experts or any(l.num_experts != plan.experts for l in proxy.moe_layers.values()):
             raise CheckpointError(f"{tmp}: the written checkpoint does not hold {plan.experts} experts per MoE layer")
         verification = {"structure": "ok"}
-        if verify == "always" or (verify == "auto" and ckpt.total_bytes <= 4 * 1024**3):
+        size_limit = 4 * 1024**3
+        if verify == "always" or (verify == "auto" and ckpt.total_bytes <= size_limit):
             from planner.checkpoint.verify import verify_proxy
 
             verification.update(verify_proxy(ckpt.path, tmp, plan))
+        elif verify == "never":
+            verification["load"] = "skipped (verify=never)"
         else:
-            verification["load"] = "skipped (checkpoint above 4 GiB or verify=never)"
-        data = json.loads((tmp / EXPERT_MAP_NAME).read_text())
-        data["verification"] = verification
-        _write_atomic_json(tmp / EXPERT_MAP_NAME, data)
-        if out_dir.exists():
-            old = out_dir.with_name(out_dir.name + ".old")
-            if old.exists():
-                shutil.rmtree(old)
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
+            verification["load"] = (
+                f"skipped: the source holds {ckpt.total_bytes / 1024**3:.1f} GiB, above the {size_limit / 1024**3:.0f} GiB "
+                "that verify=auto loads in transformers (use verify=always to load it anyway)"
+            )
+        emap = _expert_map(ckpt, plan, warnings)
+        emap["verification"] = verification
+        _write_atomic_json(tmp / EXPERT_MAP_NAME, emap)
+        _swap_in(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -134,11 +134,12 @@ class Checkpoint:
 
     # ---- files ------------------------------------------------------------------------------
     def _safe_file(self, name: str) -> Path:
-        candidate = (self.path / name).resolve()
-        root = self.path.resolve()
-        if os.path.isabs(name) or root not in candidate.parents:
+        """A weight_map entry: a relative path that stays in the directory as written. The file may
+        be a symlink (the Hugging Face cache links snapshot files to ../blobs) to a regular file."""
+        norm = os.path.normpath(name)
+        if os.path.isabs(name) or norm == ".." or norm.startswith(".." + os.sep):
             raise CheckpointError(f"{self.path / INDEX_NAME}: weight_map path {name!r} escapes the checkpoint directory")
-        return candidate
+        return self.path / norm
 
     def _read_shards(self) -> dict[str, ShardHeader]:
         index = self.path / INDEX_NAME
@@ -235,6 +236,11 @@ class Checkpoint:
                 raise CheckpointError(f"{where}: router has {layer.router.shape[0]} rows, config.json says {e} experts")
             if layer.router.shape[-1] != h:
                 raise CheckpointError(f"{where}: router shape {list(layer.router.shape)} disagrees with hidden_size {h}")
+            for label, info, dim in (("router bias", layer.router_bias, 0), ("correction bias", layer.correction_bias, layer.correction_dim)):
+                if info is not None and (len(info.shape) <= dim or info.shape[dim] != e):
+                    raise CheckpointError(
+                        f"{where}: {label} {info.name} has shape {list(info.shape)}; config.json says {e} experts on dim {dim}"
+                    )
             if layer.experts:
                 ids = sorted(layer.experts)
                 if ids != list(range(e)):
@@ -277,13 +283,17 @@ class Checkpoint:
             self._fingerprint = digest.hexdigest()
         return self._fingerprint
 
-    def read_bytes(self, info: TensorInfo) -> bytes:
-        with open(info.path, "rb") as fh:
-            fh.seek(info.begin)
-            data = fh.read(info.nbytes)
-        if len(data) != info.nbytes:
-            raise CheckpointError(f"{info.path}: {info.name} is truncated ({len(data)} of {info.nbytes} bytes)")
+    @staticmethod
+    def read_range(path: Path, offset: int, length: int) -> bytes:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            data = fh.read(length)
+        if len(data) != length:
+            raise CheckpointError(f"{path}: ended {length - len(data)} bytes early reading [{offset}, {offset + length})")
         return data
+
+    def read_bytes(self, info: TensorInfo) -> bytes:
+        return self.read_range(info.path, info.begin, info.nbytes)
 
     def read_float32(self, info: TensorInfo) -> np.ndarray:
         return to_float32(self.read_bytes(info), info.dtype, info.shape)

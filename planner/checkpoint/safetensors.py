@@ -62,6 +62,10 @@ class ShardHeader:
     file_size: int
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def read_header(path: Path) -> ShardHeader:
     """Parse and validate one shard's header; reads no tensor data."""
     try:
@@ -86,13 +90,19 @@ def read_header(path: Path) -> ShardHeader:
         raise CheckpointError(f"{path}: header is not a JSON object")
     data_start, data_len = 8 + n, size - 8 - n
     metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings, got {metadata!r:.200}")
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, entry in doc.items():
         try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+            begin, end = offsets
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry: {entry!r}") from None
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry: {entry!r:.200}") from None
+        if not all(_is_int(v) for v in (*shape, begin, end)):
+            raise CheckpointError(f"{path}: tensor {name!r}: shape and data_offsets must be integers, got {entry!r:.200}")
+        shape = tuple(shape)
         if dtype not in DTYPE_BYTES:
             raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         want = math.prod(shape) * DTYPE_BYTES[dtype]
@@ -108,9 +118,15 @@ def read_header(path: Path) -> ShardHeader:
         spans.append((begin, end, name))
         tensors[name] = TensorInfo(name, dtype, shape, data_start + begin, data_start + end, path)
     spans.sort()
-    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap in the data section")
+    covered = 0
+    for begin, end, name in spans:  # the reference reader requires the tensors to tile the data section
+        if begin < covered:
+            raise CheckpointError(f"{path}: tensor {name!r} overlaps the previous tensor in the data section")
+        if begin > covered:
+            raise CheckpointError(f"{path}: {begin - covered} bytes before tensor {name!r} belong to no tensor")
+        covered = end
+    if covered != data_len:
+        raise CheckpointError(f"{path}: the tensors cover {covered} of the {data_len} data bytes (trailing bytes)")
     return ShardHeader(path, raw, tensors, dict(metadata), size)
 
 

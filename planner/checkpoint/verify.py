@@ -11,25 +11,19 @@ import re
 from pathlib import Path
 
 from planner.errors import CheckpointError
+from planner.hf import require_torch
 from planner.plan import Plan
 
 __all__ = ["verify_proxy", "load_strict"]
 
 
-def _torch():
-    try:
-        import torch
-        import transformers
-    except ImportError as exc:  # pragma: no cover - the [hf] extra is missing
-        raise CheckpointError(f"verifying a build needs torch and transformers (pip install 'planner[hf]'): {exc}") from None
-    return torch, transformers
-
-
 def load_strict(path: Path, *, num_layers: int | None = None):
     """The model in float32 with transformers' loading report checked: nothing missing, unexpected
     (except layers numbered from `num_layers`: MTP, which transformers does not build) or resized."""
-    torch, transformers = _torch()
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    torch, transformers = require_torch("verifying a build")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True, use_safetensors=True, local_files_only=True
+    )
     unexpected = list(info.get("unexpected_keys", []))
     if num_layers is not None:
         mtp = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -43,7 +37,7 @@ def load_strict(path: Path, *, num_layers: int | None = None):
 
 
 def verify_proxy(source: Path, proxy: Path, plan: Plan, *, tokens: int = 24, seed: int = 0) -> dict:
-    torch, _ = _torch()
+    torch, _ = require_torch("verifying a build")
     model = load_strict(proxy, num_layers=_num_layers(proxy))
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (2, tokens), generator=torch.Generator().manual_seed(seed))

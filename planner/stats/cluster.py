@@ -20,10 +20,10 @@ from __future__ import annotations
 import numpy as np
 
 from planner.errors import SpecError
+from planner.plan import SELECTION_METHODS as METHODS
 
 __all__ = ["cosine_distance", "blended_distance", "agglomerative", "kmeans", "mds_embedding", "select", "silhouette", "METHODS"]
 
-METHODS = ("agglomerative", "kmeans", "router", "saliency", "frequency", "random")
 ROUTER_WEIGHT = 0.3
 
 
@@ -97,13 +97,15 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0, iters: int = 100) -> np.ndarray
         dist = ((x[:, None, :] - c[None]) ** 2).sum(-1)
         new = dist.argmin(1)
         for j in range(k):
-            if not (new == j).any():
-                far = int(dist[np.arange(n), new].argmax())
+            if not (new == j).any():  # refill from a cluster that can spare a member
+                counts = np.bincount(new, minlength=k)
+                donors = np.flatnonzero(counts[new] > 1)
+                far = int(donors[np.argmax(dist[donors, new[donors]])])
                 new[far] = j
         if it > 0 and (new == labels).all():
             break
         labels = new
-        c = np.array([x[labels == j].mean(0) for j in range(k)])
+        c = np.array([x[labels == j].mean(0) for j in range(k)])  # every cluster has a member
     return _labels([list(np.flatnonzero(labels == j)) for j in range(k)], n)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from planner.checkpoint.reader import Checkpoint
 from planner.plan import Plan
-from planner.stats.cluster import ROUTER_WEIGHT, blended_distance, cosine_distance, mds_embedding, select, silhouette
+from planner.stats.cluster import METHODS, ROUTER_WEIGHT, cosine_distance, mds_embedding, select, silhouette
 from planner.stats.sketch import SKETCH_DIM, weight_features
 
 __all__ = ["LayerFeatures", "compute_stats", "plan_from_stats", "summarise", "default_experts"]
@@ -78,6 +78,13 @@ def _super_experts(max_act: np.ndarray, all_layers_max: float) -> list[int]:
     return [int(i) for i in np.flatnonzero(max_act >= thresh)]
 
 
+def _kl_positions(ids: np.ndarray) -> np.ndarray:
+    """Flattened positions whose next-token distributions the KL compares: spread evenly over
+    every calibration sequence."""
+    total = ids.size
+    return np.linspace(0, total - 1, num=min(KL_POSITIONS, total)).astype(np.int64)
+
+
 def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict, "object", object]:
     import torch
 
@@ -85,6 +92,7 @@ def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict
 
     runner = LayerwiseModel(ckpt)
     scoring = ckpt.arch.moe.scoring
+    trunk = [i for i, layer in ckpt.moe_layers.items() if not layer.mtp]
     raw: dict[int, dict] = {}
     rng = np.random.default_rng(0)
 
@@ -98,7 +106,7 @@ def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict
         gate = np.bincount(topk.reshape(-1), weights=weights.reshape(-1), minlength=e)
         n_tok = tokens.shape[0]
         pick = np.sort(rng.choice(n_tok, size=min(PROFILE_TOKENS, n_tok), replace=False))
-        shared = tokens[torch.from_numpy(pick[:OUTPUT_PROFILE_TOKENS])]
+        shared = tokens[torch.from_numpy(np.sort(rng.choice(n_tok, size=min(OUTPUT_PROFILE_TOKENS, n_tok), replace=False)))]
         saliency, max_act = np.zeros(e), np.zeros(e)
         out_profile = np.zeros((e, shared.shape[0] * tokens.shape[1]), dtype=np.float32)
         for ex in range(e):
@@ -112,26 +120,27 @@ def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict
             max_act[ex] = float(y.abs().max())
         onehot = np.zeros((n_tok, e))
         np.put_along_axis(onehot, topk, 1.0, axis=1)
-        probs = _router_probs(call.logits, scoring)
-        entropy, cv = _entropy_cv(probs, counts)
-        raw[i] = {
+        entropy, cv = _entropy_cv(_router_probs(call.logits, scoring), counts)
+        profile = call.logits.float().numpy()[pick].T
+        raw[i] = {  # distances now, so no layer's expert outputs outlive its forward
             "frequency": counts / n_tok,
             "gate_mass": gate / n_tok,
             "saliency": saliency,
             "max_activation": max_act,
-            "output_profile": out_profile,
-            "profile": call.logits.float().numpy()[pick].T,
+            "output_distance": cosine_distance(out_profile),
+            "router_distance": cosine_distance(profile),
             "coactivation": (onehot.T @ onehot) / n_tok,
             "entropy": entropy,
             "load_cv": cv,
+            "tokens": (n_tok, len(pick), shared.shape[0]),
         }
         if progress:
-            progress(len(raw), len(ckpt.moe_layers))
+            progress(len(raw), len(trunk))
         return None
 
     with runner.moe(collect):
         logits = runner.forward(torch.from_numpy(ids))
-    reference = logits.reshape(-1, logits.shape[-1])[:KL_POSITIONS].double()
+    reference = logits.reshape(-1, logits.shape[-1])[torch.from_numpy(_kl_positions(ids))].double()
     return raw, runner, torch.log_softmax(reference, -1)
 
 
@@ -139,18 +148,16 @@ def _features(ckpt: Checkpoint, weights, raw: dict | None) -> dict[int, LayerFea
     out = {}
     global_max = max((float(r["max_activation"].max()) for r in (raw or {}).values()), default=0.0)
     for i in ckpt.moe_layers:
-        sketch_d = cosine_distance(weights.sketch[i])
         if raw is None or i not in raw:  # weights only, or an MTP layer the model never runs
             router_d = cosine_distance(weights.router[i])
-            dist = (1 - ROUTER_WEIGHT) * sketch_d + ROUTER_WEIGHT * router_d
+            dist = (1 - ROUTER_WEIGHT) * cosine_distance(weights.sketch[i]) + ROUTER_WEIGHT * router_d
             out[i] = LayerFeatures(dist, router_d, mds_embedding(dist))
             continue
         r = raw[i]
-        router_d = cosine_distance(r["profile"])
-        dist = blended_distance(r["output_profile"], r["profile"])
+        dist = (1 - ROUTER_WEIGHT) * r["output_distance"] + ROUTER_WEIGHT * r["router_distance"]
         out[i] = LayerFeatures(
             distance=dist,
-            router_distance=router_d,
+            router_distance=r["router_distance"],
             embedding=mds_embedding(dist),
             frequency=r["frequency"],
             gate_mass=r["gate_mass"],
@@ -219,7 +226,7 @@ def _proxy_pass(ckpt, runner, ids, selections: dict[int, tuple[list[int], np.nda
 
     with runner.moe(swap):
         logits = runner.forward(torch.from_numpy(ids))
-    q = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[:KL_POSITIONS].double(), -1)
+    q = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[torch.from_numpy(_kl_positions(ids))].double(), -1)
     kl = float((reference.exp() * (reference - q)).sum(-1).mean())
     return {"per_layer": per_layer, "kl_original_proxy": kl}
 
@@ -236,30 +243,52 @@ def compute_stats(
     seed: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict:
+    from planner.errors import SpecError
+
     start = time.perf_counter()
     arch = ckpt.arch
     for k in experts:
         arch.with_experts(k)  # raises, naming the rule, when K cannot be kept
-
-    def step(name):
-        return (lambda done, total: progress(name, done, total)) if progress else None
-
-    weights = weight_features(ckpt, progress=step("weights"))
-    raw = runner = reference = ids = provenance = None
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SpecError(f"unknown method(s) {unknown}; one of {', '.join(METHODS)}")
+    ranking = [m for m in methods if m in ("saliency", "frequency")]
+    if weights_only and ranking:
+        raise SpecError(f"{ranking} rank experts by calibration statistics; drop --weights-only to compute them")
     quantised = sorted({t.dtype for t in ckpt.tensors.values() if t.dtype.startswith(("F8", "F4")) or t.dtype == "U8"})
     if quantised and not weights_only:
-        from planner.errors import SpecError
-
         raise SpecError(
             f"{ckpt.path} holds quantised weights ({', '.join(quantised)}): calibration statistics need a bf16, fp16 or "
             "fp32 checkpoint; use --weights-only (FP8 experts are dequantised with their block scales for the sketches)"
         )
+
+    def step(name):
+        return (lambda done, total: progress(name, done, total)) if progress else None
+
+    # data-free features for the layers the model does not run on calibration text
+    data_free = [i for i, layer in ckpt.moe_layers.items() if weights_only or layer.mtp]
+    weights = weight_features(ckpt, layers=data_free, progress=step("weights"))
+    raw = runner = reference = ids = provenance = None
     if not weights_only:
         from planner.stats.text import calibration_ids
 
         ids, provenance = calibration_ids(ckpt.path, arch.vocab_size, text=calib_text, tokens=calib_tokens, seq_len=seq_len)
         raw, runner, reference = _calibration_pass(ckpt, ids, step("calibration"))
     features = _features(ckpt, weights, raw)
+    spec = []
+    if raw:
+        n_tok, n_profile, n_shared = next(iter(raw.values()))["tokens"]
+        spec.append(
+            f"calibrated layers: distance = {1 - ROUTER_WEIGHT:g} x cosine(expert outputs on {n_shared} shared tokens) + "
+            f"{ROUTER_WEIGHT:g} x cosine(router logits on {n_profile} of {n_tok} tokens)"
+        )
+    if data_free:
+        spec.append(
+            f"{'MTP ' if raw else ''}layers {data_free[:4]}{'...' if len(data_free) > 4 else ''}: distance = "
+            f"{1 - ROUTER_WEIGHT:g} x cosine(bilinear weight sketch, {SKETCH_DIM} per matrix) + {ROUTER_WEIGHT:g} x cosine(router rows)"
+        )
+        if weights.unsketched:
+            spec.append(f"not sketched (quantised fused tensors; their distance is the router's): {weights.unsketched[:4]}")
 
     layers_doc = {}
     for i, f in features.items():
@@ -318,12 +347,7 @@ def compute_stats(
             "num_layers": arch.num_layers,
         },
         "calibration": provenance,
-        "feature_spec": (
-            f"distance = {1 - ROUTER_WEIGHT:g} x cosine(outputs on {OUTPUT_PROFILE_TOKENS} shared tokens) "
-            f"+ {ROUTER_WEIGHT:g} x cosine(router logits on {PROFILE_TOKENS} tokens)"
-            if raw is not None
-            else f"distance = {1 - ROUTER_WEIGHT:g} x cosine(count sketch d={SKETCH_DIM}) + {ROUTER_WEIGHT:g} x cosine(router rows)"
-        ),
+        "feature_spec": "; ".join(spec),
         "seed": seed,
         "weights": {"bytes_read": weights.bytes_read, "seconds": weights.seconds},
         "seconds": time.perf_counter() - start,
@@ -349,9 +373,13 @@ def plan_from_stats(stats: dict, experts: int, method: str, *, model: str, mtp: 
                 protected=set(entry.get("super_experts", [])), n_group=ck["n_group"], seed=seed,
             )  # fmt: skip
             kept[int(i)], labels[int(i)] = ids, [int(x) for x in lab]
-    if mtp == "drop":  # MTP layers are numbered from num_layers
-        kept = {i: v for i, v in kept.items() if i < ck["num_layers"]}
-        labels = {i: v for i, v in labels.items() if i < ck["num_layers"]}
+    trunk = [i for i in kept if i < ck["num_layers"]]
+    mtp_layers = [i for i in kept if i >= ck["num_layers"]]  # MTP layers are numbered from num_layers
+    for i in mtp_layers:
+        if mtp == "drop":
+            del kept[i], labels[i]
+        else:  # DESIGN.md 5: prune MTP with the same map; it continues from the last trunk layer
+            kept[i], labels[i] = kept[max(trunk)], labels[max(trunk)]
     return Plan(
         model=model,
         experts=experts,

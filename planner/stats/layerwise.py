@@ -22,17 +22,9 @@ import numpy as np
 
 from planner.checkpoint.reader import Checkpoint
 from planner.errors import CheckpointError
+from planner.hf import require_torch
 
 __all__ = ["LayerwiseModel", "MoECall"]
-
-
-def _torch():
-    try:
-        import torch
-        import transformers
-    except ImportError as exc:  # pragma: no cover
-        raise CheckpointError(f"calibration statistics need torch and transformers (pip install 'planner[hf]'): {exc}") from None
-    return torch, transformers
 
 
 class MoECall:
@@ -49,7 +41,7 @@ class MoECall:
 
 class LayerwiseModel:
     def __init__(self, ckpt: Checkpoint):
-        torch, transformers = _torch()
+        torch, transformers = require_torch("calibration statistics")
         self.torch = torch
         self.ckpt = ckpt
         self.names = ckpt.names
@@ -89,23 +81,27 @@ class LayerwiseModel:
             return f"{disk_block}.{inner}"
         return f"{prefix}.{layer}.{rest}"
 
-    def _tensor(self, mem_key: str, like):
+    def _fill(self, mem_key: str, target) -> None:
+        """Copy the on-disk value of `mem_key` into `target` (an allocated parameter or buffer),
+        one expert at a time for per-expert checkpoints held fused in memory."""
         torch = self.torch
         disk = self._disk_name(mem_key)
         info = self.ckpt.tensors.get(disk)
         if info is not None:
-            return torch.from_numpy(np.array(self.ckpt.read_float32(info))).reshape(like.shape)
+            target.copy_(torch.from_numpy(self.ckpt.read_float32(info)).reshape(target.shape))
+            return
         per_expert = self.names.get("per_expert")
         m = re.match(r"^model\.layers\.(\d+)\..*\.experts\.(gate_up_proj|down_proj)$", mem_key)
-        if per_expert and m:  # transformers 5 holds per-expert checkpoints fused in memory
-            experts = self.ckpt.moe_layers[int(m.group(1))].experts
+        if not (per_expert and m):
+            raise CheckpointError(f"{self.ckpt.path}: no tensor on disk for {mem_key} (looked for {disk})")
+        experts = self.ckpt.moe_layers[int(m.group(1))].experts
+        for e in sorted(experts):  # transformers 5 holds per-expert checkpoints fused: (E, 2I, h), (E, h, I)
             if m.group(2) == "gate_up_proj":
-                rows = [np.concatenate([self.ckpt.read_float32(experts[e][per_expert["gate"]]),
-                                        self.ckpt.read_float32(experts[e][per_expert["up"]])]) for e in sorted(experts)]
+                gate = self.ckpt.read_float32(experts[e][per_expert["gate"]])
+                target[e, : gate.shape[0]].copy_(torch.from_numpy(gate))
+                target[e, gate.shape[0] :].copy_(torch.from_numpy(self.ckpt.read_float32(experts[e][per_expert["up"]])))
             else:
-                rows = [self.ckpt.read_float32(experts[e][per_expert["down"]]) for e in sorted(experts)]
-            return torch.from_numpy(np.stack(rows)).reshape(like.shape)
-        raise CheckpointError(f"{self.ckpt.path}: no tensor on disk for {mem_key} (looked for {disk})")
+                target[e].copy_(torch.from_numpy(self.ckpt.read_float32(experts[e][per_expert["down"]])))
 
     def _materialize(self, module, prefix: str) -> None:
         torch = self.torch
@@ -115,7 +111,7 @@ class LayerwiseModel:
             for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
                 if name not in persistent:
                     raise CheckpointError(f"{prefix}{name} is a non-persistent buffer; cannot rebuild it layer by layer")
-                tensor.copy_(self._tensor(prefix + name, tensor))
+                self._fill(prefix + name, tensor)
 
     def _load_outside_layers(self) -> None:
         torch = self.torch

@@ -31,6 +31,7 @@ class WeightFeatures:
     sketch: dict[int, np.ndarray]  # layer -> (E, SKETCH_DIM) float32
     bytes_read: int
     seconds: float
+    unsketched: list[str]  # quantised fused tensors left out (MXFP4 blocks): the router decides there
 
 
 class _Projections:
@@ -66,25 +67,34 @@ def _dequantise(values: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
     return values * full
 
 
-def weight_features(ckpt: Checkpoint, *, seed: int = 0, progress: Callable[[int, int], None] | None = None) -> WeightFeatures:
-    """Router rows and per-expert weight sketches of every MoE layer, in one pass over the expert
-    and router tensors in file order."""
+def weight_features(
+    ckpt: Checkpoint, *, layers: list[int] | None = None, seed: int = 0, progress: Callable[[int, int], None] | None = None
+) -> WeightFeatures:
+    """Router rows and per-expert weight sketches of the given MoE layers (default: all), in one
+    pass over their expert and router tensors in file order."""
     start = time.perf_counter()
     proj = _Projections(seed)
+    wanted = list(ckpt.moe_layers) if layers is None else layers
     work = []  # (file, offset, layer, kind, expert, role, info) in file order
-    for idx, layer in ckpt.moe_layers.items():
+    unsketched = []
+    for idx in wanted:
+        layer = ckpt.moe_layers[idx]
         work.append((layer.router.path, layer.router.begin, idx, "router", -1, "", layer.router))
         for eid, tensors in layer.experts.items():
             for suffix, info in tensors.items():
                 if info.dtype in ("F32", "F16", "BF16", "F8_E4M3", "F8_E5M2") and info.name.endswith("weight"):
                     work.append((info.path, info.begin, idx, "expert", eid, suffix, info))
         for name, info in layer.fused.items():
-            if info.dtype in ("F32", "F16", "BF16") and not name.endswith(("_bias", "_scales")):
+            if name.endswith(("_bias", "_scales")):
+                continue
+            if info.dtype in ("F32", "F16", "BF16"):
                 work.append((info.path, info.begin, idx, "fused", -1, name, info))
+            else:
+                unsketched.append(info.name)
     work.sort(key=lambda w: (str(w[0]), w[1]))
     total = sum(w[6].nbytes for w in work)
     router: dict[int, np.ndarray] = {}
-    sketch = {idx: np.zeros((layer.num_experts, SKETCH_DIM), dtype=np.float32) for idx, layer in ckpt.moe_layers.items()}
+    sketch = {idx: np.zeros((ckpt.moe_layers[idx].num_experts, SKETCH_DIM), dtype=np.float32) for idx in wanted}
     done = 0
     for _path, _offset, idx, kind, eid, role, info in work:
         if kind == "router":
@@ -98,15 +108,9 @@ def weight_features(ckpt: Checkpoint, *, seed: int = 0, progress: Callable[[int,
         else:  # fused: one expert row at a time keeps memory to one expert
             row = info.row_bytes()
             for e in range(info.shape[0]):
-                raw = _read_range(info.path, info.begin + e * row, row)
+                raw = ckpt.read_range(info.path, info.begin + e * row, row)
                 sketch[idx][e] += _sketch(to_float32(raw, info.dtype, info.shape[1:]), role, proj)
         done += info.nbytes
         if progress:
             progress(done, total)
-    return WeightFeatures(router=router, sketch=sketch, bytes_read=done, seconds=time.perf_counter() - start)
-
-
-def _read_range(path, offset: int, length: int) -> bytes:
-    with open(path, "rb") as fh:
-        fh.seek(offset)
-        return fh.read(length)
+    return WeightFeatures(router=router, sketch=sketch, bytes_read=done, seconds=time.perf_counter() - start, unsketched=unsketched)

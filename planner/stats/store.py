@@ -23,6 +23,8 @@ STATS_SCHEMA = "planner.stats/1"
 
 def _encode(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
+        if np.issubdtype(obj.dtype, np.integer) or obj.dtype == bool:
+            return obj.tolist()
         arr = np.ascontiguousarray(obj, dtype="<f4")
         return {"__array__": "float32", "shape": list(arr.shape), "base64": base64.b64encode(arr.tobytes()).decode()}
     if isinstance(obj, dict):

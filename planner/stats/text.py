@@ -63,7 +63,9 @@ def calibration_ids(path: Path, vocab_size: int, *, text: str | None, tokens: in
         ids = np.frombuffer(body.encode("utf-8"), dtype=np.uint8).astype(np.int64) % vocab_size
     n_seq = max(1, tokens // seq_len)
     need = n_seq * seq_len
-    if ids.size < need:
+    text_tokens = int(ids.size)
+    repeated = text_tokens < need
+    if repeated:  # a short text is cycled, and the provenance says so
         ids = np.resize(ids, need)
     out = ids[:need].reshape(n_seq, seq_len)
     provenance = {
@@ -74,5 +76,7 @@ def calibration_ids(path: Path, vocab_size: int, *, text: str | None, tokens: in
         "sequences": n_seq,
         "sequence_length": seq_len,
         "tokens": need,
+        "text_tokens": text_tokens,
+        "text_repeated": repeated,
     }
     return out, provenance

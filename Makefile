@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/layout_search.py
 	$(PY) benchmarks/checkpoint_io.py
 	$(PY) benchmarks/clustering_quality.py
+	$(PY) benchmarks/rl_harness.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -332,5 +332,9 @@ def fit_knobs(runs_path, output, force) -> None:
     _run(body)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    main()
+from planner import cli_rl  # noqa: E402,F401  (registers `planner rl` and `planner calibrate`)
+
+if __name__ == "__main__":  # pragma: no cover  (python -m planner.cli: run the registered copy)
+    from planner.cli import main as registered
+
+    registered()

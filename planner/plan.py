@@ -7,7 +7,7 @@ checked against the model before anything is written; a violation names the rule
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,7 +22,7 @@ PLAN_SCHEMA = "planner.plan/1"
 SELECTION_METHODS = ("agglomerative", "kmeans", "router", "saliency", "frequency", "random")
 METHODS = (*SELECTION_METHODS, "manual")
 _KEYS = ("schema", "model", "experts", "original_experts", "method", "mtp", "checkpoint_fingerprint",
-         "target_ep", "seed", "feature_spec", "layers", "labels")  # fmt: skip
+         "target_ep", "seed", "feature_spec", "statistics", "layers", "labels")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +38,7 @@ class Plan:
     seed: int | None = None
     feature_spec: str | None = None
     labels: Mapping[int, tuple[int, ...]] | None = None  # cluster of every original expert, per layer
+    statistics: Mapping[str, Any] | None = None  # the plan's statistics summary (planner stats), fidelity features
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -142,6 +143,8 @@ class Plan:
                 out[key] = getattr(self, key)
         if self.target_ep:
             out["target_ep"] = list(self.target_ep)
+        if self.statistics:
+            out["statistics"] = dict(self.statistics)
         out["layers"] = {int(i): list(ids) for i, ids in sorted(self.layers.items())}
         if self.labels is not None:
             out["labels"] = {int(i): list(lab) for i, lab in sorted(self.labels.items())}
@@ -183,10 +186,19 @@ class Plan:
                 target_ep=tuple(int(x) for x in data.get("target_ep", ()) or ()),
                 seed=data.get("seed"),
                 feature_spec=data.get("feature_spec"),
+                statistics=_statistics(data.get("statistics"), where),
                 labels={int(k): tuple(int(i) for i in v) for k, v in data["labels"].items()} if data.get("labels") else None,
             )
         except (TypeError, ValueError) as exc:
             raise SpecError(f"{where}: {exc}") from None
+
+
+def _statistics(value: Any, where: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{where}: statistics must be a mapping of statistic -> value or {{mean, max, ...}}")
+    return dict(value)
 
 
 def _span(ids: list[int]) -> str:

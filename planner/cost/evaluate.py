@@ -279,7 +279,7 @@ class _Evaluator:
         )
 
     def _notes(self, lay: TrainLayout, te, ti: int, re, ri: int) -> list[str]:
-        arch, job = self.arch, self.job
+        arch = self.arch
         notes = []
         if te.uneven_pp[ti]:
             notes.append(

@@ -361,9 +361,11 @@ def plan_from_stats(stats: dict, experts: int, method: str, *, model: str, mtp: 
     """A plan from stored features: a stored clustering when it matches, else a new one."""
     ck = stats["checkpoint"]
     key = f"K={experts}/{method}"
+    statistics = None
     if key in stats["plans"] and stats.get("seed", 0) == seed:
         kept = {int(i): v for i, v in stats["plans"][key]["kept"].items()}
         labels = {int(i): v for i, v in stats["plans"][key]["labels"].items()}
+        statistics = stats["plans"][key].get("summary")
     else:
         kept, labels = {}, {}
         for i, entry in stats["layers"].items():
@@ -392,6 +394,7 @@ def plan_from_stats(stats: dict, experts: int, method: str, *, model: str, mtp: 
         target_ep=target_ep,
         seed=seed,
         feature_spec=stats["feature_spec"],
+        statistics=statistics,
     )
 
 

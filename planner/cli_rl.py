@@ -1,0 +1,292 @@
+"""`planner rl` (the RL harness) and `planner calibrate` (the fidelity grid and estimator).
+
+Registered on the main command group by planner.cli; like it, each command parses, calls one
+library function and renders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import fields
+from pathlib import Path
+
+import click
+
+from planner.cli import _emit_json, _ints, _progress, _run, main
+from planner.errors import SpecError
+from planner.render import table
+
+DATASET = "calibration/fidelity_dataset.csv"
+ESTIMATOR = "calibration/fidelity.json"
+RECIPE_NAMES = ("fp16-overflow", "rollout-mismatch", "entropy-collapse", "grad-blowup", "router-collapse")
+
+
+def _fresh_dir(path: str, force: bool, keep: tuple[str, ...] = ()) -> Path:
+    """An output directory that holds no earlier result (unless --force), `keep` files aside."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise SpecError(f"{out} exists and is not a directory")
+    clash = [p.name for p in out.iterdir() if p.name not in keep] if out.is_dir() else []
+    if clash and not force:
+        raise SpecError(f"{out} already holds {', '.join(sorted(clash)[:4])}; pass --force to overwrite")
+    return out
+
+
+def _settings(pairs: tuple[str, ...], reserved: tuple[str, ...]) -> dict:
+    """--set key=value pairs into RLConfig fields, typed like the field."""
+    from planner.rl.grpo import RLConfig
+
+    known = {f.name: f for f in fields(RLConfig)}
+    out = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or key not in known:
+            raise SpecError(f"--set {pair!r}: expected KEY=VALUE with KEY one of {', '.join(known)}")
+        if key in reserved:
+            raise SpecError(f"--set {key}: use the --{key.replace('_', '-')} option")
+        kind = str(known[key].type)
+        try:
+            if text.lower() in ("none", "null") and "None" in kind:
+                out[key] = None
+            elif kind.startswith("int"):
+                out[key] = int(text)
+            elif kind.startswith("float"):
+                out[key] = float(text)
+            else:
+                out[key] = text
+        except ValueError:
+            raise SpecError(f"--set {pair!r}: {text!r} is not a valid {kind}") from None
+    return out
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+@main.group()
+def rl() -> None:
+    """The GRPO harness: small models, runs under fault recipes, critical knobs."""
+
+
+@rl.command("make-models")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--families", default="qwen3_moe,deepseek_v3", show_default=True)
+@click.option("--dense-steps", type=int, default=300, show_default=True)
+@click.option("--moe-steps", type=int, default=300, show_default=True)
+@click.option("--force", is_flag=True, help="Replace existing model directories.")
+@click.option("--json", "as_json", is_flag=True)
+def make_models(out_dir, families, dense_steps, moe_steps, force, as_json) -> None:
+    """Make the small upcycled MoE models deterministically (OUT_DIR/FAMILY)."""
+    from planner.rl.models import FAMILY_CONFIGS, ModelRecipe, make_model
+
+    def body():
+        names = [f.strip() for f in families.split(",") if f.strip()]
+        unknown = [f for f in names if f not in FAMILY_CONFIGS]
+        if unknown:
+            raise SpecError(f"unknown famil{'y' if len(unknown) == 1 else 'ies'} {unknown}; one of {', '.join(FAMILY_CONFIGS)}")
+        reports, bars = {}, {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            bars.setdefault(stage, _progress(stage))(done, total)
+
+        for family in names:
+            target = Path(out_dir) / family
+            if target.exists():
+                if not force:
+                    raise SpecError(f"{target} exists; pass --force to replace it")
+                shutil.rmtree(target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            reports[family] = make_model(family, target, ModelRecipe(dense_steps=dense_steps, moe_steps=moe_steps),
+                                         progress=lambda stage, d, t, f=family: progress(f"{f} {stage}", d, t))  # fmt: skip
+        if as_json:
+            return _emit_json(reports)
+        rows = [[f, f"{r['parameters']:,}", f"{r['dense_loss'][1]:.3f}", f"{r['moe_loss'][1]:.3f}",
+                 *(f"{r['expert_cosine_similarity'][q]:.2f}" for q in ("p5", "p50", "p95")), f"{r['seconds']:.0f}"]
+                for f, r in reports.items()]  # fmt: skip
+        click.echo(table(["family", "params", "dense loss", "MoE loss", "cos p5", "cos p50", "cos p95", "s"], rows))
+
+    _run(body)
+
+
+def _recipe_config(recipe_name, knob, seed, steps, gen_seed, device, settings):
+    from planner.rl.grpo import RLConfig
+    from planner.rl.recipes import recipe
+
+    extra = dict(settings, device=device, **({"gen_seed": gen_seed} if gen_seed is not None else {}))
+    if recipe_name is None:
+        return None, RLConfig(**{**extra, "seed": seed, "steps": steps})
+    r = recipe(recipe_name)
+    if knob is None:  # the recipe's settings without its knob: a baseline run
+        return r, RLConfig(**{**r.base, **extra, "seed": seed, "steps": steps})
+    return r, r.config(knob, seed=seed, steps=steps, **extra)
+
+
+@rl.command("run")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--recipe", "recipe_name", type=click.Choice(RECIPE_NAMES), default=None, help="Fault recipe (default: plain GRPO).")
+@click.option("--knob", type=float, default=None, help="The recipe's knob value (default: its settings without the knob).")
+@click.option("--steps", type=int, default=60, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--gen-seed", type=int, default=None, help="Sampling seed (same prompts, other samples: a replica).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override an RLConfig field (repeatable).")
+@click.option("-o", "--output", type=click.Path(file_okay=False), required=True)
+@click.option("--force", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+def rl_run(model_dir, recipe_name, knob, steps, device, seed, gen_seed, sets, output, force, as_json) -> None:
+    """Run GRPO on MODEL_DIR; write metrics.csv and run.json to OUTPUT."""
+    from planner.rl.grpo import GRPO, write_metrics
+
+    def body():
+        out = _fresh_dir(output, force, keep=("margin.json",))
+        if knob is not None and recipe_name is None:
+            raise SpecError("--knob sets a fault recipe's knob; pass --recipe too")
+        r, config = _recipe_config(recipe_name, knob, seed, steps, gen_seed, device, _settings(sets, ("seed", "steps", "device", "gen_seed")))
+        trainer = GRPO(model_dir, config)
+        rows = trainer.run(progress=_progress("GRPO steps"))
+        onset = r.onset(rows) if r else None
+        seconds = sum(row["wall_s"] for row in rows)
+        info = {"model": str(Path(model_dir).resolve()), "recipe": recipe_name, "knob": knob, "onset": onset,
+                "steps_per_s": len(rows) / seconds if seconds else None}  # fmt: skip
+        write_metrics(rows, out, config, info)
+        if as_json:
+            return _emit_json({**info, "last": rows[-1]})
+        keys = ("step", "loss", "grad_norm", "entropy", "kl_ref", "reward_mean", "mismatch_k3", "topk_share_max", "overflow")
+        shown = rows if len(rows) <= 12 else rows[:: max(1, len(rows) // 10)] + [rows[-1]]
+        click.echo(table(list(keys), [[f"{row[k]:.4g}" if isinstance(row[k], float) else row[k] for k in keys] for row in shown]))
+        if r:
+            click.echo(f"{r.name}: " + (f"fault at step {onset}" if onset is not None else "no fault") + f" ({r.fault})")
+        click.echo(f"wrote {out}/metrics.csv ({len(rows)} steps, {info['steps_per_s']:.2f} steps/s)")
+
+    _run(body)
+
+
+@rl.command("margin")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--recipe", "recipe_name", type=click.Choice(RECIPE_NAMES), required=True)
+@click.option("--seeds", default="0,1", show_default=True, help="Comma-separated seeds; each is its own bisection.")
+@click.option("--iters", type=int, default=None, help="Bisection steps (default: 8 for static recipes, 5 for dynamic ones).")
+@click.option("--steps", type=int, default=None, help="Run length of one dynamic probe (default: 12, as the grid).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
+@click.option("-o", "--output", type=click.Path(file_okay=False), default=None, help="Write margin.json (and run.json) here.")
+@click.option("--force", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+def rl_margin(model_dir, recipe_name, seeds, iters, steps, device, output, force, as_json) -> None:
+    """The critical knob value at which the recipe's fault appears, by bisection, per seed."""
+    from planner.rl.grpo import Models
+    from planner.rl.margin import DEFAULT_ITERS, DEFAULT_PROBE_STEPS, critical_knob
+    from planner.rl.recipes import recipe
+
+    def body():
+        r = recipe(recipe_name)
+        out = None
+        if output:
+            out = Path(output)
+            if (out / "margin.json").exists() and not force:
+                raise SpecError(f"{out / 'margin.json'} exists; pass --force to overwrite it")
+        seed_list = _ints(seeds)
+        if not seed_list:
+            raise SpecError("--seeds: give at least one seed")
+        n = iters if iters is not None else DEFAULT_ITERS[r.kind]
+        steps_ = DEFAULT_PROBE_STEPS if steps is None else steps
+        margin = critical_knob(Models(model_dir, device), r, seed_list, iters=n, steps=steps_)
+        data = {**margin.to_json(), "knob": r.knob, "bracket": [r.lo, r.hi], "resolution": (r.hi - r.lo) / 2 ** (n + 1),
+                "model": str(Path(model_dir).resolve()), "steps": steps_, "iters": n}  # fmt: skip
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+            _write_json(out / "margin.json", data)
+            if not (out / "run.json").exists():
+                _write_json(out / "run.json", {"model": data["model"], "recipe": recipe_name})
+        if as_json:
+            return _emit_json(data)
+        rows = [[s, f"{v:.3f}", "censored" if c else ""] for s, v, c in zip(seed_list, margin.values, margin.censored)]
+        click.echo(table(["seed", f"critical {r.knob}", ""], rows))
+        click.echo(f"{r.name}: critical knob {margin.mean:.3f} +- {margin.spread:.3f} over {len(seed_list)} seed(s), "
+                   f"resolution {data['resolution']:.3f}, {margin.probes} probes")  # fmt: skip
+
+    _run(body)
+
+
+@main.group()
+def calibrate() -> None:
+    """The fidelity grid, its dataset and the fitted estimator."""
+
+
+@calibrate.command("run")
+@click.option("--grid", "grid_path", type=click.Path(exists=True, dir_okay=False), default=None, help="Grid YAML (default: the built-in grid).")
+@click.option("--storage", default="sqlite:///calibration.db", show_default=True, help="Optuna RDB storage URL shared by the workers.")
+@click.option("--workers", type=int, default=2, show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default="calibration/work", show_default=True, help="Models, proxies and stats.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=DATASET, show_default=True)
+@click.option("--force", is_flag=True, help="Overwrite an existing dataset file.")
+def calibrate_run(grid_path, storage, workers, workdir, output, force) -> None:
+    """Run (or resume) the calibration grid and export the dataset."""
+    from planner.fidelity.calibrate import run
+    from planner.fidelity.grid import Grid
+
+    def body():
+        if Path(output).exists() and not force:
+            raise SpecError(f"{output} exists; pass --force to overwrite it (the grid itself resumes from {storage})")
+        if workers < 1:
+            raise SpecError(f"--workers must be at least 1, got {workers}")
+        run(Grid.load(grid_path), grid_path, storage, Path(workdir), workers, Path(output), say=lambda s: click.echo(s, err=True))
+
+    _run(body)
+
+
+@calibrate.command("fit")
+@click.option("--dataset", type=click.Path(exists=True, dir_okay=False), default=DATASET, show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=ESTIMATOR, show_default=True)
+def calibrate_fit(dataset, output) -> None:
+    """Fit the FidelityEstimator (full and prior variants) on the dataset."""
+    from planner.fidelity.calibrate import fit
+
+    def body():
+        estimator = fit(Path(dataset), Path(output))
+        rows = [[variant, label, type(m).__name__] for variant, ms in estimator.models.items() for label, m in ms.items()]
+        click.echo(table(["variant", "label", "model"], rows))
+        click.echo(f"wrote {output} ({estimator.info['rows']} rows)")
+
+    _run(body)
+
+
+@calibrate.command("add")
+@click.option("--original", "original_dir", type=click.Path(exists=True, file_okay=False), required=True)
+@click.option("--proxy", "proxy_dir", type=click.Path(exists=True, file_okay=False), required=True)
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), required=True)
+@click.option("--replica", "replica_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="A replica of the original run (other sampling seed): the curve-agreement noise floor.")
+@click.option("--recipe", "recipe_name", type=click.Choice(RECIPE_NAMES), default=None)
+@click.option("--dataset", type=click.Path(dir_okay=False), default=DATASET, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def calibrate_add(original_dir, proxy_dir, plan_path, replica_dir, recipe_name, dataset, as_json) -> None:
+    """Add one measured (original, proxy) pair to the dataset; refit with `calibrate fit`."""
+    from planner.fidelity.calibrate import add_pair
+
+    def body():
+        row = add_pair(Path(dataset), Path(original_dir), Path(proxy_dir), Path(plan_path), replica_dir=replica_dir and Path(replica_dir),
+                       recipe_name=recipe_name)  # fmt: skip
+        if as_json:
+            return _emit_json(row)
+        keys = ("recipe", "experts", "margin_ratio", "curve_agreement", "spearman_grad_norm", "fault_reproduced")
+        click.echo(table(list(keys), [[row.get(k) if not isinstance(row.get(k), float) else f"{row[k]:.3g}" for k in keys]]))
+        click.echo(f"added to {dataset}; run `planner calibrate fit` to refit")
+
+    _run(body)
+
+
+@calibrate.command("report")
+@click.option("--dataset", type=click.Path(exists=True, dir_okay=False), default=DATASET, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def calibrate_report(dataset, as_json) -> None:
+    """Grouped cross-validation (leave one (family, recipe) out) of every label and variant."""
+    from planner.fidelity.dataset import read_dataset
+    from planner.fidelity.validate import cross_validate, render_report
+
+    def body():
+        report = cross_validate(read_dataset(Path(dataset)))
+        _emit_json(report) if as_json else click.echo(render_report(report))
+
+    _run(body)

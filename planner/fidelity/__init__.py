@@ -1,0 +1,1 @@
+"""Fidelity: labels from measured runs, the calibration grid, the dataset and the estimator."""

@@ -1,0 +1,182 @@
+"""`planner calibrate`: run the grid, export the dataset, add measured pairs, fit the estimator.
+
+    run   prepare the models and proxies, run both phases with N workers, export the dataset
+    add   one (original, proxy) pair from two run directories and the proxy's plan
+    fit   the FidelityEstimator on the dataset -> calibration/fidelity.json
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from planner.arch import Architecture
+from planner.errors import SpecError
+from planner.fidelity.dataset import ID_COLUMNS, architecture_features, pair_row, read_dataset, write_dataset
+from planner.fidelity.estimator import FidelityEstimator, features_of
+from planner.fidelity.grid import Grid, collect, prepare, run_workers
+
+__all__ = ["run", "export", "add_pair", "fit"]
+
+
+def _provenance(grid: Grid, storage: str, seeds: dict) -> dict[str, Any]:
+    return {
+        "command": " ".join(shlex.quote(a) for a in ["planner", *sys.argv[1:]]) if sys.argv else "",
+        "grid": {k: list(v) if isinstance(v, tuple) else v for k, v in grid.__dict__.items()},
+        "grid_key": grid.key(),
+        "storage": storage,
+        "seeds": seeds,
+    }
+
+
+def export(storage: str, grid: Grid, workdir: Path) -> list[dict]:
+    """Join the two phases' results into dataset rows (one per proxy and recipe)."""
+    from planner.rl.recipes import recipe
+
+    records = json.loads((workdir / "models.json").read_text())
+    originals, proxies = collect(storage, grid, "originals"), collect(storage, grid, "proxies")
+    configs = {f: json.loads((Path(r["path"]) / "config.json").read_text()) for f, r in
+               ((r["family"], r) for r in records.values() if r["model"] == "original")}  # fmt: skip
+    rows = []
+    for unit, result in sorted(proxies.items()):
+        family, model, recipe_name = unit.split("/")
+        original = originals.get(f"{family}/original/{recipe_name}")
+        if original is None:
+            continue
+        record = records[f"{family}/{model}"]
+        arch = architecture_features(configs[family], record["experts"])
+        row = {"family": family, "model": model, "method": record["method"], "recipe": recipe_name,
+               "experts": record["experts"], "original_experts": records[f"{family}/original"]["experts"], "source": "grid"}  # fmt: skip
+        row.update(features_of(record["statistics"], arch, recipe_name))
+        row.update(pair_row(recipe_name, recipe(recipe_name).kind, original, result, knob_offset=grid.knob_offset))
+        rows.append(row)
+    return rows
+
+
+def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers: int, out: Path,
+        say: Callable[[str], None] = lambda s: None) -> list[dict]:  # fmt: skip
+    """The whole grid, resumable: every step skips what is already done."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    say(f"preparing models and proxies under {workdir}")
+    records = prepare(grid, workdir, progress=lambda family: say(f"  {family}: models ready"))
+    say(f"{len(records)} models; phase 1: originals x {len(grid.recipes)} recipes on {workers} worker(s)")
+    run_workers(storage, grid, grid_path, workdir, "originals", workers)
+    say(f"phase 2: {len(records) - len(grid.families)} proxies x {len(grid.recipes)} recipes")
+    run_workers(storage, grid, grid_path, workdir, "proxies", workers)
+    rows = export(storage, grid, workdir)
+    seeds = {"model": 0, "margin": list(grid.margin_seeds), "curve": grid.curve_seed, "replica_gen": grid.replica_gen_seed}
+    write_dataset(rows, out, _provenance(grid, storage, seeds))
+    say(f"wrote {len(rows)} rows to {out}")
+    return rows
+
+
+def add_pair(dataset: Path, original_dir: Path, proxy_dir: Path, plan_path: Path, *, replica_dir: Path | None = None,
+             recipe_name: str | None = None, knob_offset: float | None = None) -> dict:  # fmt: skip
+    """One measured pair -> one dataset row (appended; provenance records the source directories).
+
+    A run directory (`planner rl run`/`rl margin -o`) holds metrics.csv and run.json, and margin.json
+    when `rl margin` measured it. Labels come from what is there: the margin ratio needs both margins,
+    curve agreement needs a replica of the original (else only the grad-norm Spearman)."""
+    from planner.plan import load_plan
+    from planner.rl.grpo import read_metrics
+    from planner.rl.recipes import recipe
+
+    plan = load_plan(plan_path)
+    runs = {}
+    for name, d in (("original", original_dir), ("proxy", proxy_dir), ("replica", replica_dir)):
+        if d is None:
+            continue
+        info_path = Path(d) / "run.json"
+        if not info_path.is_file():
+            raise SpecError(f"{d}: not a run directory (no run.json); make one with `planner rl run -o` or `rl margin -o`")
+        info = json.loads(info_path.read_text())
+        runs[name] = {"info": info, "dir": Path(d)}
+        if (Path(d) / "metrics.csv").is_file():
+            runs[name]["rows"] = read_metrics(Path(d))
+        if (Path(d) / "margin.json").is_file():
+            runs[name]["margin"] = json.loads((Path(d) / "margin.json").read_text())
+    names = {runs[n]["info"].get("recipe") for n in ("original", "proxy")}
+    if recipe_name is None:
+        if len(names) != 1 or None in names:
+            raise SpecError(f"the two runs name recipes {sorted(map(str, names))}; pass --recipe")
+        recipe_name = names.pop()
+    r = recipe(recipe_name)
+    _check_same_settings(runs)
+    model_dir = Path(runs["original"]["info"]["model"])
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        experts = Architecture.from_config(config).original_num_experts
+    except OSError as exc:
+        raise SpecError(f"the original run's model {model_dir} is not readable: {exc.strerror}") from None
+    if experts != plan.original_experts:
+        raise SpecError(f"{plan_path} is a plan for {plan.original_experts} experts; the original run's model has {experts}")
+    proxy_config = Path(runs["proxy"]["info"]["model"]) / "config.json"
+    if proxy_config.is_file():
+        kept = Architecture.from_config(json.loads(proxy_config.read_text())).original_num_experts
+        if kept != plan.experts:
+            raise SpecError(f"{plan_path} keeps {plan.experts} experts per layer; the proxy run's model has {kept}")
+
+    def measured(name: str) -> dict:
+        margin = runs[name].get("margin")
+        if margin is not None and margin.get("recipe") != recipe_name:
+            raise SpecError(f"{runs[name]['dir']}/margin.json measured {margin.get('recipe')}, not {recipe_name}; "
+                            "keep one recipe per run directory")  # fmt: skip
+        out: dict[str, Any] = {"margin": margin}
+        if "rows" in runs[name]:
+            out["curve"] = runs[name]["rows"]
+            out["curve_onset"] = r.onset(runs[name]["rows"])
+        return out
+
+    original, proxy = measured("original"), measured("proxy")
+    if "replica" in runs and "rows" in runs["replica"]:
+        original["replica"] = runs["replica"]["rows"]
+    offset = Grid().knob_offset if knob_offset is None else knob_offset
+    labels = pair_row(recipe_name, r.kind, original, proxy, knob_offset=offset)
+    arch = architecture_features(config, plan.experts)
+    row = {"family": config.get("model_type", "?"), "model": str(proxy_dir), "method": plan.method, "recipe": recipe_name,
+           "experts": plan.experts, "original_experts": plan.original_experts, "source": f"add:{original_dir}|{proxy_dir}"}  # fmt: skip
+    row.update(features_of(plan.statistics or {}, arch, recipe_name))
+    row.update(labels)
+    rows = read_dataset(dataset) if dataset.is_file() else []
+    rows.append(row)
+    meta_path = dataset.with_suffix(".json")
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta.pop("rows", None), meta.pop("columns", None), meta.pop("versions", None)
+    meta.setdefault("added", []).append({"original": str(original_dir), "proxy": str(proxy_dir), "plan": str(plan_path),
+                                         "replica": str(replica_dir) if replica_dir else None, "recipe": recipe_name})  # fmt: skip
+    write_dataset(rows, dataset, meta)
+    return row
+
+
+def _check_same_settings(runs: dict) -> None:
+    """The runs of a pair must differ only in the model (and the replica in its sampling seed)."""
+    free = {"gen_seed", "device", "threads"}
+    configs = {n: r["info"].get("config") for n, r in runs.items() if r["info"].get("config")}
+    if "original" in configs:
+        for name, config in configs.items():
+            diff = sorted(k for k in (set(config) | set(configs["original"])) - free if config.get(k) != configs["original"].get(k))
+            if diff:
+                raise SpecError(f"the {name} run differs from the original run in {', '.join(diff)}; a pair must share its settings")
+        if "replica" in configs and configs["replica"].get("gen_seed") == configs["original"].get("gen_seed"):
+            raise SpecError("the replica run uses the original's sampling seed; make it with --gen-seed set to another value")
+    margins = {n: r["margin"] for n, r in runs.items() if "margin" in r}
+    if len(margins) == 2:
+        a, b = margins.values()
+        diff = [k for k in ("steps", "iters", "bracket") if a.get(k) != b.get(k)] + (["seeds"] if len(a["values"]) != len(b["values"]) else [])
+        if diff:
+            raise SpecError(f"the two margins were measured with different {', '.join(diff)}")
+
+
+def fit(dataset: Path, out: Path) -> FidelityEstimator:
+    rows = read_dataset(dataset)
+    if not rows:
+        raise SpecError(f"{dataset}: no rows to fit on; run `planner calibrate run` first")
+    missing = [c for c in ID_COLUMNS if c not in rows[0]]
+    if missing:
+        raise SpecError(f"{dataset}: missing column(s) {', '.join(missing)}; not a planner calibration dataset")
+    estimator = FidelityEstimator.fit(rows, info={"dataset": str(dataset)})
+    estimator.save(out)
+    return estimator

@@ -1,0 +1,350 @@
+"""The calibration grid: original and proxy runs of every fault recipe, as Optuna trials.
+
+families x K x plans make the proxies (the clustering variants, saliency and frequency ranking,
+several random draws; planner.stats and planner.checkpoint build them). Every (recipe, phase) is
+one Optuna study on RDB storage (SQLite by default) whose grid points are the models; a GridSampler
+hands each trial a distinct point, so several worker processes or machines share the work and
+nothing is computed twice. A run that is interrupted resumes: a worker that dies stops beating its
+heartbeat, its trial is failed after the grace period and re-queued; the next `calibrate run` picks
+up whatever is missing.
+
+Studies are named by the grid's key (its settings other than the recipe list), the recipe and the
+recipe's measurement version, so adding a recipe or re-measuring one after a change to it leaves
+the others' results in place.
+
+Phase 1 measures the originals: critical knob per margin seed, and for dynamic recipes a curve run
+at the critical knob plus a fixed offset, with a replica (same prompts, other sampling seed) for the
+noise floor. Phase 2 measures every proxy the same way at the original's knob. Results live in the
+trials' user attributes; `planner.fidelity.calibrate.export` joins them into the dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from planner.errors import SpecError
+from planner.rl.margin import DEFAULT_ITERS, DEFAULT_PROBE_STEPS
+
+__all__ = ["Grid", "prepare", "run_phase", "run_workers", "collect", "study_name", "DEFAULT_STORAGE"]
+
+log = logging.getLogger(__name__)
+DEFAULT_STORAGE = "sqlite:///calibration.db"
+# a worker beats every HEARTBEAT_S; a trial whose worker went silent for GRACE_S fails and is re-queued
+HEARTBEAT_S = int(os.environ.get("PLANNER_GRID_HEARTBEAT_S", 30))
+GRACE_S = int(os.environ.get("PLANNER_GRID_GRACE_S", 120))
+MAX_FAILURES = 3  # a grid point that raised this often is reported, not retried again
+PHASES = ("originals", "proxies")
+# what the models and proxies under a workdir depend on
+_MODEL_FIELDS = ("families", "experts", "methods", "random_draws", "calib_tokens", "dense_steps", "moe_steps")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grid:
+    families: tuple[str, ...] = ("qwen3_moe", "deepseek_v3")
+    recipes: tuple[str, ...] = ("fp16-overflow", "rollout-mismatch", "entropy-collapse", "router-collapse")
+    experts: tuple[int, ...] = (16, 12, 8)
+    methods: tuple[str, ...] = ("agglomerative", "kmeans", "router", "saliency", "frequency")
+    random_draws: int = 3
+    margin_seeds: tuple[int, ...] = (0, 1)
+    curve_seed: int = 0
+    replica_gen_seed: int = 1000
+    margin_steps: int = DEFAULT_PROBE_STEPS
+    curve_steps: int = 24
+    iters_static: int = DEFAULT_ITERS["static"]
+    iters_dynamic: int = DEFAULT_ITERS["dynamic"]
+    knob_offset: float = 0.25  # curve runs sit this far above the original's critical knob
+    calib_tokens: int = 2048
+    dense_steps: int = 300
+    moe_steps: int = 300
+
+    def __post_init__(self) -> None:
+        from planner.plan import SELECTION_METHODS
+        from planner.rl.models import FAMILY_CONFIGS
+        from planner.rl.recipes import RECIPES
+
+        for name, known in (("families", FAMILY_CONFIGS), ("recipes", RECIPES), ("methods", SELECTION_METHODS)):
+            bad = [v for v in getattr(self, name) if v not in known]
+            if bad or not getattr(self, name):
+                raise SpecError(f"grid: {name} {bad or '[]'} not among {', '.join(known)}")
+        if "random" in self.methods:
+            raise SpecError("grid: random plans come from random_draws, not methods")
+        positive = ("margin_steps", "curve_steps", "iters_static", "iters_dynamic", "calib_tokens")
+        if any(getattr(self, n) < 1 for n in positive) or self.random_draws < 0 or not self.margin_seeds:
+            raise SpecError(f"grid: {', '.join(positive)} must be >= 1, random_draws >= 0, margin_seeds non-empty")
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> "Grid":
+        if path is None:
+            return cls()
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise SpecError(f"cannot read grid {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise SpecError(f"{path}: a grid file is a mapping of setting -> value")
+        kinds = {f.name: f for f in fields(cls)}
+        unknown = [k for k in data if k not in kinds]
+        if unknown:
+            raise SpecError(f"{path}: unknown key(s) {unknown}; allowed: {', '.join(kinds)}")
+        values = {}
+        for key, value in data.items():
+            default = kinds[key].default
+            try:
+                if isinstance(default, tuple):
+                    items = value if isinstance(value, list) else [value]
+                    values[key] = tuple(type(default[0])(v) for v in items)
+                else:
+                    values[key] = type(default)(value)
+            except (TypeError, ValueError):
+                raise SpecError(f"{path}: {key}: {value!r} is not a valid {type(default).__name__}") from None
+        return cls(**values)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}, sort_keys=False)
+
+    def key(self) -> str:
+        """The settings every measurement depends on (the recipe list only selects studies)."""
+        settings = {k: v for k, v in asdict(self).items() if k != "recipes"}
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def study_name(grid: Grid, recipe_name: str, phase: str) -> str:
+    from planner.rl.recipes import recipe
+
+    return f"calibration-{grid.key()}-{recipe_name}-v{recipe(recipe_name).version}-{phase}"
+
+
+def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
+    """Make the original models and every proxy (idempotent); return model records by id."""
+    from planner.checkpoint import Checkpoint, build
+    from planner.rl.models import ModelRecipe, make_model
+    from planner.stats.compute import compute_stats, plan_from_stats
+    from planner.stats.store import load_stats, save_stats
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(grid).items() if k in _MODEL_FIELDS}
+    stamp = workdir / "grid.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) != settings:
+        raise SpecError(f"{workdir} holds models made for other grid settings ({stamp}); pass another --workdir")
+    stamp.write_text(json.dumps(settings, indent=1))
+    records: dict[str, dict] = {}
+    for family in grid.families:
+        root = workdir / "models" / family
+        original = root / "original"
+        if not (original / "config.json").is_file():
+            make_model(family, original, ModelRecipe(dense_steps=grid.dense_steps, moe_steps=grid.moe_steps))
+        ckpt = Checkpoint(original)
+        records[f"{family}/original"] = {"family": family, "model": "original", "path": str(original), "experts": ckpt.arch.original_num_experts,
+                                         "method": "original", "statistics": {}}  # fmt: skip
+        stats_path = root / "stats.json"
+        if not stats_path.is_file():
+            stats = compute_stats(ckpt, experts=list(grid.experts), methods=tuple(grid.methods), calib_tokens=grid.calib_tokens, seq_len=64)
+            for draw in range(grid.random_draws):
+                extra = compute_stats(ckpt, experts=list(grid.experts), methods=("random",), calib_tokens=grid.calib_tokens,
+                                      seq_len=64, seed=draw)  # fmt: skip
+                for key, plan in extra["plans"].items():
+                    stats["plans"][f"{key}-{draw}"] = {**plan, "seed": draw}
+            save_stats(stats, stats_path, force=True)
+        stats = load_stats(stats_path, fingerprint=ckpt.fingerprint())
+        for key, plan in stats["plans"].items():
+            k, method = int(key.split("/")[0][2:]), key.split("/")[1]
+            model = f"K{k}-{method}"
+            path = root / model
+            if not (path / "expert_map.json").is_file():
+                base = method.split("-")[0]
+                stored = {**stats, "seed": int(plan.get("seed", 0)), "plans": {f"K={k}/{base}": plan}}
+                p = plan_from_stats(stored, k, base, model=str(original), seed=int(plan.get("seed", 0)))
+                build(ckpt, p, path, verify="never", force=True)
+            records[f"{family}/{model}"] = {"family": family, "model": model, "path": str(path), "experts": k,
+                                            "method": method, "statistics": plan["summary"]}  # fmt: skip
+        if progress:
+            progress(family)
+    tmp = workdir / "models.json.part"
+    tmp.write_text(json.dumps(records, indent=1))
+    tmp.replace(workdir / "models.json")
+    return records
+
+
+def _storage(url: str):
+    import optuna
+
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    kwargs = {"heartbeat_interval": HEARTBEAT_S, "grace_period": GRACE_S,
+              "heartbeat_stale_trial_callback": optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_FAILURES)}  # fmt: skip
+    if url.startswith("sqlite"):
+        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
+    return optuna.storages.RDBStorage(url, **kwargs)
+
+
+def _study(storage: str, grid: Grid, recipe_name: str, phase: str, units: list[str]):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(
+        study_name=study_name(grid, recipe_name, phase),
+        storage=_storage(storage),
+        sampler=optuna.samplers.GridSampler({"unit": units}),
+        load_if_exists=True,
+    )
+
+
+def _units(grid: Grid, records: dict[str, dict], recipe_name: str, phase: str) -> list[str]:
+    models = [r for r in records.values() if (r["model"] == "original") == (phase == "originals")]
+    return sorted(f"{r['family']}/{r['model']}/{recipe_name}" for r in models)
+
+
+def _measure(grid: Grid, record: dict, recipe_name: str, original: dict | None) -> dict[str, Any]:
+    """Margin (per seed) and, for dynamic recipes, curve runs of one model under one recipe."""
+    from planner.rl.grpo import GRPO, Models
+    from planner.rl.margin import critical_knob
+    from planner.rl.recipes import recipe
+
+    r = recipe(recipe_name)
+    models = Models(record["path"])
+    iters = grid.iters_static if r.kind == "static" else grid.iters_dynamic
+    margin = critical_knob(models, r, list(grid.margin_seeds), iters=iters, steps=grid.margin_steps)
+    out: dict[str, Any] = {"margin": margin.to_json()}
+    if r.kind == "dynamic":
+        knob = original["knob"] if original else margin.mean + grid.knob_offset
+        out["knob"] = knob
+        runs = {"curve": GRPO(models, r.config(knob, seed=grid.curve_seed, steps=grid.curve_steps)).run()}
+        if original is None:
+            runs["replica"] = GRPO(models, r.config(knob, seed=grid.curve_seed, steps=grid.curve_steps,
+                                                    gen_seed=grid.replica_gen_seed)).run()  # fmt: skip
+        for name, rows in runs.items():
+            out[name] = [{k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()} for row in rows]
+            out[f"{name}_onset"] = r.onset(rows)
+    return out
+
+
+def _work(study, units: list[str], measure) -> None:
+    """One worker's loop over one study until every unit is complete (or failed too often)."""
+    import optuna
+
+    state = optuna.trial.TrialState
+
+    def others(unit: str, number: int, states: tuple) -> list:
+        return [t for t in study.get_trials(deepcopy=False, states=states) if t.params.get("unit") == unit and t.number != number]
+
+    def objective(trial: optuna.Trial) -> float:
+        unit = trial.suggest_categorical("unit", units)
+        # two workers can land on one point (a re-queued retry, a race at the end): the lower
+        # trial number keeps it, the other is pruned unrun; checked again before recording
+        taken = [t.number for t in others(unit, trial.number, (state.COMPLETE, state.RUNNING))
+                 if t.state == state.COMPLETE or t.number < trial.number]  # fmt: skip
+        if taken:
+            raise optuna.TrialPruned(f"{unit} is taken by trial {taken[0]}")
+        try:
+            result = measure(unit)
+        except Exception as exc:
+            trial.set_user_attr("error", f"{type(exc).__name__}: {exc}")
+            raise
+        if others(unit, trial.number, (state.COMPLETE,)):
+            raise optuna.TrialPruned(f"{unit} was completed by another trial meanwhile")
+        trial.set_user_attr("result", json.dumps(result))
+        return 0.0
+
+    rng = random.Random(os.getpid())
+    while True:
+        trials = study.get_trials(deepcopy=False)
+        by_state = {s: [t.params.get("unit") for t in trials if t.state == s] for s in state}
+        missing = sorted(set(units) - set(by_state[state.COMPLETE]) - set(by_state[state.RUNNING]))
+        failures = {u: by_state[state.FAIL].count(u) for u in missing}
+        gave_up = [u for u in missing if failures[u] >= MAX_FAILURES]
+        todo = [u for u in missing if u not in gave_up]
+        if not todo and not by_state[state.WAITING]:
+            if by_state[state.RUNNING]:  # others hold the last points; a dead worker's trial goes stale
+                optuna.storages.fail_stale_trials(study)
+                time.sleep(min(HEARTBEAT_S, 5))
+                continue
+            if gave_up:
+                errors = {t.params.get("unit"): t.user_attrs.get("error", "?") for t in trials if t.state == state.FAIL}
+                raise SpecError(f"{len(gave_up)} grid point(s) failed {MAX_FAILURES} times, e.g. {gave_up[0]}: {errors.get(gave_up[0])}")
+            return
+        # a point that failed or was pruned counts as visited to the GridSampler: queue it again
+        visited = set(by_state[state.FAIL]) | set(by_state[state.PRUNED])
+        if not by_state[state.WAITING] and todo and set(todo) <= visited:
+            study.enqueue_trial({"unit": rng.choice(todo)})
+        try:
+            study.optimize(objective, n_trials=1, catch=(Exception,))
+        except optuna.exceptions.StorageInternalError:  # a concurrent write lost a SQLite lock: retry
+            time.sleep(rng.uniform(0.1, 1.0))
+
+
+def run_phase(storage: str, grid: Grid, workdir: Path, phase: str) -> None:
+    """Work through the phase's studies (one per recipe) until none has a point left (one worker)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    records = json.loads((workdir / "models.json").read_text())
+    for recipe_name in grid.recipes:
+        units = _units(grid, records, recipe_name, phase)
+        originals = collect(storage, grid, "originals", recipes=(recipe_name,)) if phase == "proxies" else {}
+        missing = [u for u in _units(grid, records, recipe_name, "originals") if u not in originals] if phase == "proxies" else []
+        if missing:
+            raise SpecError(f"the originals phase is not complete ({len(missing)} missing, e.g. {missing[0]}); run it first")
+
+        def measure(unit: str, recipe_name=recipe_name, originals=originals) -> dict:
+            family, model, _ = unit.split("/")
+            return _measure(grid, records[f"{family}/{model}"], recipe_name, originals.get(f"{family}/original/{recipe_name}"))
+
+        _work(_study(storage, grid, recipe_name, phase, units), units, measure)
+
+
+def run_workers(storage: str, grid: Grid, grid_path: str | None, workdir: Path, phase: str, workers: int) -> None:
+    """Run `workers` processes on the phase (each a `python -m planner.fidelity.grid` worker).
+
+    The studies (and the storage's tables) are made here first: workers creating a SQLite schema at
+    the same moment race each other. Workers start a second apart."""
+    records = json.loads((workdir / "models.json").read_text())
+    for recipe_name in grid.recipes:
+        _study(storage, grid, recipe_name, phase, _units(grid, records, recipe_name, phase))
+    cmd = [sys.executable, "-m", "planner.fidelity.grid", storage, str(workdir), phase] + ([grid_path] if grid_path else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = []
+    for i in range(workers):
+        if i:
+            time.sleep(1.0)
+        procs.append(subprocess.Popen(cmd, env=env))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SpecError(f"calibration workers exited with {codes}; rerun the same command to resume")
+
+
+def collect(storage: str, grid: Grid, phase: str, recipes: tuple[str, ...] | None = None) -> dict[str, dict]:
+    """Completed results of a phase by unit id (family/model/recipe)."""
+    import optuna
+
+    out = {}
+    for recipe_name in recipes or grid.recipes:
+        try:
+            study = optuna.load_study(study_name=study_name(grid, recipe_name, phase), storage=_storage(storage))
+        except KeyError:
+            continue
+        for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            if "result" in trial.user_attrs:
+                out.setdefault(trial.params["unit"], json.loads(trial.user_attrs["result"]))
+    return out
+
+
+if __name__ == "__main__":  # a worker: python -m planner.fidelity.grid STORAGE WORKDIR PHASE [GRID]
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    url, directory, which = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    try:
+        run_phase(url, Grid.load(sys.argv[4] if len(sys.argv) > 4 else None), directory, which)
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,138 @@
+"""The small real MoE models calibration runs on, made deterministically by one command.
+
+Two families: qwen3_moe (softmax top-k, renormalised) and deepseek_v3 (grouped sigmoid routing
+with a correction bias, a shared expert and a dense first layer). Each is made the way production
+MoEs often are (sparse upcycling, Komatsuzaki et al. 2022): a dense model of the same backbone is
+pretrained briefly on Python standard-library source (bytes), every expert starts as a copy of its
+dense MLP plus small noise, and the MoE then trains further. Experts end up partly redundant, as in
+upcycled models, rather than nearly orthogonal as from-scratch tiny MoEs are. The pairwise cosine
+similarity of experts' weights is reported per family.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from planner.hf import require_torch
+from planner.rl.corpus import split_bytes
+
+__all__ = ["FAMILY_CONFIGS", "ModelRecipe", "make_model", "expert_similarity"]
+
+BACKBONE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
+
+FAMILY_CONFIGS = {
+    "qwen3_moe": dict(BACKBONE, model_type="qwen3_moe", head_dim=16, moe_intermediate_size=32, num_experts=32,
+                      num_experts_per_tok=4, norm_topk_prob=True),  # fmt: skip
+    "deepseek_v3": dict(BACKBONE, model_type="deepseek_v3", num_key_value_heads=4, moe_intermediate_size=32,
+                        n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                        v_head_dim=16, routed_scaling_factor=1.0, num_nextn_predict_layers=0),  # fmt: skip
+}
+_EXPERTS_KEY = {"qwen3_moe": ("num_experts", "num_experts_per_tok"), "deepseek_v3": ("n_routed_experts", "num_experts_per_tok")}
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    dense_steps: int = 300
+    moe_steps: int = 300
+    batch: int = 16
+    seq: int = 64
+    lr: float = 2e-3
+    noise: float = 0.05  # relative std of the noise that breaks the symmetry between upcycled experts
+    seed: int = 0
+
+
+def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None) -> list[float]:
+    torch, _ = require_torch("training the small models")
+    data = split_bytes("train")
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30) * (0.1 + 0.9 * (1 - s / steps)))
+    losses = []
+    model.train()
+    for step in range(steps):
+        starts = rng.integers(0, data.size - recipe.seq - 1, size=recipe.batch)
+        batch = torch.from_numpy(np.stack([data[s : s + recipe.seq] for s in starts]).astype(np.int64))
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if progress:
+            progress(step + 1, steps)
+    return losses
+
+
+def expert_similarity(model) -> dict[str, float]:
+    """Pairwise cosine similarity of experts' flattened weights within each MoE layer, pooled."""
+    sims = []
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if experts is None or not hasattr(experts, "gate_up_proj"):
+            continue
+        flat = np.concatenate([experts.gate_up_proj.detach().reshape(experts.gate_up_proj.shape[0], -1).numpy(),
+                               experts.down_proj.detach().reshape(experts.down_proj.shape[0], -1).numpy()], axis=1)  # fmt: skip
+        unit = flat / np.linalg.norm(flat, axis=1, keepdims=True)
+        cos = unit @ unit.T
+        sims.append(cos[np.triu_indices(len(cos), 1)])
+    values = np.concatenate(sims)
+    return {f"p{q}": float(np.percentile(values, q)) for q in (5, 25, 50, 75, 95)} | {"mean": float(values.mean())}
+
+
+def make_model(family: str, out_dir: Path, recipe: ModelRecipe = ModelRecipe(),
+               progress: Callable[[str, int, int], None] | None = None) -> dict:  # fmt: skip
+    """Pretrain dense, upcycle, train the MoE; save to `out_dir`; return a report."""
+    torch, transformers = require_torch("making the small models")
+    torch.manual_seed(recipe.seed)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    config = dict(FAMILY_CONFIGS[family])
+    experts_key, topk_key = _EXPERTS_KEY[family]
+    # the dense stage: every token uses all of its experts (1 for softmax routers; 2 for grouped
+    # sigmoid routers, whose group score needs two experts per group), i.e. one dense MLP
+    seeds = 2 if family == "deepseek_v3" else 1
+    dense_cfg = dict(config, **{experts_key: seeds, topk_key: seeds})
+    if family == "deepseek_v3":
+        dense_cfg.update(n_group=1, topk_group=1)
+    dense = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**dense_cfg), experts_implementation="eager")
+    dense_losses = _train(dense, recipe.dense_steps, recipe, recipe.seed, progress and (lambda d, t: progress("dense", d, t)))
+    moe = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config), experts_implementation="eager")
+    dense_state = dense.state_dict()
+    gen = torch.Generator().manual_seed(recipe.seed + 1)
+    with torch.no_grad():
+        for name, param in moe.named_parameters():
+            source = dense_state.get(name)
+            if ".experts." in name and source is not None:  # expert e <- dense expert e mod seeds, plus noise
+                index = torch.arange(param.shape[0]) % source.shape[0]
+                noise = torch.randn(param.shape, generator=gen) * source.std() * recipe.noise
+                param.copy_(source[index] + noise)
+            elif source is not None and source.shape == param.shape:
+                param.copy_(source)
+    moe_losses = _train(moe, recipe.moe_steps, recipe, recipe.seed + 2, progress and (lambda d, t: progress("moe", d, t)))
+    moe.eval()
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")  # renamed to out_dir once complete
+    shutil.rmtree(tmp, ignore_errors=True)
+    moe.save_pretrained(tmp)
+    report = {
+        "family": family,
+        "parameters": int(sum(p.numel() for p in moe.parameters())),
+        "dense_loss": [round(dense_losses[0], 4), round(float(np.mean(dense_losses[-20:])), 4)],
+        "moe_loss": [round(moe_losses[0], 4), round(float(np.mean(moe_losses[-20:])), 4)],
+        "expert_cosine_similarity": expert_similarity(moe),
+        "recipe": recipe.__dict__,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    (tmp / "make_report.json").write_text(json.dumps(report, indent=2))
+    tmp.replace(out_dir)
+    return report

@@ -1,0 +1,130 @@
+"""Fault recipes: a knob that provokes one failure, a detector that says when it appears.
+
+Every knob grows towards the fault, so the critical knob value is found by bisection (planner.rl.
+margin). Detector rules and thresholds were fixed on the original models' runs before any proxy ran
+(docs: calibration/README.md); they are stated here and never tuned per model.
+
+static recipes are probed at the initial weights on fixed batches (no training): cheap and exact.
+dynamic recipes need a short training run per probe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from planner.errors import SpecError
+from planner.rl.grpo import RLConfig
+
+__all__ = ["Recipe", "RECIPES", "recipe"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    name: str
+    fault: str
+    knob: str
+    lo: float  # bisection bracket; larger values provoke the fault
+    hi: float
+    kind: str  # static | dynamic
+    base: Mapping[str, object] = field(default_factory=dict)  # RLConfig settings of the recipe
+    steps: int = 16  # run length of one probe (dynamic) / of a curve run
+    threshold: float = 0.0  # the detector's threshold (meaning per recipe)
+    version: int = 1  # bump when the measurement changes: the calibration grid re-measures this recipe
+
+    def config(self, knob: float, *, seed: int, steps: int | None = None, **extra) -> RLConfig:
+        settings = {**self.base, **extra, "seed": seed, "steps": self.steps if steps is None else steps}
+        if self.name == "fp16-overflow":
+            settings["loss_scale_log2"] = knob
+        elif self.name == "rollout-mismatch":
+            settings["rollout_mantissa_bits"] = 23.0 - knob
+        elif self.name == "router-collapse":
+            settings["balance_coef"] = -(10.0**knob)
+        else:  # entropy-collapse, grad-blowup: the learning rate (a ramp's peak for grad-blowup)
+            settings["lr"] = 10.0**knob
+        return RLConfig(**settings)
+
+    def onset(self, rows: list[dict]) -> int | None:
+        """First step at which the fault shows in a run's metrics, or None."""
+        if not rows:
+            return None
+        if self.name == "fp16-overflow":
+            hits = [r["step"] for r in rows if r["overflow"] > 0]
+        elif self.name == "rollout-mismatch":
+            hits = [r["step"] for r in rows if r["mismatch_k3"] > self.threshold]
+        elif self.name == "entropy-collapse":
+            start = rows[0]["entropy"]
+            hits = [r["step"] for r in rows if r["entropy"] < self.threshold * start]
+        elif self.name == "grad-blowup":
+            base = float(np.median([r["grad_norm"] for r in rows[:5]]))
+            hits = [r["step"] for r in rows[5:] if not np.isfinite(r["grad_norm"]) or r["grad_norm"] > self.threshold * base]
+            hits += [r["step"] for r in rows if r["nonfinite"] > 0]
+        elif self.name == "router-collapse":
+            hits = [r["step"] for r in rows if r["topk_share_max"] > self.threshold]
+        else:  # pragma: no cover - the table below is closed
+            raise AssertionError(self.name)
+        return int(min(hits)) if hits else None
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe(
+            name="fp16-overflow",
+            fault="a non-finite gradient under fp16 autocast with a static loss scale (a skipped step)",
+            knob="log2 of the static loss scale",
+            lo=4.0,
+            hi=40.0,
+            kind="static",
+            base={"precision": "fp16", "lr": 3e-5, "kl_coef": 0.05},
+        ),
+        Recipe(
+            name="rollout-mismatch",
+            fault="train-rollout mismatch: mean k3 KL between rollout and trainer token log-probs above 0.01",
+            knob="mantissa bits removed from the rollout weights (23 - bits)",
+            lo=0.0,
+            hi=22.0,
+            kind="static",
+            base={"lr": 3e-5, "kl_coef": 0.05},
+            threshold=0.01,
+        ),
+        Recipe(
+            name="entropy-collapse",
+            fault="policy entropy below 0.2 x its first-step value",
+            knob="log10 learning rate, no KL anchor, no entropy bonus",
+            lo=-5.0,
+            hi=-1.0,
+            kind="dynamic",
+            base={"kl_coef": 0.0, "entropy_coef": 0.0, "grad_clip": 1.0},
+            threshold=0.2,
+        ),
+        Recipe(
+            name="grad-blowup",
+            fault="grad norm above 5 x the median of the first 5 steps (or non-finite) after step 5",
+            knob="log10 peak of a linear learning-rate ramp, KL anchor 1.0, no clipping",
+            lo=-5.0,
+            hi=-0.5,
+            kind="dynamic",
+            base={"kl_coef": 1.0, "grad_clip": None, "lr_schedule": "ramp"},
+            threshold=5.0,
+        ),
+        Recipe(
+            name="router-collapse",
+            fault="in some MoE layer, the top-k most loaded experts take over 90% of the routed tokens (k/E when balanced)",
+            knob="log10 of a negative balance-loss coefficient (anti-balance strength)",
+            lo=-4.0,
+            hi=2.0,
+            kind="dynamic",
+            base={"lr": 1e-3, "kl_coef": 0.05, "grad_clip": None},  # at 3e-3 routers collapsed unprovoked on some seeds
+            threshold=0.9,
+        ),
+    )
+}
+
+
+def recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise SpecError(f"unknown recipe {name!r}; one of {', '.join(RECIPES)}")
+    return RECIPES[name]

@@ -1,0 +1,172 @@
+"""The GRPO harness on a small real upcycled MoE: recipes fire, K = E proxies are exact, margins
+bracket the critical knob, runs are deterministic, and the CLI writes what `calibrate add` reads."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from planner.cli import main
+
+pytestmark = pytest.mark.slow
+SMALL = dict(prompts=4, group=4, new_tokens=8)  # the reduced run size of these tests
+VOLATILE = {"wall_s", "peak_mem_bytes"}
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def models(rl_model):
+    from planner.rl.grpo import Models
+
+    return Models(rl_model[0])
+
+
+def same_rows(a: list[dict], b: list[dict]) -> bool:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        keys = set(x) - VOLATILE
+        assert keys == set(y) - VOLATILE
+        for k in keys:
+            if not (x[k] == y[k] or (isinstance(x[k], float) and np.isnan(x[k]) and np.isnan(y[k]))):
+                return False
+    return True
+
+
+def test_upcycled_experts_are_partly_redundant(rl_model):
+    sims = rl_model[1]["expert_cosine_similarity"]
+    assert 0.3 < sims["p5"] <= sims["p50"] <= sims["p95"] < 0.999  # redundant, yet not copies
+
+
+@pytest.mark.parametrize("name", ["fp16-overflow", "rollout-mismatch", "entropy-collapse", "grad-blowup", "router-collapse"])
+def test_each_recipe_fires_at_its_bracket_top_and_not_at_its_bottom(models, name):
+    from planner.rl.grpo import GRPO
+    from planner.rl.recipes import recipe
+
+    r = recipe(name)
+    if name == "fp16-overflow":
+        trainer = GRPO(models, r.config(r.lo, seed=0, **SMALL))
+        batch = trainer._batch(0)
+        fired = {k: trainer.probe_overflow(batch, k) for k in (r.lo, r.hi)}
+    elif name == "rollout-mismatch":
+        fired = {k: GRPO(models, r.config(k, seed=0, **SMALL)).probe_mismatch(0) > r.threshold for k in (r.lo, r.hi)}
+    else:
+        fired = {k: r.onset(GRPO(models, r.config(k, seed=0, steps=10, **SMALL)).run()) is not None for k in (r.lo, r.hi)}
+    assert fired == {r.lo: False, r.hi: True}
+
+
+def test_mismatch_is_the_kl_of_rollout_to_trainer():
+    """The k3 estimate on samples of the rollout distribution converges to KL(rollout || train)."""
+    import torch
+
+    from planner.rl.grpo import _mismatch
+
+    q = torch.tensor([0.5, 0.3, 0.2])  # rollout
+    p = torch.tensor([0.4, 0.4, 0.2])  # trainer
+    tokens = torch.multinomial(q, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    k3, _ = _mismatch(q.log()[tokens], p.log()[tokens])
+    assert k3 == pytest.approx(float((q * (q / p).log()).sum()), rel=0.03)
+
+
+def test_fp16_overflow_is_a_skipped_step_in_a_run(models):
+    from planner.rl.grpo import GRPO
+    from planner.rl.recipes import recipe
+
+    rows = GRPO(models, recipe("fp16-overflow").config(40.0, seed=0, steps=2, **SMALL)).run()
+    assert all(r["overflow"] > 0 and r["skipped_total"] > 0 and r["loss_scale_log2"] == 40.0 for r in rows)
+
+
+def test_runs_are_deterministic_and_a_keep_all_proxy_is_identical(rl_model, tmp_path):
+    from planner.checkpoint import Checkpoint, build
+    from planner.plan import Plan
+    from planner.rl.grpo import GRPO, RLConfig
+
+    ckpt = Checkpoint(rl_model[0])
+    e = ckpt.arch.original_num_experts
+    plan = Plan(model=str(rl_model[0]), experts=e, original_experts=e, layers={i: tuple(range(e)) for i in ckpt.moe_layers})
+    build(ckpt, plan, tmp_path / "proxy", verify="never")
+    config = RLConfig(steps=3, precision="bf16", rollout_precision="bf16", **SMALL)
+    original = GRPO(rl_model[0], config).run()
+    again = GRPO(rl_model[0], config).run()
+    proxy = GRPO(tmp_path / "proxy", config).run()
+    assert same_rows(original, again)
+    assert same_rows(original, proxy)
+    other = RLConfig(steps=3, seed=1, precision="bf16", rollout_precision="bf16", **SMALL)
+    assert not same_rows(original, GRPO(rl_model[0], other).run())  # seeds matter
+
+
+@pytest.mark.parametrize("name", ["fp16-overflow", "rollout-mismatch"])
+def test_margin_brackets_the_critical_knob(models, name):
+    from planner.rl.grpo import GRPO
+    from planner.rl.margin import critical_knob
+    from planner.rl.recipes import recipe
+
+    r = recipe(name)
+    iters = 4
+    margin = critical_knob(models, r, [0, 1], iters=iters)
+    resolution = (r.hi - r.lo) / 2 ** (iters + 1)
+    assert not all(margin.censored)
+    for seed, value, censored in zip((0, 1), margin.values, margin.censored):
+        trainer = GRPO(models, r.config(r.lo, seed=seed))
+        if name == "fp16-overflow":
+            batch = trainer._batch(seed)
+            fires = lambda k: trainer.probe_overflow(batch, k)  # noqa: E731
+        else:
+            fires = lambda k: GRPO(models, r.config(k, seed=seed)).probe_mismatch(seed) > r.threshold  # noqa: E731
+        if censored:  # no fault anywhere in the bracket: reported at its top, and flagged
+            assert value == r.hi and not fires(r.hi)
+        else:
+            assert fires(value + resolution) and not fires(value - resolution)
+
+
+def test_rl_cli_run_margin_and_errors(rl_model, tmp_path):
+    model = rl_model[0]
+    result = run_cli("rl", "run", model, "--recipe", "rollout-mismatch", "--knob", "21", "--steps", "2",
+                     "--set", "prompts=4", "--set", "new_tokens=8", "-o", tmp_path / "a")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.output
+    header = (tmp_path / "a" / "metrics.csv").read_text().splitlines()[0].split(",")
+    design = {"loss", "grad_norm", "grad_norm_router", "grad_norm_experts", "entropy", "kl_ref", "clip_frac", "reward_mean",
+              "reward_std", "response_len", "overflow", "skipped_total", "loss_scale_log2", "max_logit", "mismatch_k3",
+              "aux_loss", "load_cv_max", "topk_share_max", "router_entropy_0", "peak_mem_bytes"}  # fmt: skip
+    assert design <= set(header)
+    info = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert info["recipe"] == "rollout-mismatch" and info["config"]["rollout_mantissa_bits"] == 2.0 and info["versions"]["torch"]
+
+    again = run_cli("rl", "run", model, "--steps", "1", "-o", tmp_path / "a")
+    assert again.exit_code == 2 and "--force" in again.output  # never overwritten silently
+
+    margin = run_cli("rl", "margin", model, "--recipe", "rollout-mismatch", "--seeds", "0", "--iters", "3", "-o", tmp_path / "a", "--json")
+    assert margin.exit_code == 0, margin.output
+    data = json.loads((tmp_path / "a" / "margin.json").read_text())
+    assert data["recipe"] == "rollout-mismatch" and data["bracket"] == [0.0, 22.0] and len(data["values"]) == 1
+
+    for args, words in [
+        (("rl", "run", model, "--device", "npu", "--steps", "1", "-o", tmp_path / "n"), "torch_npu"),
+        (("rl", "run", model, "--set", "bogus=1", "-o", tmp_path / "b"), "bogus"),
+        (("rl", "run", model, "--set", "seed=1", "-o", tmp_path / "b"), "--seed"),
+        (("rl", "run", model, "--knob", "3", "-o", tmp_path / "b"), "--recipe"),
+        (("rl", "run", model, "--set", "new_tokens=0", "-o", tmp_path / "b"), "at least 1"),
+        (("rl", "run", model, "--set", "group=1", "-o", tmp_path / "g"), "group >= 2"),
+        (("rl", "margin", model, "--recipe", "fp16-overflow", "--seeds", ""), "at least one seed"),
+        (("rl", "make-models", tmp_path / "m", "--families", "mixtral"), "qwen3_moe"),
+    ]:
+        bad = run_cli(*args)
+        assert bad.exit_code == 2 and words in bad.output, (args, bad.output)
+
+
+def test_make_models_is_deterministic(tmp_path):
+    args = ("rl", "make-models", "--families", "deepseek_v3", "--dense-steps", "3", "--moe-steps", "3", "--json")
+    first = run_cli(*args[:1], args[1], tmp_path / "a", *args[2:])
+    second = run_cli(*args[:1], args[1], tmp_path / "b", *args[2:])
+    assert first.exit_code == 0 and second.exit_code == 0, first.output
+    a = (tmp_path / "a" / "deepseek_v3" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "b" / "deepseek_v3" / "model.safetensors").read_bytes()
+    report = json.loads(first.stdout)["deepseek_v3"]
+    assert report["parameters"] > 0 and set(report["expert_cosine_similarity"]) >= {"p5", "p50", "p95"}
+    assert run_cli(*args[:1], args[1], tmp_path / "a", *args[2:]).exit_code == 2  # exists: needs --force

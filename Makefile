@@ -1,11 +1,11 @@
-# make demo : set up .venv from a clean clone and run the main job
+# make demo : set up .venv from a clean clone and run the main job (suggest, then the default report)
 # make test : set up .venv and run the whole test suite
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv bench reports clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,12 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/planner demo
+	$(VENV)/bin/planner suggest --budget 8npu
+	$(VENV)/bin/planner report --budget 8npu -o build/demo-report --force
+
+reports: $(STAMP)
+	$(VENV)/bin/planner report --model qwen3-30b-a3b --hardware ascend-910b2 --budget 8npu -o reports/qwen3-30b-a3b-910b2 --force
+	$(VENV)/bin/planner report --model deepseek-v3 --hardware atlas-a3 --budget 64npu -o reports/deepseek-v3-a3 --force
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -27,6 +32,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/checkpoint_io.py
 	$(PY) benchmarks/clustering_quality.py
 	$(PY) benchmarks/rl_harness.py
+	$(PY) benchmarks/suggest_search.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

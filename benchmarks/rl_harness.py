@@ -80,19 +80,27 @@ def grid_wall(storage: str) -> None:
     except Exception as exc:  # noqa: BLE001 - a missing or foreign database: say so and go on
         print(f"\ngrid: no calibration storage at {storage} ({type(exc).__name__}); run `planner calibrate run` first")
         return
-    rows = []
+    rows, starts, ends, busy_total = [], [], [], 0.0
     for summary in summaries:
         trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
         done = [t for t in trials if t.state.name == "COMPLETE" and t.datetime_complete]
         if not done:
             continue
-        wall = (max(t.datetime_complete for t in done) - min(t.datetime_start for t in done)).total_seconds()
+        start, end = min(t.datetime_start for t in done), max(t.datetime_complete for t in done)
+        wall = (end - start).total_seconds()
         busy = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in done)
-        rows.append([summary.study_name.rsplit("-", 1)[1], len(done), len(trials) - len(done), f"{wall / 60:.1f}",
+        starts.append(start), ends.append(end)
+        busy_total += busy
+        recipe, phase = summary.study_name.split("-", 2)[2].rsplit("-", 1)  # calibration-KEY-RECIPE-vN-PHASE
+        rows.append([phase, recipe, len(done), len(trials) - len(done), f"{wall / 60:.1f}",
                      f"{busy / 60:.1f}", f"{busy / len(done):.0f}", f"{busy / wall:.2f}"])  # fmt: skip
-    print(f"\ncalibration grid in {storage}")
-    print(table(["phase", "trials", "other trials", "wall min", "trial min", "s/trial", "busy workers (trial/wall)"], rows))
-
+    if not rows:
+        print(f"\ngrid: no finished trials in {storage}")
+        return
+    span = (max(ends) - min(starts)).total_seconds()
+    rows.append(["all", "", sum(r[2] for r in rows), sum(r[3] for r in rows), f"{span / 60:.1f}", f"{busy_total / 60:.1f}", "", ""])
+    print(f"\ncalibration grid in {storage} (wall: first start to last completion, interruptions included)")
+    print(table(["phase", "recipe", "trials", "failed/retried", "wall min", "trial min", "s/trial", "busy workers (trial/wall)"], rows))
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

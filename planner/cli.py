@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from planner.errors import InfeasibleError, PlannerError, SpecError
+from planner.files import refuse_existing
 from planner.plan import SELECTION_METHODS
 
 DEFAULT_MODEL = "qwen3-30b-a3b"
@@ -201,8 +202,7 @@ def stats(checkpoint, calib_text, calib_tokens, seq_len, experts, methods, weigh
     from planner.summary import render_stats
 
     def body():
-        if Path(output).exists() and not force:
-            raise SpecError(f"{output} exists; pass --force to overwrite it")
+        refuse_existing(output, force)
         ckpt = Checkpoint(checkpoint)
         ks = _ints(experts) or default_experts(ckpt.arch)
         text = Path(calib_text).read_text(errors="replace") if calib_text else None
@@ -224,17 +224,6 @@ def stats(checkpoint, calib_text, calib_tokens, seq_len, experts, methods, weigh
     _run(body)
 
 
-def _make_plan(ckpt, experts: int, method: str, stats_path, mtp: str, target_ep, seed: int):
-    from planner.stats.compute import compute_stats, plan_from_stats
-    from planner.stats.store import load_stats
-
-    if stats_path:
-        data = load_stats(stats_path, fingerprint=ckpt.fingerprint())
-    else:
-        data = compute_stats(ckpt, experts=[experts], methods=(method,), weights_only=True, seed=seed)
-    return plan_from_stats(data, experts, method, model=str(ckpt.path), mtp=mtp, target_ep=tuple(target_ep), seed=seed)
-
-
 @main.command()
 @click.argument("checkpoint", type=click.Path(file_okay=False))
 @click.option("--experts", type=int, required=True, help="K: routed experts kept per MoE layer.")
@@ -250,12 +239,12 @@ def _make_plan(ckpt, experts: int, method: str, stats_path, mtp: str, target_ep,
 def plan(checkpoint, experts, method, stats_path, mtp, target_ep, seed, output, force) -> None:
     """Choose the experts to keep (one real expert per cluster) and write the plan YAML."""
     from planner.checkpoint import Checkpoint
+    from planner.stats.compute import choose_plan
 
     def body():
-        if Path(output).exists() and not force:
-            raise SpecError(f"{output} exists; pass --force to overwrite it")
+        refuse_existing(output, force)
         ckpt = Checkpoint(checkpoint)
-        result = _make_plan(ckpt, experts, method, stats_path, mtp, _ints(target_ep), seed)
+        result = choose_plan(ckpt, experts, method, stats_path=stats_path, mtp=mtp, target_ep=tuple(_ints(target_ep)), seed=seed)
         warnings = result.check(ckpt.arch, list(ckpt.moe_layers))
         tmp = Path(output + ".tmp")
         tmp.write_text(result.to_yaml())
@@ -285,12 +274,16 @@ def build(checkpoint, out_dir, plan_path, experts, method, stats_path, mtp, veri
     from planner.checkpoint import Checkpoint
     from planner.checkpoint import build as build_proxy
     from planner.plan import load_plan
+    from planner.stats.compute import choose_plan, resolve_plan
 
     def body():
         if (plan_path is None) == (experts is None):
             raise SpecError("give exactly one of --plan plan.yaml or --experts K")
         ckpt = Checkpoint(checkpoint)
-        the_plan = load_plan(plan_path) if plan_path else _make_plan(ckpt, experts, method, stats_path, mtp, (), 0)
+        if plan_path:  # a deferred plan (planner suggest without a checkpoint) chooses its experts now
+            the_plan = resolve_plan(ckpt, load_plan(plan_path), stats_path=stats_path)
+        else:
+            the_plan = choose_plan(ckpt, experts, method, stats_path=stats_path, mtp=mtp)
         report = build_proxy(ckpt, the_plan, out_dir, force=force, verify=verify, progress=_progress("writing"))
         if as_json:
             _emit_json(report.to_json())
@@ -319,8 +312,8 @@ def fit_knobs(runs_path, output, force) -> None:
     from planner.cost.fit import fit_all, load_runs, write_fit
 
     def body():
-        if output and Path(output).exists() and not force:
-            raise SpecError(f"{output} exists; pass --force to overwrite it")
+        if output:
+            refuse_existing(output, force)
         click.echo("fitting knobs per accelerator family (about a minute) ...", err=True)
         result = fit_all(load_runs(runs_path))
         if output:
@@ -332,7 +325,7 @@ def fit_knobs(runs_path, output, force) -> None:
     _run(body)
 
 
-from planner import cli_rl  # noqa: E402,F401  (registers `planner rl` and `planner calibrate`)
+from planner import cli_rl, cli_search  # noqa: E402,F401  (register `rl`, `calibrate`, `suggest`, `preflight`, `report`, `check`)
 
 if __name__ == "__main__":  # pragma: no cover  (python -m planner.cli: run the registered copy)
     from planner.cli import main as registered

@@ -14,6 +14,7 @@ import click
 
 from planner.cli import _emit_json, _ints, _progress, _run, main
 from planner.errors import SpecError
+from planner.files import refuse_existing
 from planner.render import table
 
 DATASET = "calibration/fidelity_dataset.csv"
@@ -184,8 +185,7 @@ def rl_margin(model_dir, recipe_name, seeds, iters, steps, device, output, force
         out = None
         if output:
             out = Path(output)
-            if (out / "margin.json").exists() and not force:
-                raise SpecError(f"{out / 'margin.json'} exists; pass --force to overwrite it")
+            refuse_existing(out / "margin.json", force)
         seed_list = _ints(seeds)
         if not seed_list:
             raise SpecError("--seeds: give at least one seed")
@@ -227,8 +227,7 @@ def calibrate_run(grid_path, storage, workers, workdir, output, force) -> None:
     from planner.fidelity.grid import Grid
 
     def body():
-        if Path(output).exists() and not force:
-            raise SpecError(f"{output} exists; pass --force to overwrite it (the grid itself resumes from {storage})")
+        refuse_existing(output, force, f" (the grid itself resumes from {storage})")
         if workers < 1:
             raise SpecError(f"--workers must be at least 1, got {workers}")
         run(Grid.load(grid_path), grid_path, storage, Path(workdir), workers, Path(output), say=lambda s: click.echo(s, err=True))
@@ -239,11 +238,13 @@ def calibrate_run(grid_path, storage, workers, workdir, output, force) -> None:
 @calibrate.command("fit")
 @click.option("--dataset", type=click.Path(exists=True, dir_okay=False), default=DATASET, show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=ESTIMATOR, show_default=True)
-def calibrate_fit(dataset, output) -> None:
+@click.option("--force", is_flag=True, help="Replace an existing estimator file.")
+def calibrate_fit(dataset, output, force) -> None:
     """Fit the FidelityEstimator (full and prior variants) on the dataset."""
     from planner.fidelity.calibrate import fit
 
     def body():
+        refuse_existing(output, force)
         estimator = fit(Path(dataset), Path(output))
         rows = [[variant, label, type(m).__name__] for variant, ms in estimator.models.items() for label, m in ms.items()]
         click.echo(table(["variant", "label", "model"], rows))

@@ -15,6 +15,7 @@ import yaml
 
 from planner.arch import Architecture
 from planner.errors import PlanError, SpecError
+from planner.files import read_yaml
 
 __all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "METHODS", "SELECTION_METHODS"]
 
@@ -22,7 +23,7 @@ PLAN_SCHEMA = "planner.plan/1"
 SELECTION_METHODS = ("agglomerative", "kmeans", "router", "saliency", "frequency", "random")
 METHODS = (*SELECTION_METHODS, "manual")
 _KEYS = ("schema", "model", "experts", "original_experts", "method", "mtp", "checkpoint_fingerprint",
-         "target_ep", "seed", "feature_spec", "statistics", "layers", "labels")  # fmt: skip
+         "target_ep", "seed", "feature_spec", "statistics", "deployment", "layers", "labels")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +40,9 @@ class Plan:
     feature_spec: str | None = None
     labels: Mapping[int, tuple[int, ...]] | None = None  # cluster of every original expert, per layer
     statistics: Mapping[str, Any] | None = None  # the plan's statistics summary (planner stats), fidelity features
+    # where and how the proxy is meant to run, and what planner predicted for it (planner suggest):
+    # hardware, num_cards, layouts, recompute, offload, job, fault, predicted memory/time/fidelity
+    deployment: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -48,6 +52,11 @@ class Plan:
         object.__setattr__(self, "layers", {int(k): tuple(sorted(int(i) for i in v)) for k, v in self.layers.items()})
         if self.labels is not None:
             object.__setattr__(self, "labels", {int(k): tuple(int(i) for i in v) for k, v in self.labels.items()})
+
+    @property
+    def deferred(self) -> bool:
+        """No kept sets yet: `method` chooses them from the checkpoint at build time."""
+        return not self.layers
 
     # ---- rules --------------------------------------------------------------------------------
     def check(self, arch: Architecture, moe_layers: list[int] | None = None) -> list[str]:
@@ -78,34 +87,35 @@ class Plan:
                 raise PlanError(f"target_ep entries must be >= 1, got {ep}")
             if k % ep:
                 raise PlanError(f"rule K % EP == 0 for the declared layout: K={k}, EP={ep}")
-        expected = sorted(moe_layers if moe_layers is not None else arch.moe_layers)
-        trunk_only = [i for i in expected if i < arch.num_layers]
-        want = expected if self.mtp == "prune" else trunk_only
-        have = sorted(self.layers)
-        if have != want:
-            missing = sorted(set(want) - set(have))
-            extra = sorted(set(have) - set(want))
-            raise PlanError(
-                f"rule one kept set per MoE layer: the plan lists layers {_span(have)}, the model's MoE layers are "
-                f"{_span(want)} (missing {missing[:6]}, extra {extra[:6]})"
-            )
-        for layer, ids in self.layers.items():
-            if len(ids) != k or len(set(ids)) != k:
+        if not self.deferred:  # kept sets are chosen at build time otherwise
+            expected = sorted(moe_layers if moe_layers is not None else arch.moe_layers)
+            trunk_only = [i for i in expected if i < arch.num_layers]
+            want = expected if self.mtp == "prune" else trunk_only
+            have = sorted(self.layers)
+            if have != want:
+                missing = sorted(set(want) - set(have))
+                extra = sorted(set(have) - set(want))
                 raise PlanError(
-                    f"rule one K for every MoE layer: layer {layer} keeps {len(set(ids))} distinct experts, K={k}"
+                    f"rule one kept set per MoE layer: the plan lists layers {_span(have)}, the model's MoE layers are "
+                    f"{_span(want)} (missing {missing[:6]}, extra {extra[:6]})"
                 )
-            bad = [i for i in ids if not 0 <= i < e]
-            if bad:
-                raise PlanError(f"rule expert ids in 0..E-1: layer {layer} keeps {bad[:5]}, E={e}")
-            if moe.grouped:
-                per = e // moe.n_group
-                counts = [sum(1 for i in ids if i // per == grp) for grp in range(moe.n_group)]
-                if any(c != k // moe.n_group for c in counts):
+            for layer, ids in self.layers.items():
+                if len(ids) != k or len(set(ids)) != k:
                     raise PlanError(
-                        f"rule equal experts per routing group: layer {layer} keeps {counts} per group, "
-                        f"each group must keep K/n_group={k // moe.n_group}"
+                        f"rule one K for every MoE layer: layer {layer} keeps {len(set(ids))} distinct experts, K={k}"
                     )
-        if self.labels is not None:
+                bad = [i for i in ids if not 0 <= i < e]
+                if bad:
+                    raise PlanError(f"rule expert ids in 0..E-1: layer {layer} keeps {bad[:5]}, E={e}")
+                if moe.grouped:
+                    per = e // moe.n_group
+                    counts = [sum(1 for i in ids if i // per == grp) for grp in range(moe.n_group)]
+                    if any(c != k // moe.n_group for c in counts):
+                        raise PlanError(
+                            f"rule equal experts per routing group: layer {layer} keeps {counts} per group, "
+                            f"each group must keep K/n_group={k // moe.n_group}"
+                        )
+        if self.labels is not None and not self.deferred:
             self._check_labels(e)
         warnings = []
         if k & (k - 1):
@@ -145,7 +155,10 @@ class Plan:
             out["target_ep"] = list(self.target_ep)
         if self.statistics:
             out["statistics"] = dict(self.statistics)
-        out["layers"] = {int(i): list(ids) for i, ids in sorted(self.layers.items())}
+        if self.deployment:
+            out["deployment"] = dict(self.deployment)
+        if self.layers:
+            out["layers"] = {int(i): list(ids) for i, ids in sorted(self.layers.items())}
         if self.labels is not None:
             out["labels"] = {int(i): list(lab) for i, lab in sorted(self.labels.items())}
         return out
@@ -162,10 +175,12 @@ class Plan:
             raise SpecError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(_KEYS)}")
         if data.get("schema", PLAN_SCHEMA) != PLAN_SCHEMA:
             raise SpecError(f"{where}: schema {data.get('schema')!r} is not {PLAN_SCHEMA}")
-        missing = [k for k in ("model", "experts", "original_experts", "layers") if k not in data]
+        missing = [k for k in ("model", "experts", "original_experts") if k not in data]
+        if "layers" not in data and data.get("method", "manual") not in SELECTION_METHODS:
+            missing.append("layers")  # only a selection method can choose them later
         if missing:
             raise SpecError(f"{where}: missing required key(s) {', '.join(missing)}")
-        layers = data["layers"]
+        layers = data.get("layers", {})
         if not isinstance(layers, Mapping) or not all(isinstance(v, (list, tuple)) for v in layers.values()):
             raise SpecError(f"{where}: layers must map each MoE layer index to a list of kept expert ids")
         for key in ("experts", "original_experts"):
@@ -186,18 +201,19 @@ class Plan:
                 target_ep=tuple(int(x) for x in data.get("target_ep", ()) or ()),
                 seed=data.get("seed"),
                 feature_spec=data.get("feature_spec"),
-                statistics=_statistics(data.get("statistics"), where),
+                statistics=_mapping(data.get("statistics"), "statistics", where),
+                deployment=_mapping(data.get("deployment"), "deployment", where),
                 labels={int(k): tuple(int(i) for i in v) for k, v in data["labels"].items()} if data.get("labels") else None,
             )
         except (TypeError, ValueError) as exc:
             raise SpecError(f"{where}: {exc}") from None
 
 
-def _statistics(value: Any, where: str) -> dict[str, Any] | None:
+def _mapping(value: Any, key: str, where: str) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise SpecError(f"{where}: statistics must be a mapping of statistic -> value or {{mean, max, ...}}")
+        raise SpecError(f"{where}: {key} must be a mapping")
     return dict(value)
 
 
@@ -210,11 +226,4 @@ def _span(ids: list[int]) -> str:
 
 
 def load_plan(path: str | Path) -> Plan:
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except OSError as exc:
-        raise SpecError(f"cannot read plan {p}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{p}: not valid YAML: {exc}") from None
-    return Plan.from_dict(data, where=str(p))
+    return Plan.from_dict(read_yaml(path, "plan"), where=str(path))

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
-
 from test_params import VARIANTS, tiny
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def family_config(model_type: str, variant: int = 0, **overrides) -> dict:

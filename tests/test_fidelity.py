@@ -18,7 +18,9 @@ from click.testing import CliRunner
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from planner.cli import main
-from planner.fidelity.estimator import FULL_FEATURES, FidelityClassifier, FidelityEstimator, FidelityRegressor
+from planner.errors import SpecError
+from planner.fidelity.estimator import FULL_FEATURES, FidelityEstimator, LinearModel, LogisticModel
+from planner.fidelity.learners import FidelityClassifier, FidelityRegressor
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "calibration" / "fidelity_dataset.csv"
@@ -42,8 +44,9 @@ def test_regressor_intervals_cover_and_round_trip_through_json():
     model = FidelityRegressor(coverage=0.8).fit(x[:300], y[:300])
     low, high = model.predict_interval(x[300:])
     assert 0.7 <= np.mean((y[300:] >= low) & (y[300:] <= high)) <= 0.9
-    again = FidelityRegressor.from_json(json.loads(json.dumps(model.to_json())))
+    again = LinearModel.from_json(json.loads(json.dumps(model.model_.to_json())))  # what the estimator file holds
     assert np.array_equal(again.predict(x), model.predict(x))
+    assert np.array_equal(again.predict_interval(x)[0], model.predict_interval(x)[0])
 
 
 def test_classifier_probabilities_and_json():
@@ -55,15 +58,17 @@ def test_classifier_probabilities_and_json():
     assert np.mean((p > 0.5) == y) > 0.85
     low, high = model.predict_interval(x)
     assert np.all(low <= p + 1e-12) and np.all(p <= high + 1e-12)
-    again = FidelityClassifier.from_json(json.loads(json.dumps(model.to_json())))
-    assert np.array_equal(again.predict_proba(x), model.predict_proba(x))
+    again = LogisticModel.from_json(json.loads(json.dumps(model.model_.to_json())))
+    assert np.array_equal(again.proba(x), model.predict_proba(x)[:, 1])
 
 
 def test_estimator_file_is_json_and_rejects_other_files(tmp_path):
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"schema": "planner.stats/1"}))
-    with pytest.raises(ValueError, match="not a fidelity estimator"):
+    with pytest.raises(SpecError, match="not a fidelity estimator"):
         FidelityEstimator.load(path)
+    with pytest.raises(SpecError, match="calibrate fit"):
+        FidelityEstimator.load(tmp_path / "missing.json")
 
 
 # ---- labels ---------------------------------------------------------------------------------------

@@ -254,6 +254,9 @@ def build(
     small enough), always, never (structural checks run in every case)."""
     start = time.perf_counter()
     out_dir = Path(out_dir).expanduser().resolve()
+    if plan.deferred:
+        raise PlanError(f"the plan keeps K={plan.experts} by {plan.method} but names no experts yet; choose them first "
+                        "(planner build --plan resolves such a plan against the checkpoint)")  # fmt: skip
     warnings = plan.check(ckpt.arch, list(ckpt.moe_layers))
     if plan.checkpoint_fingerprint and plan.checkpoint_fingerprint != ckpt.fingerprint():
         raise PlanError(

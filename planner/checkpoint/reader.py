@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.arch import Architecture, FAMILIES
+from planner.arch import FAMILIES, Architecture
 from planner.arch.families import TEXT_CONFIG_WRAPPERS
 from planner.checkpoint.safetensors import NUMPY_DTYPES, ShardHeader, TensorInfo, read_header
 from planner.errors import CheckpointError, ConfigError

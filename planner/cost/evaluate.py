@@ -132,7 +132,7 @@ def _max_tp(accel: Accelerator) -> int:
 
 
 class _Evaluator:
-    def __init__(self, arch: Architecture, accel: Accelerator, job: Job, knobs: Knobs | None):
+    def __init__(self, arch: Architecture, accel: Accelerator, job: Job, knobs: Knobs | None, memory_margin: float = 0.0):
         if not job.colocated:
             raise SpecError(
                 "colocated: false (separate rollout and training pools) is not modelled yet; "
@@ -141,6 +141,8 @@ class _Evaluator:
         self.arch, self.accel, self.job = arch, accel, job
         self.model = CostModel(arch, accel, job, knobs)
         self.usable = accel.usable_bytes
+        self.train_limit = self.usable * (1 - memory_margin)  # a safety margin left free in the training phases
+        self.memory_margin = memory_margin
         self.host_limit = accel.host_memory_bytes_per_node * HOST_USABLE_FRACTION
 
     def train_candidates(self, devices: int) -> TrainCandidates:
@@ -173,7 +175,8 @@ class _Evaluator:
             return self._infeasible(devices, reasons, len(tc) + len(rc))
 
         te = m.train(tc)
-        train_fit = (te.update_bytes <= self.usable) & (te.logprob_bytes <= self.usable) & (te.reference_bytes <= self.usable)
+        limit = self.train_limit
+        train_fit = (te.update_bytes <= limit) & (te.logprob_bytes <= limit) & (te.reference_bytes <= limit)
         host_fit = te.host_bytes_per_node <= self.host_limit
         ok = train_fit & host_fit
         if not ok.any():
@@ -184,7 +187,8 @@ class _Evaluator:
                     f"update phase needs {gib(te.update_bytes[i])} per {accel.device_unit} at best ({lay.describe()}: "
                     f"weights {gib(te.weights_bytes[i])}, grads {gib(te.grads_bytes[i])}, optimizer "
                     f"{gib(te.optimizer_bytes[i])}, activations {gib(te.activations_bytes[i])}; reference phase "
-                    f"{gib(te.reference_bytes[i])}) > {gib(self.usable)} usable on {accel.id}"
+                    f"{gib(te.reference_bytes[i])}) > {gib(limit)} usable on {accel.id}"
+                    + (f" with {self.memory_margin:.0%} kept free" if self.memory_margin else "")
                 )
             if not host_fit[i]:
                 reasons.append(
@@ -334,18 +338,20 @@ class _Evaluator:
         )
 
 
-def evaluate(arch: Architecture, accel: Accelerator, job: Job, devices: int, knobs: Knobs | None = None) -> CostResult:
-    """Cost at `devices` devices, with the job's layouts or the best feasible ones."""
+def evaluate(arch: Architecture, accel: Accelerator, job: Job, devices: int, knobs: Knobs | None = None, *,
+             memory_margin: float = 0.0) -> CostResult:  # fmt: skip
+    """Cost at `devices` devices, with the job's layouts or the best feasible ones (training phases
+    leave `memory_margin` of usable memory free)."""
     if devices < 1:
         raise SpecError(f"--cards must be >= 1, got {devices}")
-    return _Evaluator(arch, accel, job, knobs).run(devices)
+    return _Evaluator(arch, accel, job, knobs, memory_margin).run(devices)
 
 
 def min_devices(
-    arch: Architecture, accel: Accelerator, job: Job, *, max_devices: int = 4096, knobs: Knobs | None = None
+    arch: Architecture, accel: Accelerator, job: Job, *, max_devices: int = 4096, knobs: Knobs | None = None, memory_margin: float = 0.0
 ) -> CostResult:
     """The smallest feasible device count (and the best layouts there)."""
-    ev = _Evaluator(arch, accel, job, knobs)
+    ev = _Evaluator(arch, accel, job, knobs, memory_margin)
     counts = candidate_device_counts(accel, max_devices)
     if not counts:
         raise SpecError(f"--max-cards {max_devices} is below the smallest allocation of {accel.id} ({accel.devices_per_card})")

@@ -73,18 +73,17 @@ def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers:
     return rows
 
 
-def add_pair(dataset: Path, original_dir: Path, proxy_dir: Path, plan_path: Path, *, replica_dir: Path | None = None,
-             recipe_name: str | None = None, knob_offset: float | None = None) -> dict:  # fmt: skip
-    """One measured pair -> one dataset row (appended; provenance records the source directories).
+def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path | None = None, recipe_name: str | None = None,
+                 knob_offset: float | None = None) -> dict:  # fmt: skip
+    """The dataset row of one measured (original, proxy) pair: features and labels.
 
-    A run directory (`planner rl run`/`rl margin -o`) holds metrics.csv and run.json, and margin.json
-    when `rl margin` measured it. Labels come from what is there: the margin ratio needs both margins,
-    curve agreement needs a replica of the original (else only the grad-norm Spearman)."""
-    from planner.plan import load_plan
+    A run directory (`planner rl run`/`rl margin -o`/`planner check`) holds metrics.csv and run.json,
+    and margin.json when `rl margin` measured it. Labels come from what is there: the margin ratio
+    needs both margins, curve agreement needs a replica of the original (else only the grad-norm
+    Spearman)."""
     from planner.rl.grpo import read_metrics
     from planner.rl.recipes import recipe
 
-    plan = load_plan(plan_path)
     runs = {}
     for name, d in (("original", original_dir), ("proxy", proxy_dir), ("replica", replica_dir)):
         if d is None:
@@ -112,12 +111,12 @@ def add_pair(dataset: Path, original_dir: Path, proxy_dir: Path, plan_path: Path
     except OSError as exc:
         raise SpecError(f"the original run's model {model_dir} is not readable: {exc.strerror}") from None
     if experts != plan.original_experts:
-        raise SpecError(f"{plan_path} is a plan for {plan.original_experts} experts; the original run's model has {experts}")
+        raise SpecError(f"the plan is for {plan.original_experts} experts; the original run's model has {experts}")
     proxy_config = Path(runs["proxy"]["info"]["model"]) / "config.json"
     if proxy_config.is_file():
         kept = Architecture.from_config(json.loads(proxy_config.read_text())).original_num_experts
         if kept != plan.experts:
-            raise SpecError(f"{plan_path} keeps {plan.experts} experts per layer; the proxy run's model has {kept}")
+            raise SpecError(f"the plan keeps {plan.experts} experts per layer; the proxy run's model has {kept}")
 
     def measured(name: str) -> dict:
         margin = runs[name].get("margin")
@@ -140,6 +139,17 @@ def add_pair(dataset: Path, original_dir: Path, proxy_dir: Path, plan_path: Path
            "experts": plan.experts, "original_experts": plan.original_experts, "source": f"add:{original_dir}|{proxy_dir}"}  # fmt: skip
     row.update(features_of(plan.statistics or {}, arch, recipe_name))
     row.update(labels)
+    return row
+
+
+def add_pair(dataset: Path, original_dir: Path, proxy_dir: Path, plan_path: Path, *, replica_dir: Path | None = None,
+             recipe_name: str | None = None, knob_offset: float | None = None) -> dict:  # fmt: skip
+    """Append the row of one measured pair (measure_pair) to the dataset; provenance records its sources."""
+    from planner.plan import load_plan
+
+    row = measure_pair(original_dir, proxy_dir, load_plan(plan_path), replica_dir=replica_dir, recipe_name=recipe_name,
+                       knob_offset=knob_offset)  # fmt: skip
+    recipe_name = row["recipe"]
     rows = read_dataset(dataset) if dataset.is_file() else []
     rows.append(row)
     meta_path = dataset.with_suffix(".json")

@@ -5,12 +5,9 @@ more faithful), and whether the fault is reproduced (classification). Each has a
 fed the per-plan statistics of planner.stats, and a prior variant fed only what is known without a
 checkpoint (K/E, top_k/K, experts per group, routing type, the recipe).
 
-The models are deliberately small, because the data are a few hundred runs: ridge regression on
-standardised features with split-conformal intervals (the coverage quantile of out-of-fold
-absolute residuals), and L2 logistic regression (Newton's method) with bootstrap intervals on the
-probability. Both follow scikit-learn's conventions (`__init__` only stores arguments; `fit`
-validates and sets attributes ending in `_`; randomness through `random_state`) and serialise to
-JSON, never pickle.
+Fitting uses the scikit-learn learners of planner.fidelity.learners; the fitted estimator is JSON
+(never pickle) and predicts with numpy alone (LinearModel, LogisticModel), so `planner suggest`
+does not import scikit-learn.
 """
 
 from __future__ import annotations
@@ -22,18 +19,18 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
-from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
-from sklearn.utils.multiclass import check_classification_targets, type_of_target
-from sklearn.utils.validation import check_is_fitted, validate_data
+
+from planner.errors import SpecError
 
 __all__ = [
-    "FidelityRegressor",
-    "FidelityClassifier",
+    "LinearModel",
+    "LogisticModel",
     "FidelityEstimator",
     "FULL_FEATURES",
     "PRIOR_FEATURES",
     "LABELS",
     "features_of",
+    "default_estimator_path",
 ]
 
 RECIPES = ("fp16-overflow", "rollout-mismatch", "entropy-collapse", "grad-blowup", "router-collapse")
@@ -70,166 +67,78 @@ def features_of(statistics: Mapping[str, Any], architecture: Mapping[str, Any], 
     return out
 
 
-class FidelityRegressor(RegressorMixin, BaseEstimator):
-    """Ridge regression on standardised features. Interval: prediction -+ the conformal quantile
-    of held-out absolute residuals (leave-one-group-out when `groups` are given to fit, else 5
-    random folds), with the finite-sample correction ceil((n+1) coverage)/n; clipped below at
-    `lower_bound` for labels that cannot be negative."""
+def _standardise(x, mean: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return (np.asarray(x, dtype=float) - mean) / scale
 
-    def __init__(self, alpha: float = 1.0, coverage: float = 0.8, lower_bound: float | None = None, random_state: int | None = 0):
-        self.alpha = alpha
-        self.coverage = coverage
-        self.lower_bound = lower_bound
-        self.random_state = random_state
 
-    def _solve(self, x: np.ndarray, y: np.ndarray):
-        mean = x.mean(0)
-        scale = x.std(0)
-        scale[scale == 0] = 1.0
-        z = (x - mean) / scale
-        y_mean = y.mean()
-        coef = np.linalg.solve(z.T @ z + self.alpha * np.eye(z.shape[1]), z.T @ (y - y_mean))
-        return mean, scale, coef, y_mean
+@dataclass(frozen=True)
+class LinearModel:
+    """A fitted ridge model: prediction, and an interval of fixed half-width clipped at a bound."""
 
-    def fit(self, X, y, groups=None):
-        X, y = validate_data(self, X, y, y_numeric=True)
-        x, y = np.asarray(X, dtype=float), np.asarray(y, dtype=float)
-        self.mean_, self.scale_, self.coef_, self.intercept_ = self._solve(x, y)
-        if groups is not None and len(set(groups)) > 1:
-            _, folds = np.unique(np.asarray(groups), return_inverse=True)
-        else:
-            folds = np.random.default_rng(self.random_state).permutation(len(y)) % min(5, len(y))
-        residuals = []
-        for f in np.unique(folds):
-            train, test = folds != f, folds == f
-            if train.sum() < 2:
-                continue
-            m, s, c, b = self._solve(x[train], y[train])
-            residuals.extend(np.abs(((x[test] - m) / s) @ c + b - y[test]))
-        n = len(residuals)
-        level = min(1.0, np.ceil((n + 1) * self.coverage) / n) if n else 1.0
-        self.halfwidth_ = float(np.quantile(residuals, level, method="higher")) if n else float("inf")
-        return self
+    mean: np.ndarray
+    scale: np.ndarray
+    coef: np.ndarray
+    intercept: float
+    halfwidth: float
+    lower_bound: float | None = None
 
-    def predict(self, X):
-        check_is_fitted(self)
-        X = validate_data(self, X, reset=False)
-        return ((np.asarray(X, dtype=float) - self.mean_) / self.scale_) @ self.coef_ + self.intercept_
+    def predict(self, x) -> np.ndarray:
+        return _standardise(x, self.mean, self.scale) @ self.coef + self.intercept
 
-    def predict_interval(self, X) -> tuple[np.ndarray, np.ndarray]:
-        p = self.predict(X)
-        low, high = p - self.halfwidth_, p + self.halfwidth_
+    def predict_interval(self, x) -> tuple[np.ndarray, np.ndarray]:
+        p = self.predict(x)
+        low, high = p - self.halfwidth, p + self.halfwidth
         if self.lower_bound is not None:
             low, high = np.maximum(low, self.lower_bound), np.maximum(high, self.lower_bound)
         return low, high
 
     def to_json(self) -> dict:
-        return {"alpha": self.alpha, "coverage": self.coverage, "lower_bound": self.lower_bound, "mean": self.mean_.tolist(), "scale": self.scale_.tolist(),
-                "coef": self.coef_.tolist(), "intercept": self.intercept_, "halfwidth": self.halfwidth_}  # fmt: skip
+        return {"mean": self.mean.tolist(), "scale": self.scale.tolist(), "coef": self.coef.tolist(), "intercept": float(self.intercept),
+                "halfwidth": self.halfwidth, "lower_bound": self.lower_bound}  # fmt: skip
 
     @classmethod
-    def from_json(cls, data: dict) -> "FidelityRegressor":
-        model = cls(alpha=data["alpha"], coverage=data["coverage"], lower_bound=data.get("lower_bound"))
-        model.mean_, model.scale_ = np.array(data["mean"]), np.array(data["scale"])
-        model.coef_, model.intercept_, model.halfwidth_ = np.array(data["coef"]), data["intercept"], data["halfwidth"]
-        model.n_features_in_ = len(model.coef_)
-        return model
+    def from_json(cls, d: Mapping[str, Any]) -> "LinearModel":
+        return cls(np.array(d["mean"]), np.array(d["scale"]), np.array(d["coef"]), d["intercept"], d["halfwidth"], d.get("lower_bound"))
 
 
-def _logistic(z: np.ndarray, y: np.ndarray, c: float, iters: int = 50) -> np.ndarray:
-    """L2-penalised logistic regression (intercept unpenalised) by Newton's method."""
-    a = np.hstack([np.ones((len(z), 1)), z])
-    w = np.zeros(a.shape[1])
-    penalty = np.eye(a.shape[1]) / c
-    penalty[0, 0] = 0.0
-    for _ in range(iters):
-        p = 1.0 / (1.0 + np.exp(-np.clip(a @ w, -30, 30)))
-        grad = a.T @ (p - y) + penalty @ w
-        hess = a.T @ (a * (p * (1 - p))[:, None]) + penalty + 1e-9 * np.eye(len(w))
-        step = np.linalg.solve(hess, grad)
-        w -= step
-        if np.abs(step).max() < 1e-8:
-            break
-    return w
+@dataclass(frozen=True)
+class LogisticModel:
+    """A fitted logistic model: P(classes[1]), and an interval from bootstrap refits."""
 
+    mean: np.ndarray
+    scale: np.ndarray
+    coef: np.ndarray  # intercept first
+    bootstrap_coef: np.ndarray
+    coverage: float
+    classes: np.ndarray
 
-class FidelityClassifier(ClassifierMixin, BaseEstimator):
-    """L2 logistic regression; interval on P(class 1) from `n_bootstrap` refits on resamples."""
+    def decision(self, x, coef: np.ndarray | None = None) -> np.ndarray:
+        w = self.coef if coef is None else coef
+        return w[0] + _standardise(x, self.mean, self.scale) @ w[1:]
 
-    def __init__(self, C: float = 1.0, n_bootstrap: int = 50, coverage: float = 0.8, random_state: int | None = 0):
-        self.C = C
-        self.n_bootstrap = n_bootstrap
-        self.coverage = coverage
-        self.random_state = random_state
+    def proba(self, x, coef: np.ndarray | None = None) -> np.ndarray:
+        return 1.0 / (1.0 + np.exp(-np.clip(self.decision(x, coef), -30, 30)))
 
-    def fit(self, X, y, groups=None):  # groups: accepted like FidelityRegressor's; the bootstrap ignores them
-        X, y = validate_data(self, X, y)
-        check_classification_targets(y)
-        self.classes_ = np.unique(y)
-        if len(self.classes_) == 1:
-            raise ValueError("FidelityClassifier needs two classes; got 1 class")
-        y_type = type_of_target(y, input_name="y", raise_unknown=True)
-        if y_type != "binary":
-            raise ValueError(f"Only binary classification is supported. The type of the target is {y_type}.")
-        x = np.asarray(X, dtype=float)
-        target = (y == self.classes_[1]).astype(float)
-        self.mean_ = x.mean(0)
-        self.scale_ = x.std(0)
-        self.scale_[self.scale_ == 0] = 1.0
-        z = (x - self.mean_) / self.scale_
-        self.coef_ = _logistic(z, target, self.C)
-        rng = np.random.default_rng(self.random_state)
-        boots = []
-        for _ in range(self.n_bootstrap):
-            idx = rng.integers(0, len(z), len(z))
-            if len(np.unique(target[idx])) == 2:
-                boots.append(_logistic(z[idx], target[idx], self.C))
-        self.bootstrap_coef_ = np.array(boots) if boots else self.coef_[None, :]
-        return self
-
-    def _p(self, X, coef: np.ndarray) -> np.ndarray:
-        z = (np.asarray(X, dtype=float) - self.mean_) / self.scale_
-        return 1.0 / (1.0 + np.exp(-np.clip(coef[0] + z @ coef[1:], -30, 30)))
-
-    def predict_proba(self, X):
-        check_is_fitted(self)
-        X = validate_data(self, X, reset=False)
-        p = self._p(X, self.coef_)
-        return np.column_stack([1 - p, p])
-
-    def predict(self, X):
-        positive = self.predict_proba(X)[:, 1] >= 0.5
-        return self.classes_[positive.astype(int)]
-
-    def __sklearn_tags__(self):
-        tags = super().__sklearn_tags__()
-        tags.classifier_tags.multi_class = False  # reproduced or not
-        return tags
-
-    def decision_function(self, X):
-        check_is_fitted(self)
-        X = validate_data(self, X, reset=False)
-        z = (np.asarray(X, dtype=float) - self.mean_) / self.scale_
-        return self.coef_[0] + z @ self.coef_[1:]
-
-    def predict_interval(self, X) -> tuple[np.ndarray, np.ndarray]:
-        check_is_fitted(self)
-        ps = np.array([self._p(X, c) for c in self.bootstrap_coef_])
+    def predict_interval(self, x) -> tuple[np.ndarray, np.ndarray]:
+        ps = np.array([self.proba(x, c) for c in self.bootstrap_coef])
         tail = (1 - self.coverage) / 2
         return np.quantile(ps, tail, axis=0), np.quantile(ps, 1 - tail, axis=0)
 
     def to_json(self) -> dict:
-        return {"C": self.C, "coverage": self.coverage, "classes": self.classes_.tolist(), "mean": self.mean_.tolist(),
-                "scale": self.scale_.tolist(), "coef": self.coef_.tolist(), "bootstrap_coef": self.bootstrap_coef_.tolist()}  # fmt: skip
+        return {"mean": self.mean.tolist(), "scale": self.scale.tolist(), "coef": self.coef.tolist(),
+                "bootstrap_coef": self.bootstrap_coef.tolist(), "coverage": self.coverage, "classes": self.classes.tolist()}  # fmt: skip
 
     @classmethod
-    def from_json(cls, data: dict) -> "FidelityClassifier":
-        model = cls(C=data["C"], coverage=data["coverage"])
-        model.classes_ = np.array(data["classes"])
-        model.mean_, model.scale_ = np.array(data["mean"]), np.array(data["scale"])
-        model.coef_, model.bootstrap_coef_ = np.array(data["coef"]), np.array(data["bootstrap_coef"])
-        model.n_features_in_ = len(model.mean_)
-        return model
+    def from_json(cls, d: Mapping[str, Any]) -> "LogisticModel":
+        return cls(np.array(d["mean"]), np.array(d["scale"]), np.array(d["coef"]), np.array(d["bootstrap_coef"]), d["coverage"],
+                   np.array(d["classes"]))  # fmt: skip
+
+
+def default_estimator_path() -> Path:
+    """The estimator fitted on the committed calibration dataset (ships inside the wheel)."""
+    from importlib import resources
+
+    return Path(str(resources.files("planner._calibration"))) / "fidelity.json"
 
 
 def training_set(rows: list[dict], label: str, names: tuple[str, ...]) -> tuple[list[dict], np.ndarray, np.ndarray, list[str]]:
@@ -242,21 +151,18 @@ def training_set(rows: list[dict], label: str, names: tuple[str, ...]) -> tuple[
     return used, x, y, [f"{r.get('family')}/{r.get('recipe')}" for r in used]
 
 
-def new_model(label: str):
-    """The model of one label: both regression labels are >= 0 (0 = the proxy matches)."""
-    return FidelityClassifier() if label == "fault_reproduced" else FidelityRegressor(lower_bound=0.0)
-
-
 @dataclass
 class FidelityEstimator:
     """The three labels' models, full and prior variants, with their feature names."""
 
-    models: dict[str, dict[str, Any]]  # variant -> label -> fitted model
+    models: dict[str, dict[str, LinearModel | LogisticModel]]  # variant -> label -> fitted model
     features: dict[str, tuple[str, ...]]  # variant -> feature names
     info: dict[str, Any]
 
     @classmethod
     def fit(cls, rows: list[dict], *, info: dict | None = None) -> "FidelityEstimator":
+        from planner.fidelity.learners import new_model
+
         models: dict[str, dict[str, Any]] = {}
         features = {"full": FULL_FEATURES, "prior": PRIOR_FEATURES}
         for variant, names in features.items():
@@ -264,37 +170,35 @@ class FidelityEstimator:
             for label in LABELS:
                 _, x, y, groups = training_set(rows, label, names)
                 if len(y) >= 5 and (label != "fault_reproduced" or len(np.unique(y)) == 2):
-                    models[variant][label] = new_model(label).fit(x, y, groups=groups)
+                    models[variant][label] = new_model(label).fit(x, y, groups=groups).model_
         return cls(models, {k: tuple(v) for k, v in features.items()}, dict(info or {}, rows=len(rows)))
 
-    def predict(self, row: Mapping[str, float], variant: str | None = None) -> dict[str, dict[str, float]]:
-        """{label: {value, low, high}} for one feature row; the full variant when its features are
-        all present, else the prior one (said in `variant`)."""
+    def predict(self, row: Mapping[str, float], variant: str | None = None) -> dict[str, dict[str, Any]]:
+        """{label: {value, low, high, variant}} for one feature row; the full variant when its
+        features are all present, else the prior one."""
         chosen = variant or ("full" if all(_finite(row.get(n)) for n in self.features["full"]) else "prior")
         x = np.array([[row.get(n, np.nan) for n in self.features[chosen]]], dtype=float)
-        out: dict[str, dict[str, float]] = {}
+        out: dict[str, dict[str, Any]] = {}
         for label, model in self.models[chosen].items():
-            if label == "fault_reproduced":
-                value = float(model.predict_proba(x)[0, 1])
-            else:
-                value = float(model.predict(x)[0])
+            value = model.proba(x)[0] if isinstance(model, LogisticModel) else model.predict(x)[0]
             low, high = (float(v[0]) for v in model.predict_interval(x))
-            out[label] = {"value": value, "low": low, "high": high, "variant": chosen}
+            out[label] = {"value": float(value), "low": low, "high": high, "variant": chosen}
         return out
 
     def to_json(self) -> dict:
+        kinds = {LinearModel: "ridge", LogisticModel: "logistic"}
         return {
-            "schema": "planner.fidelity/1",
+            "schema": "planner.fidelity/2",
             "features": {k: list(v) for k, v in self.features.items()},
-            "models": {v: {label: {"kind": type(m).__name__, **m.to_json()} for label, m in ms.items()} for v, ms in self.models.items()},
+            "models": {v: {label: {"kind": kinds[type(m)], **m.to_json()} for label, m in ms.items()} for v, ms in self.models.items()},
             "info": self.info,
         }
 
     @classmethod
     def from_json(cls, data: dict) -> "FidelityEstimator":
-        if data.get("schema") != "planner.fidelity/1":
-            raise ValueError(f"not a fidelity estimator file (schema {data.get('schema')!r})")
-        kinds = {"FidelityRegressor": FidelityRegressor, "FidelityClassifier": FidelityClassifier}
+        if data.get("schema") != "planner.fidelity/2":
+            raise ValueError(f"not a fidelity estimator file of this version (schema {data.get('schema')!r}, want planner.fidelity/2)")
+        kinds = {"ridge": LinearModel, "logistic": LogisticModel}
         models = {v: {label: kinds[m["kind"]].from_json(m) for label, m in ms.items()} for v, ms in data["models"].items()}
         return cls(models, {k: tuple(v) for k, v in data["features"].items()}, data.get("info", {}))
 
@@ -306,7 +210,14 @@ class FidelityEstimator:
 
     @classmethod
     def load(cls, path: str | Path) -> "FidelityEstimator":
-        return cls.from_json(json.loads(Path(path).read_text()))
+        from planner.files import read_json
+
+        p = Path(path)
+        data = read_json(p, "fidelity estimator", "; fit one with `planner calibrate fit`")
+        try:
+            return cls.from_json(data)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SpecError(f"{p}: {exc}") from None
 
 
 def _finite(value) -> bool:

@@ -184,9 +184,9 @@ def _storage(url: str):
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     kwargs = {"heartbeat_interval": HEARTBEAT_S, "grace_period": GRACE_S,
               "heartbeat_stale_trial_callback": optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=MAX_FAILURES)}  # fmt: skip
-    if url.startswith("sqlite"):
-        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
-    return optuna.storages.RDBStorage(url, **kwargs)
+    from planner.rdb import rdb_storage
+
+    return rdb_storage(url, **kwargs)
 
 
 def _study(storage: str, grid: Grid, recipe_name: str, phase: str, units: list[str]):

@@ -23,7 +23,8 @@ import numpy as np
 from scipy.stats import spearmanr
 from sklearn.metrics import roc_auc_score
 
-from planner.fidelity.estimator import FULL_FEATURES, LABELS, PRIOR_FEATURES, new_model, training_set
+from planner.fidelity.estimator import FULL_FEATURES, LABELS, PRIOR_FEATURES, training_set
+from planner.fidelity.learners import new_model
 
 __all__ = ["VARIANTS", "cross_validate", "render_report"]
 

@@ -146,6 +146,7 @@ class Models:
         torch, transformers = self.torch, require_torch("the RL harness")[1]
         key = f"{role}/{experts}"
         if key not in self._models:
+            transformers.utils.logging.disable_progress_bar()  # no per-tensor bar for every load
             kwargs = {"experts_implementation": experts} if experts else {}
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 self.path, dtype=torch.float32, local_files_only=True, use_safetensors=True, **kwargs

@@ -17,6 +17,7 @@ compute_stats(ckpt, ...) runs:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -396,6 +397,27 @@ def plan_from_stats(stats: dict, experts: int, method: str, *, model: str, mtp: 
         feature_spec=stats["feature_spec"],
         statistics=statistics,
     )
+
+
+def choose_plan(ckpt, experts: int, method: str, *, stats_path=None, mtp: str = "drop", target_ep: tuple[int, ...] = (),
+                seed: int = 0) -> Plan:  # fmt: skip
+    """A plan for the checkpoint: from a stats file when given, else from data-free features computed now."""
+    from planner.stats.store import load_stats
+
+    if stats_path:
+        data = load_stats(stats_path, fingerprint=ckpt.fingerprint())
+    else:
+        data = compute_stats(ckpt, experts=[experts], methods=(method,), weights_only=True, seed=seed)
+    return plan_from_stats(data, experts, method, model=str(ckpt.path), mtp=mtp, target_ep=tuple(target_ep), seed=seed)
+
+
+def resolve_plan(ckpt, plan: Plan, *, stats_path=None) -> Plan:
+    """A deferred plan (no kept sets: planner suggest without a checkpoint) made concrete for this
+    checkpoint by its own method; its deployment carries over. Other plans come back unchanged."""
+    if not plan.deferred:
+        return plan
+    chosen = choose_plan(ckpt, plan.experts, plan.method, stats_path=stats_path, mtp=plan.mtp, target_ep=plan.target_ep, seed=plan.seed or 0)
+    return dataclasses.replace(chosen, deployment=plan.deployment)
 
 
 def _opt(entry: dict, name: str) -> np.ndarray | None:

@@ -18,7 +18,6 @@ import re
 from contextlib import contextmanager
 from typing import Callable
 
-
 from planner.checkpoint.reader import Checkpoint
 from planner.errors import CheckpointError
 from planner.hf import require_torch

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from planner.errors import SpecError
+from planner.files import read_json, refuse_existing
 
 __all__ = ["STATS_SCHEMA", "save_stats", "load_stats"]
 
@@ -48,8 +49,7 @@ def _decode(obj: Any) -> Any:
 
 def save_stats(stats: dict, path: str | Path, *, force: bool = False) -> None:
     p = Path(path)
-    if p.exists() and not force:
-        raise SpecError(f"{p} exists; pass --force to overwrite it")
+    refuse_existing(p, force)
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(json.dumps({"schema": STATS_SCHEMA, **_encode(stats)}))
     tmp.replace(p)
@@ -57,12 +57,7 @@ def save_stats(stats: dict, path: str | Path, *, force: bool = False) -> None:
 
 def load_stats(path: str | Path, *, fingerprint: str | None = None) -> dict:
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except OSError as exc:
-        raise SpecError(f"cannot read stats file {p}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"{p}: not a stats file (invalid JSON at line {exc.lineno})") from None
+    doc = read_json(p, "stats file")
     if not isinstance(doc, dict) or doc.get("schema") != STATS_SCHEMA:
         raise SpecError(f"{p}: schema {doc.get('schema') if isinstance(doc, dict) else None!r} is not {STATS_SCHEMA}")
     stats = _decode(doc)

@@ -1,0 +1,150 @@
+"""`planner suggest`, `planner preflight`, `planner report` and `planner check`: the commands users
+start from. Registered on the main group by planner.cli; each parses, calls one library function
+and renders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from planner.cli import DEFAULT_HARDWARE, DEFAULT_MODEL, _emit_json, _progress, _run, main
+from planner.errors import SpecError
+from planner.files import refuse_existing
+
+
+def _write_new(path: str, text: str, force: bool) -> None:
+    out = refuse_existing(path, force)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+
+
+@main.command()
+@click.option("--budget", required=True, help="8npu, 16gpu, 2x8npu (nodes x devices), 64card, or 40npu-h (accelerator-hours for --steps steps).")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Catalog model or a path to config.json / a checkpoint.")
+@click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True)
+@click.option("--job", "job_path", type=click.Path(dir_okay=False), default=None, help="RL job YAML (default: GRPO 512x16).")
+@click.option("--fault", default="grad-overflow", show_default=True,
+              help="grad-overflow, rollout-mismatch, entropy-collapse, router-collapse or grad-norm-divergence.")
+@click.option("--stats", "stats_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="`planner stats` of the checkpoint: fidelity from plan statistics (default: the prior estimator).")
+@click.option("--min-fidelity", type=float, default=0.8, show_default=True, help="Least predicted P(fault reproduced).")
+@click.option("--trials", type=int, default=300, show_default=True)
+@click.option("--storage", default=None, help="Optuna storage URL (sqlite:///study.db, postgresql://...) shared by several processes.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--steps", type=int, default=20, show_default=True, help="Steps of the reproduction (for hours budgets and totals).")
+@click.option("--min-k-ratio", type=float, default=4.0, show_default=True, help="Keep K/top_k at least this (0: any legal K).")
+@click.option("--memory-margin", type=float, default=0.1, show_default=True, help="Share of usable device memory to keep free.")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the best option's plan YAML here.")
+@click.option("--force", is_flag=True)
+def suggest(budget, model, hardware, job_path, fault, stats_path, min_fidelity, trials, storage, seed, steps, min_k_ratio,
+            memory_margin, as_json, output, force) -> None:  # fmt: skip
+    """The cheapest proxy within the budget whose predicted fidelity clears the threshold."""
+    from planner.search.output import plan_of, render_suggestion, suggestion_json
+    from planner.search.suggest import Request
+    from planner.search.suggest import suggest as run_suggest
+    from planner.specs import load_job
+    from planner.stats.store import load_stats
+
+    def body():
+        if output:
+            refuse_existing(output, force)
+        request = Request(model=model, hardware=hardware, job=load_job(job_path), budget=budget, fault=fault,
+                          stats=load_stats(stats_path) if stats_path else None, min_fidelity=min_fidelity, trials=trials,
+                          storage=storage, seed=seed, steps=steps, min_k_ratio=min_k_ratio, memory_margin=memory_margin)  # fmt: skip
+        result = run_suggest(request, progress=None if as_json else _progress("search"))
+        if output and result.best:
+            _write_new(output, plan_of(result, result.best).to_yaml(), force)
+        if as_json:
+            _emit_json(suggestion_json(result))
+        else:
+            click.echo(render_suggestion(result))
+            if output and result.best:
+                click.echo(f"wrote {output}")
+        if not result.best:
+            raise SystemExit(1)
+
+    _run(body)
+
+
+@main.command()
+@click.argument("request", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True)
+def preflight(request, as_json) -> None:
+    """Check a reproduction request before it is filed: PASS/WARN/FAIL per check; exit 1 on any FAIL."""
+    from planner.preflight import preflight as run_preflight
+    from planner.preflight import preflight_json, render_preflight
+
+    def body():
+        checks = run_preflight(request)
+        _emit_json(preflight_json(checks)) if as_json else click.echo(render_preflight(checks, request))
+        if any(c.status == "FAIL" for c in checks):
+            raise SystemExit(1)
+
+    _run(body)
+
+
+@main.command()
+@click.argument("plan_path", metavar="PLAN", type=click.Path(exists=True, dir_okay=False))
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), required=True, help="The original checkpoint (or the built proxy).")
+@click.option("--reference-metrics", "reference", type=click.Path(exists=True, file_okay=False), default=None,
+              help="The original's `planner rl run` directory: its settings are reused and fidelity labels computed against it.")
+@click.option("--replica", type=click.Path(exists=True, file_okay=False), default=None, help="A replica of the reference run (curve-agreement noise floor).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
+@click.option("--steps", type=int, default=20, show_default=True)
+@click.option("--recipe", "recipe_name", default=None, help="Fault recipe to run (without --reference-metrics).")
+@click.option("--knob", type=float, default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--stats", "stats_path", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("-o", "--output", type=click.Path(file_okay=False), default="check", show_default=True, help="Proxy and run go here.")
+@click.option("--add-to", "add_to", type=click.Path(dir_okay=False), default=None, help="Append the labels to this calibration dataset.")
+@click.option("--force", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+def check(plan_path, checkpoint, reference, replica, device, steps, recipe_name, knob, seed, stats_path, output, add_to, force, as_json) -> None:
+    """Build the proxy if needed, run the RL harness on the device, print predicted vs measured."""
+    from planner.check import render_check, run_check
+
+    def body():
+        if add_to and not reference:
+            raise SpecError("--add-to needs --reference-metrics: labels compare the proxy with the original's run")
+        bars: dict = {}
+        report = run_check(plan_path, checkpoint, output, device=device, steps=steps, reference=reference, replica=replica,
+                           recipe_name=recipe_name, knob=knob, seed=seed, stats_path=stats_path, force=force,
+                           progress=None if as_json else (lambda stage, d, t: bars.setdefault(stage, _progress(stage))(d, t)))  # fmt: skip
+        if add_to:
+            from planner.fidelity.calibrate import add_pair
+
+            add_pair(Path(add_to), Path(reference), Path(report.run_dir), Path(plan_path), replica_dir=Path(replica) if replica else None)
+        _emit_json(report.to_json()) if as_json else click.echo(render_check(report))
+        if add_to and not as_json:
+            click.echo(f"added the pair to {add_to}; refit with `planner calibrate fit --dataset {add_to}`")
+
+    _run(body)
+
+
+@main.command()
+@click.option("--model", default=DEFAULT_MODEL, show_default=True)
+@click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True)
+@click.option("--budget", required=True, help="As `planner suggest --budget`.")
+@click.option("--job", "job_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--fault", default="grad-overflow", show_default=True)
+@click.option("--min-fidelity", type=float, default=0.8, show_default=True)
+@click.option("--trials", type=int, default=300, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Report directory (report.md, report.html, figures/).")
+@click.option("--force", is_flag=True, help="Replace an existing report directory.")
+def report(model, hardware, budget, job_path, fault, min_fidelity, trials, seed, output, force) -> None:
+    """A capacity-planning report: Markdown and HTML with PNG figures."""
+    from planner.report import build_report, default_request, write_report
+    from planner.specs import load_job
+
+    def body():
+        refuse_existing(output, force)
+        request = default_request(model, hardware, budget, job=load_job(job_path), fault=fault, min_fidelity=min_fidelity, trials=trials, seed=seed)
+        result = build_report(request, progress=lambda s: click.echo(s, err=True))
+        out = write_report(result, output, force=force)
+        click.echo(f"wrote {out}/report.md, {out}/report.html and {len(list((out / 'figures').glob('*.png')))} figures")
+
+    _run(body)

@@ -1,0 +1,45 @@
+"""Reading the small YAML and JSON files planner takes as input, with errors that say which file
+and what is wrong with it (SpecError: exit code 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from planner.errors import SpecError
+
+__all__ = ["read_yaml", "read_json", "refuse_existing"]
+
+
+def _text(path: Path, what: str, hint: str) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise SpecError(f"cannot read {what} {path}: {exc.strerror}{hint}") from None
+
+
+def read_yaml(path: str | Path, what: str, hint: str = "") -> Any:
+    p = Path(path)
+    try:
+        return yaml.safe_load(_text(p, what, hint))
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{p}: not valid YAML: {exc}") from None
+
+
+def read_json(path: str | Path, what: str, hint: str = "") -> Any:
+    p = Path(path)
+    try:
+        return json.loads(_text(p, what, hint))
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{p}: not a {what} (invalid JSON at line {exc.lineno})") from None
+
+
+def refuse_existing(path: str | Path, force: bool, note: str = "") -> Path:
+    """`path`, unless it exists and --force was not given: outputs are never silently replaced."""
+    p = Path(path)
+    if p.exists() and not force:
+        raise SpecError(f"{p} exists; pass --force to replace it{note}")
+    return p

@@ -1,0 +1,417 @@
+"""`planner preflight request.yaml`: check a reproduction request before it is filed.
+
+A request (schema planner.request/1):
+
+    model: qwen3-30b-a3b            # catalog name or a config.json path; or give checkpoint alone
+    checkpoint: /data/qwen3-30b     # optional: the original checkpoint the proxy is built from
+    plan: plan.yaml                 # planner suggest / planner plan output (relative to the request)
+    budget: 8npu                    # as `planner suggest --budget`
+    hardware: ascend-910b2          # default: the plan's deployment, else ascend-910b2
+    job: job.yaml                   # or an inline mapping; default: the plan's deployment job
+    stats: stats.json               # optional: `planner stats` of the checkpoint
+    min_fidelity: 0.8
+    memory_margin: 0.1              # keep this share of usable memory free
+    steps: 20                       # steps of the reproduction (hours budgets)
+    fault:
+      type: grad-overflow
+      settings:                     # the failing run's settings, all optional
+        precision: fp16
+        max_prompt_tokens: 256
+        max_response_tokens: 3072
+        top_k: 8
+        scoring: softmax
+        router_dtype: fp32
+        balance_coef: 0.001
+        routing_replay: true
+      metrics: runs/failing/        # optional: the failing run's metrics (metrics.csv)
+
+Every check says PASS, WARN or FAIL with its reason and numbers; the exit code is 0 when nothing
+fails, 1 otherwise (2 when the request file itself cannot be read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from planner.errors import PlannerError, SpecError
+from planner.files import read_yaml
+
+__all__ = ["Check", "REQUEST_KEYS", "preflight", "render_preflight"]
+
+REQUEST_SCHEMA = "planner.request/1"
+REQUEST_KEYS = ("schema", "model", "checkpoint", "plan", "budget", "hardware", "job", "stats", "min_fidelity", "memory_margin", "steps", "fault")
+FAULT_KEYS = ("type", "settings", "metrics")
+SETTING_KEYS = ("precision", "max_prompt_tokens", "max_response_tokens", "top_k", "scoring", "router_dtype", "balance_coef",
+                "routing_replay", "n_group", "topk_group")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # PASS | WARN | FAIL
+    reason: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"check": self.name, "status": self.status, "reason": self.reason}
+
+
+class _Context:
+    """What the checks share, loaded lazily; a failure to load becomes that check's FAIL."""
+
+    def __init__(self, data: dict, base: Path):
+        self.data, self.base = data, base
+        self.settings = (data.get("fault") or {}).get("settings") or {}
+
+    def path(self, key: str) -> Path:
+        p = Path(str(self.data[key])).expanduser()
+        return p if p.is_absolute() else self.base / p
+
+    def __getattr__(self, name: str):
+        loader = getattr(type(self), f"_load_{name}", None)
+        if loader is None:
+            raise AttributeError(name)
+        value = loader(self)
+        setattr(self, name, value)
+        return value
+
+    def _load_plan(self):
+        from planner.plan import load_plan
+
+        return load_plan(self.path("plan"))
+
+    def _load_deployment(self) -> dict:
+        return dict(self.plan.deployment or {})
+
+    def _load_config(self) -> tuple[str, dict]:
+        from planner.catalog import load_model_config
+
+        if self.data.get("model"):
+            ref = str(self.data["model"])
+            return load_model_config(ref if not Path(ref).suffix else str(self.path("model")))
+        return load_model_config(str(self.path("checkpoint")))
+
+    def _load_arch(self):
+        from planner.arch import Architecture
+
+        name, config = self.config
+        return Architecture.from_config(config, name=name)
+
+    def _load_checkpoint(self):
+        from planner.checkpoint import Checkpoint
+
+        return Checkpoint(self.path("checkpoint")) if self.data.get("checkpoint") else None
+
+    def _load_accel(self):
+        from planner.catalog import load_accelerator
+
+        return load_accelerator(str(self.data.get("hardware") or self.deployment.get("hardware") or "ascend-910b2"))
+
+    def _load_job(self):
+        from planner.specs import Job, load_job
+
+        job = self.data.get("job")
+        if isinstance(job, dict):
+            base = Job.from_dict(job, where="request.job")
+        elif job:
+            base = load_job(self.path("job"))
+        elif self.deployment.get("job"):
+            base = Job.from_dict(self.deployment["job"], where=f"{self.data['plan']}: deployment.job")
+        else:
+            base = Job()
+        return base
+
+    def _load_stats(self):
+        from planner.stats.store import load_stats
+
+        return load_stats(self.path("stats")) if self.data.get("stats") else None
+
+    def _load_cost(self):
+        """The proxy at the plan's deployment (its card count and layouts when it names them)."""
+        from planner.cost.evaluate import evaluate, min_devices
+        from planner.specs import RolloutLayout, TrainLayout
+
+        dep, plan = self.deployment, self.plan
+        arch = self.arch if plan.experts == self.arch.original_num_experts else self.arch.with_experts(plan.experts)
+        job = self.job
+        if dep.get("train_layout") and dep.get("rollout_layout"):
+            job = dataclasses.replace(job, train_layout=TrainLayout.from_dict(dep["train_layout"]),
+                                      rollout_layout=RolloutLayout.from_dict(dep["rollout_layout"]))  # fmt: skip
+        margin = float(self.data.get("memory_margin", 0.1))
+        if dep.get("num_cards"):
+            return evaluate(arch, self.accel, job, int(dep["num_cards"]))
+        return min_devices(arch, self.accel, job, memory_margin=margin)
+
+
+def _read_request(path: Path) -> dict:
+    data = read_yaml(path, "request")
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: a request is a mapping (see `planner preflight --help`)")
+    return data
+
+
+# ---- the checks, in order -----------------------------------------------------------------------
+
+def check_schema(c: _Context) -> Check:
+    d = c.data
+    problems = []
+    unknown = [k for k in d if k not in REQUEST_KEYS]
+    if unknown:
+        problems.append(f"unknown key(s) {unknown}; allowed: {', '.join(REQUEST_KEYS)}")
+    if d.get("schema", REQUEST_SCHEMA) != REQUEST_SCHEMA:
+        problems.append(f"schema {d.get('schema')!r} is not {REQUEST_SCHEMA}")
+    missing = [k for k in ("plan", "budget", "fault") if not d.get(k)]
+    if not d.get("model") and not d.get("checkpoint"):
+        missing.append("model or checkpoint")
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    fault = d.get("fault")
+    if fault is not None:
+        if not isinstance(fault, dict) or "type" not in fault:
+            problems.append("fault must be a mapping with a type")
+        else:
+            from planner.search.suggest import FAULTS
+
+            bad = [k for k in fault if k not in FAULT_KEYS] + [k for k in (fault.get("settings") or {}) if k not in SETTING_KEYS]
+            if bad:
+                problems.append(f"unknown fault key(s) {bad}; fault: {', '.join(FAULT_KEYS)}; settings: {', '.join(SETTING_KEYS)}")
+            if fault["type"] not in FAULTS:
+                problems.append(f"fault type {fault['type']!r} is not one of {', '.join(sorted(FAULTS))}")
+    for key, lo, hi in (("min_fidelity", 0.0, 1.0), ("memory_margin", 0.0, 0.9)):
+        v = d.get(key)
+        if v is not None and (not isinstance(v, (int, float)) or not lo <= v <= hi):
+            problems.append(f"{key} must lie in [{lo}, {hi}], got {v!r}")
+    if problems:
+        return Check("schema", "FAIL", "; ".join(problems))
+    return Check("schema", "PASS", f"{REQUEST_SCHEMA}: every key known, plan, budget and fault given")
+
+
+def check_model(c: _Context) -> Check:
+    name, config = c.config
+    arch = c.arch
+    ckpt = c.checkpoint
+    if ckpt is None:
+        return Check("model", "PASS", f"{name}: {arch.original_num_experts} experts/layer, top-{arch.moe.top_k} (no checkpoint to compare)")
+    problems = []
+    if c.data.get("model"):
+        mine = ckpt.arch
+        for field in ("model_type", "num_layers", "hidden_size"):
+            if getattr(mine, field, None) != getattr(arch, field, None):
+                problems.append(f"{field}: checkpoint {getattr(mine, field, None)} vs model {getattr(arch, field, None)}")
+        if mine.original_num_experts != arch.original_num_experts or mine.moe.top_k != arch.moe.top_k:
+            problems.append(f"experts/top-k: checkpoint {mine.original_num_experts}/{mine.moe.top_k} vs model {arch.original_num_experts}/{arch.moe.top_k}")
+    if problems:
+        return Check("model", "FAIL", "checkpoint and model disagree: " + "; ".join(problems))
+    return Check("model", "PASS", f"checkpoint {ckpt.path.name} matches {name}; its tensors' shapes match its config")
+
+
+def check_plan(c: _Context) -> Check:
+    plan, arch = c.plan, c.arch
+    ckpt = c.checkpoint
+    moe_layers = list(ckpt.moe_layers) if ckpt is not None else None
+    warnings = plan.check(arch, moe_layers)
+    if ckpt is not None and plan.checkpoint_fingerprint and plan.checkpoint_fingerprint != ckpt.fingerprint():
+        return Check("plan", "FAIL", f"the plan was made for checkpoint {plan.checkpoint_fingerprint[:12]}, not this one ({ckpt.fingerprint()[:12]})")
+    what = "kept experts chosen at build time" if plan.deferred else f"{len(plan.layers)} MoE layers"
+    if warnings:
+        return Check("plan", "WARN", f"K={plan.experts} of {plan.original_experts} ({what}) passes the rules; " + "; ".join(warnings))
+    return Check("plan", "PASS", f"K={plan.experts} of {plan.original_experts} ({what}) passes every pruning rule")
+
+
+def check_memory(c: _Context) -> Check:
+    from planner.units import gib
+
+    r = c.cost
+    margin = float(c.data.get("memory_margin", 0.1))
+    unit = r.device_unit
+    if not r.feasible:
+        return Check("memory", "FAIL", f"K={r.experts} on {r.num_devices} {unit}s does not fit: " + "; ".join(r.reasons))
+    peak, usable = r.peak_memory_bytes, r.usable_bytes_per_device
+    limit = usable * (1 - margin)
+    text = f"peak {gib(peak)} per {unit} ({r.peak_phase}) of {gib(usable)} usable on {r.num_devices} {unit}s, layout {r.train_layout.describe()}"
+    if peak > limit:
+        return Check("memory", "FAIL", f"{text}: above the {margin:.0%} safety margin (limit {gib(limit)})")
+    if peak > usable * (1 - margin / 2):
+        return Check("memory", "WARN", f"{text}: within half the safety margin")
+    return Check("memory", "PASS", f"{text}: {gib(usable - peak)} headroom")
+
+
+def check_host_memory(c: _Context) -> Check:
+    from planner.units import gib
+
+    r = c.cost
+    host = [reason for reason in r.reasons if "host memory" in reason]
+    if host:
+        return Check("host memory", "FAIL", "; ".join(host))
+    if not r.feasible:
+        return Check("host memory", "FAIL", "not evaluated: the proxy does not fit in device memory")
+    need, limit = r.host_memory_bytes_per_node, r.host_memory_limit_bytes_per_node
+    offload = c.job.offload
+    what = ", ".join(k for k in ("params", "grads", "optimizer") if getattr(offload, k)) or "nothing"
+    if need > limit:
+        return Check("host memory", "FAIL", f"offload of {what} needs {gib(need)} host RAM per node > {gib(limit)} available")
+    return Check("host memory", "PASS", f"offload of {what}: {gib(need)} of {gib(limit)} host RAM per node")
+
+
+def check_budget(c: _Context) -> Check:
+    from planner.search.budget import parse_budget
+
+    budget = parse_budget(str(c.data["budget"]), c.accel)
+    r = c.cost
+    unit = r.device_unit
+    if budget.max_devices is not None:
+        if r.num_devices > budget.max_devices:
+            return Check("budget", "FAIL", f"the plan runs on {r.num_devices} {unit}s, the budget is {budget.describe(c.accel)}")
+        return Check("budget", "PASS", f"{r.num_devices} of {budget.max_devices} {unit}s")
+    steps = int(c.data.get("steps", 20))
+    if not r.feasible:
+        return Check("budget", "FAIL", "not evaluated: the proxy does not fit in device memory")
+    hours = r.device_hours_per_step * steps
+    if hours > budget.device_hours:
+        return Check("budget", "FAIL", f"{steps} steps take {hours:,.1f} {unit}-hours > the budget of {budget.device_hours:g}")
+    return Check("budget", "PASS", f"{steps} steps take {hours:,.1f} of {budget.device_hours:g} {unit}-hours")
+
+
+def check_fidelity(c: _Context) -> Check:
+    from planner.fidelity.dataset import architecture_features
+    from planner.fidelity.estimator import FidelityEstimator, default_estimator_path, features_of
+    from planner.search.suggest import FAULTS
+
+    plan, threshold = c.plan, float(c.data.get("min_fidelity", 0.8))
+    if plan.experts == plan.original_experts:
+        return Check("fidelity", "PASS", "the plan keeps every expert: the original itself")
+    statistics = plan.statistics
+    stats = c.stats
+    if not statistics and stats and f"K={plan.experts}/{plan.method}" in stats.get("plans", {}):
+        statistics = stats["plans"][f"K={plan.experts}/{plan.method}"]["summary"]
+    recipe = FAULTS[c.data["fault"]["type"]]
+    row = features_of(statistics or {}, architecture_features(c.config[1], plan.experts), recipe)
+    pred = FidelityEstimator.load(default_estimator_path()).predict(row)["fault_reproduced"]
+    text = (f"P(fault reproduced) {pred['value']:.2f} [{pred['low']:.2f}, {pred['high']:.2f}] "
+            f"({'plan statistics' if pred['variant'] == 'full' else 'prior: K/E and architecture only'}), threshold {threshold}")  # fmt: skip
+    if pred["value"] < threshold:
+        return Check("fidelity", "FAIL", text)
+    if pred["low"] < threshold:
+        return Check("fidelity", "WARN", text + ": the interval reaches below it")
+    return Check("fidelity", "PASS", text)
+
+
+def check_factors(c: _Context) -> Check:
+    """The fault-relevant factors of the failing run that the proxy run must keep."""
+    s, job, arch, plan = c.settings, c.job, c.arch, c.plan
+    moe = arch.moe
+    fails, warns, kept = [], [], []
+    if "precision" in s:
+        (kept if s["precision"] == job.precision else fails).append(f"precision {s['precision']} (job: {job.precision})")
+    for key, have in (("max_prompt_tokens", job.prompt_tokens.max), ("max_response_tokens", job.response_tokens.max)):
+        if key in s:
+            (kept if int(s[key]) <= have else fails).append(f"{key} {s[key]} (job: {have})")
+    for key, have in (("top_k", moe.top_k), ("scoring", moe.scoring), ("n_group", moe.n_group), ("topk_group", moe.topk_group)):
+        if key in s:
+            (kept if s[key] == have else fails).append(f"{key} {s[key]} (model: {have})")
+    if "router_dtype" in s:
+        kept.append(f"router dtype {s['router_dtype']} (the builder never changes the router's dtype)")
+    if plan.experts < 4 * moe.top_k:
+        warns.append(f"K/top_k = {plan.experts}/{moe.top_k} < 4: near-dense routing loses the fragility behind mismatch faults")
+    if c.data["fault"]["type"] == "router-collapse" and "balance_coef" not in s:
+        warns.append("router collapse without the failing run's balance-loss coefficient: the proxy run cannot match it")
+    elif "balance_coef" in s:
+        kept.append(f"balance-loss coefficient {s['balance_coef']} (set it in the proxy run)")
+    if s.get("routing_replay"):
+        if plan.deferred or plan.labels is None:
+            fails.append("routing replay needs the plan's cluster labels to remap the original's routing masks; the plan has none "
+                         "(make it with `planner plan` or `planner suggest --stats`)")  # fmt: skip
+        else:
+            kept.append("routing replay (masks remap through the plan's cluster labels)")
+    if fails:
+        return Check("fault factors", "FAIL", "not kept: " + "; ".join(fails) + ("; kept: " + "; ".join(kept) if kept else ""))
+    if warns:
+        return Check("fault factors", "WARN", "; ".join(warns) + ("; kept: " + "; ".join(kept) if kept else ""))
+    return Check("fault factors", "PASS", "kept: " + ("; ".join(kept) if kept else "no settings of the failing run given to compare"))
+
+
+def check_stats(c: _Context) -> Check:
+    stats, ckpt, plan = c.stats, c.checkpoint, c.plan
+    if stats is None:
+        if plan.statistics:
+            return Check("stats", "PASS", "the plan carries its own statistics")
+        return Check("stats", "WARN", "no stats file: fidelity comes from the prior estimator (K/E and architecture only)")
+    have = stats["checkpoint"]["fingerprint"]
+    if ckpt is not None and have != ckpt.fingerprint():
+        return Check("stats", "FAIL", f"the stats are of checkpoint {have[:12]}, not this one ({ckpt.fingerprint()[:12]}): recompute them")
+    if plan.checkpoint_fingerprint and plan.checkpoint_fingerprint != have:
+        return Check("stats", "FAIL", f"the plan was made from checkpoint {plan.checkpoint_fingerprint[:12]}, the stats from {have[:12]}")
+    if ckpt is not None and c.path("stats").stat().st_mtime < max(p.stat().st_mtime for p in ckpt.path.glob("*.safetensors")):
+        return Check("stats", "WARN", "the stats file is older than the checkpoint's weights (same fingerprint, so the weights agree)")
+    return Check("stats", "PASS", f"stats of checkpoint {have[:12]}" + (", which is this checkpoint" if ckpt is not None else ""))
+
+
+def check_metrics(c: _Context) -> Check | None:
+    metrics = (c.data.get("fault") or {}).get("metrics")
+    if not metrics:
+        return None
+    p = Path(str(metrics))
+    p = p if p.is_absolute() else c.base / p
+    if not (p / "metrics.csv").is_file():
+        return Check("failing run metrics", "FAIL", f"{p}/metrics.csv not found: `planner check --reference-metrics` needs it")
+    from planner.rl.grpo import read_metrics
+
+    rows = read_metrics(p)
+    return Check("failing run metrics", "PASS", f"{len(rows)} steps of the failing run to compare the proxy against")
+
+
+CHECKS: list[tuple[str, Callable[[_Context], Check | None], tuple[str, ...]]] = [
+    ("model", check_model, ()),
+    ("plan", check_plan, ("model",)),
+    ("memory", check_memory, ("plan",)),
+    ("host memory", check_host_memory, ("plan",)),
+    ("budget", check_budget, ("plan",)),
+    ("fidelity", check_fidelity, ("plan",)),
+    ("fault factors", check_factors, ("plan",)),
+    ("stats", check_stats, ("plan",)),
+    ("failing run metrics", check_metrics, ()),
+]
+
+
+def preflight(path: str | Path) -> list[Check]:
+    path = Path(path)
+    data = _read_request(path)
+    ctx = _Context(data, path.parent)
+    schema = check_schema(ctx)
+    results = [schema]
+    if schema.status == "FAIL":
+        return results
+    failed: set[str] = set()
+    for name, fn, needs in CHECKS:
+        blocked = [n for n in needs if n in failed]
+        if blocked:
+            results.append(Check(name, "FAIL", f"not checked: {', '.join(blocked)} failed"))
+            failed.add(name)
+            continue
+        try:
+            result = fn(ctx)
+        except PlannerError as exc:
+            result = Check(name, "FAIL", str(exc))
+        if result is None:
+            continue
+        results.append(result)
+        if result.status == "FAIL":
+            failed.add(name)
+    return results
+
+
+def render_preflight(checks: list[Check], path: str) -> str:
+    from planner.render import table
+
+    fails = sum(c.status == "FAIL" for c in checks)
+    warns = sum(c.status == "WARN" for c in checks)
+    verdict = "FAIL" if fails else ("PASS with warnings" if warns else "PASS")
+    body = table(["check", "status", "reason"], [[c.name, c.status, c.reason] for c in checks], title=f"pre-flight {path}")
+    return f"{body}\n\n{verdict}: {fails} failed, {warns} warned, {len(checks) - fails - warns} passed"
+
+
+def preflight_json(checks: list[Check]) -> dict[str, Any]:
+    return {"ok": not any(c.status == "FAIL" for c in checks), "checks": [c.to_json() for c in checks]}
+

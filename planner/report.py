@@ -1,0 +1,280 @@
+"""`planner report`: a capacity-planning report, in Markdown and HTML with PNG figures.
+
+For one model, accelerator, RL job and budget: the original and its proxies at every candidate K
+(each at its own minimum device count, best layouts), memory per device by component, step time
+by RL phase, devices and accelerator-hours against K, the Pareto front of cost against predicted
+fidelity from `planner suggest`'s search, its best plan, and the inputs and versions used. Written
+to a temporary directory and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+from dataclasses import dataclass, replace
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Callable
+
+from planner.cost.evaluate import CostResult, min_devices
+from planner.errors import InfeasibleError, SpecError
+from planner.files import refuse_existing
+
+__all__ = ["Report", "build_report", "write_report", "FIGURE_SIZE_PX"]
+
+FIGURE_SIZE_PX = (960, 540)
+_DPI = 120
+COLOURS = {"weights": "#4C72B0", "grads": "#55A868", "optimizer": "#C44E52", "activations": "#8172B2", "kv_cache": "#CCB974",
+           "workspace": "#64B5CD", "training_states_kept": "#8C8C8C", "total": "#4C72B0"}  # fmt: skip
+
+
+@dataclass
+class Report:
+    request: Any  # planner.search.suggest.Request
+    costs: dict[str, CostResult]  # "original", "K=..." at their minimum device counts
+    suggestion: Any  # planner.search.suggest.Suggestion
+    skipped: dict[str, str]  # K that fit nowhere within the search bound, and why
+
+
+def _label(k: int, e: int) -> str:
+    return "original" if k == e else f"K={k}"
+
+
+def build_report(request, *, progress: Callable[[str], None] = lambda s: None) -> Report:
+    from planner.search.suggest import Suggester, suggest
+
+    space = Suggester(request)
+    costs, skipped = {}, {}
+    e = space.arch.original_num_experts
+    for k in sorted(space.experts, reverse=True):
+        progress(f"costing {_label(k, e)} at its minimum device count")
+        arch = space.arch if k == e else space.arch.with_experts(k)
+        try:
+            costs[_label(k, e)] = min_devices(arch, space.accel, request.job, max_devices=request.max_devices)
+        except InfeasibleError as exc:
+            skipped[_label(k, e)] = str(exc)
+    progress(f"searching proxies within {request.budget} ({request.trials} trials)")
+    return Report(request, costs, suggest(request), skipped)
+
+
+# ---- figures --------------------------------------------------------------------------------------
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(FIGURE_SIZE_PX[0] / _DPI, FIGURE_SIZE_PX[1] / _DPI), dpi=_DPI)
+    return plt, fig, ax
+
+
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=_DPI)  # no bbox cropping: every figure is FIGURE_SIZE_PX
+    plt.close(fig)
+
+
+def figure_memory(r: Report, path: Path) -> None:
+    """Memory per device at the peak phase, by component, original vs proxies."""
+    plt, fig, ax = _figure()
+    names = list(r.costs)
+    parts = sorted({k for c in r.costs.values() for k in c.memory_per_device_bytes[c.peak_phase] if k != "total"},
+                   key=list(COLOURS).index)  # fmt: skip
+    bottom = [0.0] * len(names)
+    for part in parts:
+        values = [r.costs[n].memory_per_device_bytes[r.costs[n].peak_phase].get(part, 0.0) / 2**30 for n in names]
+        ax.bar(names, values, bottom=bottom, label=part.replace("_", " "), color=COLOURS.get(part))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    usable = next(iter(r.costs.values())).usable_bytes_per_device / 2**30
+    ax.axhline(usable, color="black", linestyle="--", linewidth=1, label=f"usable ({usable:.1f} GiB)")
+    for i, n in enumerate(names):
+        ax.text(i, bottom[i], f"{r.costs[n].peak_phase}\n{r.costs[n].num_devices} {r.costs[n].device_unit}s", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel(f"GiB per {next(iter(r.costs.values())).device_unit} (peak phase)")
+    ax.set_title("Memory per device by component, at each model's minimum device count")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    _save(plt, fig, path)
+
+
+def figure_phases(r: Report, path: Path) -> None:
+    """Step time by RL phase."""
+    plt, fig, ax = _figure()
+    names = list(r.costs)
+    phases = [p for p in next(iter(r.costs.values())).phase_times_s if any(c.phase_times_s.get(p, 0) > 0 for c in r.costs.values())]
+    bottom = [0.0] * len(names)
+    for phase in phases:
+        values = [r.costs[n].phase_times_s.get(phase, 0.0) for n in names]
+        ax.bar(names, values, bottom=bottom, label=phase.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("seconds per step")
+    ax.set_title("Step time by RL phase, at each model's minimum device count")
+    ax.legend(fontsize=8)
+    _save(plt, fig, path)
+
+
+def figure_scaling(r: Report, path: Path) -> None:
+    """Devices and accelerator-hours per step against K."""
+    plt, fig, ax = _figure()
+    items = sorted(r.costs.values(), key=lambda c: c.experts)
+    ks = [c.experts for c in items]
+    unit = items[0].device_unit
+    ax.plot(ks, [c.num_devices for c in items], marker="o", color="#4C72B0", label=f"minimum {unit}s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("experts kept per MoE layer (K)")
+    ax.set_ylabel(f"minimum {unit}s", color="#4C72B0")
+    twin = ax.twinx()
+    twin.plot(ks, [c.device_hours_per_step for c in items], marker="s", color="#C44E52", label=f"{unit}-hours per step")
+    twin.set_ylabel(f"{unit}-hours per step", color="#C44E52")
+    ax.set_title(f"Devices and {unit}-hours per step against K")
+    _save(plt, fig, path)
+
+
+def figure_pareto(r: Report, path: Path) -> None:
+    """Every evaluated point within the budget: accelerator-hours vs predicted fidelity; the front."""
+    plt, fig, ax = _figure()
+    s = r.suggestion
+    pts = [o for o in s.options if o.fits and o.within_budget]
+    unit = s.accelerator.device_unit
+    if pts:
+        ax.scatter([o.hours for o in pts], [o.p_reproduced for o in pts], s=14, color="#8C8C8C", alpha=0.6, label="evaluated, fits the budget")
+    front = sorted(s.pareto, key=lambda o: o.hours)
+    if front:
+        ax.plot([o.hours for o in front], [o.p_reproduced for o in front], marker="o", color="#C44E52", label="Pareto front")
+        for i, o in enumerate(front):
+            ax.annotate(f"K={o.experts}, {o.cost.num_devices} {unit}s", (o.hours, o.p_reproduced), fontsize=8,
+                        xytext=(4, -12 - 11 * (i % 3)), textcoords="offset points")  # fmt: skip
+    ax.axhline(s.request.min_fidelity, color="black", linestyle="--", linewidth=1, label=f"threshold {s.request.min_fidelity}")
+    ax.set_xlabel(f"{unit}-hours per step")
+    ax.set_ylabel("predicted P(fault reproduced)")
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_title(f"Cost against predicted fidelity within {s.request.budget} ({s.fidelity_source} estimator)")
+    ax.legend(fontsize=8, loc="lower right")
+    _save(plt, fig, path)
+
+
+FIGURES = {"memory.png": figure_memory, "phases.png": figure_phases, "scaling.png": figure_scaling, "pareto.png": figure_pareto}
+
+
+# ---- text -----------------------------------------------------------------------------------------
+
+def _versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for package in ("planner", "numpy", "optuna", "matplotlib"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def _markdown(r: Report) -> str:
+    from planner.search.output import render_suggestion
+    from planner.units import gib
+
+    req = r.request
+    s = r.suggestion
+    unit = s.accelerator.device_unit
+    original = r.costs.get("original")
+    lines = [f"# {req.model} on {s.accelerator.name}: proxy capacity plan", ""]
+    lines.append(f"RL job: {req.job.algorithm.upper()} {req.job.prompts_per_step} prompts x {req.job.samples_per_prompt}, responses "
+                 f"{req.job.response_tokens.mean:g} tokens on average ({req.job.response_tokens.max} at most), {req.job.precision}, "
+                 f"recompute {req.job.recompute}. Budget {s.budget.describe(s.accelerator)}; fault {req.fault} (recipe {s.recipe}); "
+                 f"fidelity threshold {req.min_fidelity}.")  # fmt: skip
+    lines += ["", "## Original and proxies at their minimum device counts", "",
+              "Each at the fewest devices it fits on (no safety margin), with its best layouts; proxies keep K experts per MoE layer.", ""]
+    lines.append(f"| model | {unit}s | train layout | rollout layout | peak GiB/{unit} (phase) | step s | {unit}-h/step | fewer {unit}s | fewer hours |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for name, c in r.costs.items():
+        fewer = "-" if not original or c is original else f"{original.num_devices / c.num_devices:.1f}x"
+        hours = "-" if not original or c is original else f"{original.device_hours_per_step / c.device_hours_per_step:.2f}x"
+        lines.append(f"| {name} | {c.num_devices} | {c.train_layout.describe()} | {c.rollout_layout.describe()} | "
+                     f"{gib(c.peak_memory_bytes, suffix=False)} ({c.peak_phase}) | {c.step_time_s:,.0f} | {c.device_hours_per_step:,.2f} | "
+                     f"{fewer} | {hours} |")  # fmt: skip
+    for name, why in r.skipped.items():
+        lines.append(f"| {name} | does not fit: {why} | | | | | | | |")
+    lines += ["", "![memory](figures/memory.png)", "", "![phases](figures/phases.png)", "", "![scaling](figures/scaling.png)", ""]
+    lines += ["## The cheapest proxy within the budget", "", "```", render_suggestion(s), "```", "", "![pareto](figures/pareto.png)", ""]
+    lines += ["## Inputs and versions", "", "```"]
+    lines.append(json.dumps({"model": req.model, "hardware": req.hardware, "budget": req.budget, "fault": req.fault, "job": req.job.to_dict(),
+                             "min_fidelity": req.min_fidelity, "trials": req.trials, "seed": req.seed, "steps": req.steps,
+                             "versions": _versions()}, indent=1))  # fmt: skip
+    lines += ["```", ""]
+    notes = sorted({n for c in r.costs.values() for n in c.notes})
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def _html(markdown: str, title: str) -> str:
+    """A self-contained HTML rendering of the report's Markdown (tables, code, figures, headings)."""
+    import html
+
+    out, in_code, in_table = [], False, False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            out.append("</pre>" if in_code else "<pre>")
+            in_code = not in_code
+            continue
+        if in_code:
+            out.append(html.escape(line))
+            continue
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if all(set(c) <= {"-"} for c in cells):
+                continue
+            if not in_table:
+                out.append("<table>")
+                in_table = True
+                out.append("<tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cells) + "</tr>")
+            else:
+                out.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+            continue
+        if in_table:
+            out.append("</table>")
+            in_table = False
+        if line.startswith("!["):
+            alt, src = line[2:].split("](")
+            out.append(f'<p><img alt="{html.escape(alt)}" src="{html.escape(src.rstrip(")"))}" width="{FIGURE_SIZE_PX[0]}"></p>')
+        elif line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            out.append(f"<h{level}>{html.escape(line[level:].strip())}</h{level}>")
+        elif line.startswith("- "):
+            out.append(f"<li>{html.escape(line[2:])}</li>")
+        elif line.strip():
+            out.append(f"<p>{html.escape(line)}</p>")
+    if in_table:
+        out.append("</table>")
+    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:2px 6px;font-size:90%}pre{background:#f6f6f6;padding:8px;overflow-x:auto}")  # fmt: skip
+    return f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style></head><body>\n" + "\n".join(out) + "\n</body></html>\n"
+
+
+def write_report(r: Report, out_dir: str | Path, *, force: bool = False) -> Path:
+    from planner.search.output import suggestion_json
+
+    out = Path(out_dir)
+    refuse_existing(out, force)
+    if not r.costs:
+        raise SpecError("neither the original nor any proxy fits within the search bound: " + "; ".join(r.skipped.values()))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "figures").mkdir(parents=True)
+    for name, draw in FIGURES.items():
+        draw(r, tmp / "figures" / name)
+    markdown = _markdown(r)
+    (tmp / "report.md").write_text(markdown)
+    (tmp / "report.html").write_text(_html(markdown, f"{r.request.model} proxy capacity plan"))
+    data = {"costs": {k: c.to_json() for k, c in r.costs.items()}, "skipped": r.skipped, "suggestion": suggestion_json(r.suggestion)}
+    (tmp / "report.json").write_text(json.dumps(data, indent=1, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.replace(out)
+    return out
+
+
+def default_request(model: str, hardware: str, budget: str, **kw):
+    from planner.search.suggest import Request
+
+    return replace(Request(), model=model, hardware=hardware, budget=budget, **kw)

@@ -1,0 +1,65 @@
+"""The budget grammar of `planner suggest --budget`.
+
+    8npu      8 devices (NPUs: Ascend; on Atlas A3 the framework's devices are dies)
+    16gpu     16 GPUs
+    2x8npu    2 nodes x 8 devices per node
+    64card    64 physical cards (an A3 card holds two dies)
+    40npu-h   40 accelerator-hours for a reproduction of --steps steps (devices unbounded)
+
+The accelerator kind must match the hardware: npu for Ascend, gpu for NVIDIA; `card` fits either.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from planner.cost.hardware import Accelerator
+from planner.errors import SpecError
+
+__all__ = ["Budget", "parse_budget"]
+
+_KIND_OF_FAMILY = {"ascend": "npu", "nvidia": "gpu"}
+_PATTERN = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+(?:\.\d+)?)\s*(npu|gpu|card)s?(-h|-hours?|h)?\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Budget:
+    text: str
+    max_devices: int | None  # devices as the framework counts them; None for an hours budget
+    device_hours: float | None  # accelerator-hours for the whole reproduction
+    nodes: int | None = None
+
+    def describe(self, accel: Accelerator) -> str:
+        if self.device_hours is not None:
+            return f"{self.device_hours:g} {accel.device_unit}-hours"
+        cards = f" ({self.max_devices // accel.devices_per_card} cards)" if accel.devices_per_card > 1 else ""
+        nodes = f" on {self.nodes} nodes" if self.nodes else ""
+        return f"{self.max_devices} {accel.device_unit}s{cards}{nodes}"
+
+
+def parse_budget(text: str, accel: Accelerator) -> Budget:
+    m = _PATTERN.match(str(text))
+    if not m:
+        raise SpecError(f"--budget {text!r}: expected e.g. 8npu, 16gpu, 2x8npu, 64card or 40npu-h")
+    nodes, amount, kind, hours = m.group(1), float(m.group(2)), m.group(3).lower(), m.group(4)
+    expected = _KIND_OF_FAMILY.get(accel.family)
+    if kind != "card" and expected and kind != expected:
+        raise SpecError(f"--budget {text!r} counts {kind.upper()}s but {accel.id} is an {accel.family} {expected.upper()}; "
+                        f"write e.g. {int(amount)}{expected}")  # fmt: skip
+    if hours:
+        if nodes:
+            raise SpecError(f"--budget {text!r}: an hours budget has no node count")
+        if amount <= 0:
+            raise SpecError(f"--budget {text!r}: hours must be positive")
+        per_card = accel.devices_per_card if kind == "card" else 1  # card-hours -> device-hours
+        return Budget(text, None, amount * per_card)
+    if amount != int(amount) or amount < 1:
+        raise SpecError(f"--budget {text!r}: a device count is a positive integer")
+    count = int(amount)
+    if nodes:
+        if count * (accel.devices_per_card if kind == "card" else 1) > accel.devices_per_node:
+            raise SpecError(f"--budget {text!r}: {count} per node, but a {accel.id} node holds {accel.devices_per_node} {accel.device_unit}s")
+        count *= int(nodes)
+    devices = count * accel.devices_per_card if kind == "card" else count
+    return Budget(text, devices, None, int(nodes) if nodes else None)

@@ -1,0 +1,129 @@
+"""What `planner suggest` gives back: the ranked table, the JSON, and the plan file."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from planner.plan import Plan
+from planner.render import table
+from planner.search.suggest import Option, Suggestion
+from planner.units import gib
+
+__all__ = ["render_suggestion", "suggestion_json", "plan_of"]
+
+
+def _fidelity(o: Option) -> str:
+    f = o.fidelity["fault_reproduced"]
+    if f.get("variant") == "original":
+        return "1 (original)"
+    return f"{f['value']:.2f} [{f['low']:.2f}, {f['high']:.2f}]"
+
+
+def _row(o: Option, original) -> list[Any]:
+    c = o.cost
+    peak = c.peak_memory_bytes
+    cards = f"{original.num_devices / c.num_devices:.1f}x" if original else "-"
+    hours = f"{original.device_hours_per_step / c.device_hours_per_step:.2f}x" if original else "-"
+    return [
+        "original" if o.experts == c.original_experts else o.experts,
+        o.method if o.experts != c.original_experts else "-",
+        c.num_devices,
+        f"{c.train_layout.describe()} / {c.rollout_layout.describe()}",
+        f"{o.recompute}, offload {o.offload}",
+        f"{gib(peak, suffix=False)} ({gib(c.usable_bytes_per_device - peak, suffix=False)})",
+        f"{c.step_time_s:,.0f}",
+        f"{c.device_hours_per_step:,.2f}",
+        cards,
+        hours,
+        _fidelity(o),
+    ]
+
+
+def render_suggestion(s: Suggestion, top: int = 5) -> str:
+    req, unit = s.request, s.accelerator.device_unit
+    head = (f"{req.model} on {s.accelerator.id}, budget {s.budget.describe(s.accelerator)}, fault {req.fault} "
+            f"(recipe {s.recipe}), fidelity >= {req.min_fidelity} ({'plan statistics' if s.fidelity_source == 'stats' else 'prior estimator: K/E and architecture only, wider intervals'})")  # fmt: skip
+    lines = [head]
+    if s.original is not None:
+        o = s.original
+        lines.append(f"original: {o.num_devices} {unit}s minimum, {o.step_time_s:,.0f} s/step, {o.device_hours_per_step:,.2f} {unit}-hours/step")
+    headers = ["K", "method", unit + "s", "layout train / rollout", "recompute, offload", f"peak GiB/{unit} (headroom)", "step s",
+               f"{unit}-h/step", f"fewer {unit}s", "fewer hours", "P(fault reproduced) [80%]"]  # fmt: skip
+    if s.ranked:
+        lines.append("")
+        lines.append(table(headers, [_row(o, s.original) for o in s.ranked[:top]], title="cheapest proxies that clear the threshold"))
+        best = s.best
+        lines.append("")
+        m = best.fidelity.get("margin_ratio")
+        if m and m.get("variant") != "original":
+            lines.append(f"predicted margin ratio of the best: {m['value']:.2f} [{m['low']:.2f}, {m['high']:.2f}] log2 units of the fault's knob")
+        lines.append("kept for the fault: " + "; ".join(s.factors))
+        lines.extend(f"note: {n}" for n in best.cost.notes)
+    else:
+        lines.append("")
+        lines.append("no proxy clears every constraint:")
+        lines.extend(f"  - {d}" for d in s.diagnosis)
+    if s.pareto:
+        lines.append("")
+        front = [[o.experts, o.method, o.cost.num_devices, f"{o.cost.device_hours_per_step:,.2f}", _fidelity(o)] for o in s.pareto]
+        lines.append(table(["K", "method", unit + "s", f"{unit}-h/step", "P(fault reproduced)"], front, title="Pareto set: cost vs predicted fidelity"))
+    lines.append("")
+    lines.append(f"{s.trials} trials, {len(s.options)} distinct points evaluated, {s.seconds:.1f} s"
+                 + (f"; the best first appeared at trial {s.best_trial}" if s.best_trial is not None else ""))  # fmt: skip
+    return "\n".join(lines)
+
+
+def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
+    original = s.original
+    return {
+        "request": {"model": s.request.model, "hardware": s.request.hardware, "budget": s.request.budget, "fault": s.request.fault,
+                    "recipe": s.recipe, "min_fidelity": s.request.min_fidelity, "trials": s.request.trials, "seed": s.request.seed,
+                    "fidelity_source": s.fidelity_source, "steps": s.request.steps},  # fmt: skip
+        "original": original.to_json() if original else None,
+        "plans": [o.to_json(original) for o in s.ranked[:top]] if original else [],
+        "pareto": [o.to_json(original) for o in s.pareto] if original else [],
+        "diagnosis": s.diagnosis,
+        "fault_relevant_factors": s.factors,
+        "evaluated_points": len(s.options),
+        "best_trial": s.best_trial,
+        "seconds": s.seconds,
+    }
+
+
+def plan_of(s: Suggestion, o: Option) -> Plan:
+    """The plan file of one option: kept sets from the stats file when there is one, else deferred
+    to build time (the method chooses them from the checkpoint); the deployment and predictions."""
+    from planner.stats.compute import plan_from_stats
+
+    c = o.cost
+    target_ep = tuple(sorted({c.train_layout.ep, c.rollout_layout.ep}))
+    deployment = {
+        "hardware": s.accelerator.id,
+        "num_cards": c.num_devices,
+        "device_unit": c.device_unit,
+        "train_layout": vars(c.train_layout),
+        "rollout_layout": vars(c.rollout_layout),
+        "recompute": o.recompute,
+        "offload": o.offload,
+        "job": c.job.to_dict() if c.job else None,
+        "fault": s.request.fault,
+        "recipe": s.recipe,
+        "budget": s.request.budget,
+        "min_fidelity": s.request.min_fidelity,
+        "predicted": {
+            "memory_per_card_bytes": c.peak_memory_bytes,
+            "usable_bytes_per_card": c.usable_bytes_per_device,
+            "step_time_s": c.step_time_s,
+            "accelerator_hours_per_step": c.device_hours_per_step,
+            "fault_reproduced": dict(o.fidelity["fault_reproduced"]),
+            "margin_ratio": dict(o.fidelity.get("margin_ratio", {})),
+        },
+    }
+    deployment = json.loads(json.dumps(deployment, default=lambda v: v.item()))  # numpy scalars -> YAML-safe numbers
+    stats = s.request.stats
+    if stats and f"K={o.experts}/{o.method}" in stats.get("plans", {}):
+        chosen = plan_from_stats(stats, o.experts, o.method, model=s.request.model, target_ep=target_ep, seed=stats.get("seed", 0))
+        return Plan(**{**chosen.__dict__, "deployment": deployment})
+    return Plan(model=s.request.model, experts=o.experts, original_experts=c.original_experts, layers={}, method=o.method,
+                target_ep=target_ep, seed=s.request.seed, deployment=deployment)  # fmt: skip

@@ -1,0 +1,406 @@
+"""`planner suggest`: the cheapest proxy within a budget whose predicted fidelity clears a threshold.
+
+The space: K (legal values that are powers of two with K/top_k >= 4 by default, and E itself: the
+original), the expert
+selection method (those a stats file holds; without one the prior estimator, which does not see the
+method), the device count (whole cards below a node, whole nodes above; within the budget),
+activation recomputation and what colocated mode offloads. Inside every point the parallel layouts
+are enumerated exactly by the vectorised cost model (planner.cost), which returns the best one.
+
+Optuna searches the space (two objectives: accelerator-hours per step down, predicted fidelity up;
+constraints: memory fits, within budget, fidelity at or above the threshold), seeded, in memory or
+on RDB storage shared by several processes: NSGA-II, or when the trials cover the whole space a
+brute-force sampler that visits each point once (the result is then exhaustive enumeration's). Every evaluated point is kept; the
+Pareto set (cost vs fidelity) is computed from them. `enumerate_all` evaluates the whole space, the
+reference the search is checked against.
+
+Predicted fidelity is P(fault reproduced) from planner.fidelity's estimator, with its interval;
+the predicted margin ratio (how far the fault's critical knob moves) is reported beside it. The
+original (K = E) reproduces its own fault by definition: fidelity 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any, Callable
+
+from planner.arch import Architecture
+from planner.catalog import load_accelerator, load_model_config
+from planner.cost.evaluate import CostResult, candidate_device_counts, evaluate, min_devices
+from planner.cost.hardware import Accelerator
+from planner.errors import InfeasibleError, PlannerError, SpecError
+from planner.search.budget import Budget, parse_budget
+from planner.specs import Job, Offload
+
+__all__ = ["FAULTS", "OFFLOADS", "RECOMPUTES", "Request", "Option", "Suggestion", "Suggester", "suggest"]
+
+# user-facing fault names -> the calibration recipe that provokes them
+FAULTS = {
+    "grad-overflow": "fp16-overflow",
+    "fp16-overflow": "fp16-overflow",
+    "mismatch": "rollout-mismatch",
+    "rollout-mismatch": "rollout-mismatch",
+    "training-inference-mismatch": "rollout-mismatch",
+    "entropy-collapse": "entropy-collapse",
+    "router-collapse": "router-collapse",
+    "grad-norm-divergence": "grad-blowup",
+    "grad-blowup": "grad-blowup",
+}
+OFFLOADS = {"none": Offload(params=False, grads=False, optimizer=False), "optimizer": Offload(params=False, grads=False, optimizer=True),
+            "all": Offload(params=True, grads=True, optimizer=True)}  # fmt: skip
+RECOMPUTES = ("none", "selective", "full")
+DEFAULT_METHOD = "agglomerative"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    model: str = "qwen3-30b-a3b"
+    hardware: str = "ascend-910b2"
+    job: Job = field(default_factory=Job)
+    budget: str = "8npu"
+    fault: str = "grad-overflow"
+    stats: dict | None = None  # a `planner stats` file of the checkpoint, parsed
+    min_fidelity: float = 0.8
+    trials: int = 300
+    storage: str | None = None
+    seed: int = 0
+    steps: int = 20  # steps of the reproduction (for hours budgets and totals)
+    max_devices: int = 4096  # search bound for hours budgets
+    min_k_ratio: float = 4.0  # K/top_k at least this (DESIGN 5: near-dense routing loses mismatch fragility)
+    memory_margin: float = 0.1  # keep this share of usable device memory free (as `planner preflight` checks)
+
+    def key(self) -> str:
+        """Identifies the search space and objectives: the study name on shared storage."""
+        stats_id = (self.stats or {}).get("checkpoint", {}).get("fingerprint")
+        text = json.dumps([self.model, self.hardware, repr(self.job), self.budget, self.fault, stats_id, self.min_fidelity, self.steps,
+                           self.max_devices, self.min_k_ratio, self.memory_margin], sort_keys=True)  # fmt: skip
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class Option:
+    experts: int
+    method: str
+    recompute: str
+    offload: str
+    cost: CostResult
+    fidelity: dict[str, dict[str, Any]]  # label -> {value, low, high, variant}
+    within_budget: bool
+    budget_note: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.cost.feasible
+
+    @property
+    def p_reproduced(self) -> float:
+        return self.fidelity["fault_reproduced"]["value"]
+
+    @property
+    def hours(self) -> float:
+        return self.cost.device_hours_per_step if self.fits else math.inf
+
+    def acceptable(self, min_fidelity: float) -> bool:
+        return self.fits and self.within_budget and self.p_reproduced >= min_fidelity
+
+    def rank_key(self) -> tuple:
+        # ties go to the larger K, then the least intrusive recompute and offload (their table order)
+        return (self.hours, self.cost.num_devices, -self.p_reproduced, -self.experts, self.method,
+                RECOMPUTES.index(self.recompute), list(OFFLOADS).index(self.offload))  # fmt: skip
+
+    def outcome(self) -> tuple:
+        """What the option changes: two options with equal outcomes differ only by settings that did nothing."""
+        c = self.cost
+        return (self.experts, self.method, c.num_devices, repr(c.train_layout), repr(c.rollout_layout), c.peak_memory_bytes, c.step_time_s)
+
+    def to_json(self, original: CostResult) -> dict[str, Any]:
+        c = self.cost
+        out = {
+            "experts": self.experts,
+            "method": self.method,
+            "recompute": self.recompute,
+            "offload": self.offload,
+            "num_cards": c.num_devices,
+            "device_unit": c.device_unit,
+            "physical_cards": c.num_cards,
+            "layout": {"train": vars(c.train_layout) if c.train_layout else None, "rollout": vars(c.rollout_layout) if c.rollout_layout else None},
+            "memory_per_card_bytes": c.peak_memory_bytes if c.feasible else None,
+            "usable_bytes_per_card": c.usable_bytes_per_device,
+            "headroom_bytes": c.usable_bytes_per_device - c.peak_memory_bytes if c.feasible else None,
+            "peak_phase": c.peak_phase,
+            "step_time_s": c.step_time_s if c.feasible else None,
+            "phase_times_s": c.phase_times_s,
+            "accelerator_hours_per_step": c.device_hours_per_step if c.feasible else None,
+            "predicted_fidelity": {k: v for k, v in self.fidelity["fault_reproduced"].items()},
+            "predicted_margin_ratio": self.fidelity.get("margin_ratio"),
+            "reduction": {
+                "cards": original.num_devices / c.num_devices if c.feasible else None,
+                "accelerator_hours": original.device_hours_per_step / c.device_hours_per_step if c.feasible else None,
+            },
+            "within_budget": self.within_budget,
+            "reasons": c.reasons,
+            "notes": c.notes,
+        }
+        return out
+
+
+@dataclass
+class Suggestion:
+    request: Request
+    accelerator: Accelerator
+    budget: Budget
+    recipe: str
+    original: CostResult | None  # the original at its own minimum device count (None: does not fit the search bound)
+    options: list[Option]  # every evaluated point
+    ranked: list[Option]  # acceptable points, cheapest first
+    pareto: list[Option]  # fitting, within budget: nondominated in (hours, fidelity)
+    trials: int
+    best_trial: int | None  # the trial at which the chosen option was first evaluated
+    diagnosis: list[str]
+    fidelity_source: str  # "stats" or "prior"
+    factors: list[str]  # fault-relevant factors a proxy keeps
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> Option | None:
+        return self.ranked[0] if self.ranked else None
+
+
+class Suggester:
+    """Evaluates points of the space (cost cached per K/devices/recompute/offload, fidelity per K/method)."""
+
+    def __init__(self, request: Request, estimator=None):
+        from planner.fidelity.estimator import FidelityEstimator, default_estimator_path
+
+        self.request = request
+        if request.fault not in FAULTS:
+            raise SpecError(f"--fault {request.fault!r}: one of {', '.join(sorted(FAULTS))}")
+        if not 0.0 <= request.memory_margin < 1.0:
+            raise SpecError(f"--memory-margin must lie in [0, 1), got {request.memory_margin}")
+        if not 0.0 <= request.min_fidelity <= 1.0:
+            raise SpecError(f"--min-fidelity must lie in [0, 1] (a probability of reproducing the fault), got {request.min_fidelity}")
+        if request.trials < 1:
+            raise SpecError(f"--trials must be at least 1, got {request.trials}")
+        self.recipe = FAULTS[request.fault]
+        self.accel = load_accelerator(request.hardware)
+        self.budget = parse_budget(request.budget, self.accel)
+        self.name, self.config = load_model_config(request.model)
+        self.arch = Architecture.from_config(self.config, name=self.name)
+        self.estimator = estimator or FidelityEstimator.load(default_estimator_path())
+        e = self.arch.original_num_experts
+        floor = request.min_k_ratio * self.arch.moe.top_k
+        self.experts = sorted({k for k in self.arch.legal_expert_counts() if k & (k - 1) == 0 and k >= floor} | {e})
+        self.methods = self._methods()
+        limit = self.budget.max_devices if self.budget.max_devices is not None else request.max_devices
+        counts = candidate_device_counts(self.accel, limit)
+        if self.budget.max_devices is None:  # hours budgets: whole nodes in powers of two
+            per_node = self.accel.devices_per_node
+            counts = [n for n in counts if n < per_node or (n // per_node) & (n // per_node - 1) == 0]
+        if not counts:
+            raise SpecError(f"--budget {request.budget}: below the smallest allocation of {self.accel.id} ({self.accel.devices_per_card} {self.accel.device_unit}s)")
+        self.devices = counts
+        self._costs: dict[tuple, CostResult] = {}
+        self._fidelity: dict[tuple, dict] = {}
+
+    def _methods(self) -> list[str]:
+        stats = self.request.stats
+        if not stats:
+            return [DEFAULT_METHOD]
+        fp = stats.get("checkpoint", {})
+        if fp.get("num_experts") != self.arch.original_num_experts:
+            raise SpecError(f"the stats file is of a model with {fp.get('num_experts')} experts per layer; {self.name} has {self.arch.original_num_experts}")
+        methods = sorted({key.split("/")[1] for key in stats.get("plans", {})})
+        return methods or [DEFAULT_METHOD]
+
+    @cached_property
+    def factors(self) -> list[str]:
+        moe, job = self.arch.moe, self.request.job
+        routing = f"top-{moe.top_k} {moe.scoring}" + (f", {moe.n_group} groups (top {moe.topk_group})" if moe.grouped else "")
+        return [
+            f"routing: {routing}" + (", renormalised" if moe.norm_topk_prob else ""),
+            f"precision {job.precision}, router in fp32",
+            f"sequence lengths: prompt <= {job.prompt_tokens.max}, response <= {job.response_tokens.max} (mean {job.response_tokens.mean:g})",
+            f"{job.algorithm.upper()} {job.prompts_per_step} x {job.samples_per_prompt}, {job.ppo_epochs} epoch(s) x {job.mini_batches} mini-batch(es)",
+            "backbone, attention, shared experts, embeddings: unchanged",
+        ]
+
+    def cost(self, experts: int, devices: int, recompute: str, offload: str) -> CostResult:
+        key = (experts, devices, recompute, offload)
+        if key not in self._costs:
+            arch = self.arch if experts == self.arch.original_num_experts else self.arch.with_experts(experts)
+            job = replace(self.request.job, recompute=recompute, offload=OFFLOADS[offload])
+            try:
+                self._costs[key] = evaluate(arch, self.accel, job, devices, memory_margin=self.request.memory_margin)
+            except PlannerError as exc:  # a job-fixed layout that cannot run on this count
+                self._costs[key] = CostResult(
+                    model=self.name, experts=experts, original_experts=self.arch.original_num_experts, accelerator=self.accel.id,
+                    device_unit=self.accel.device_unit, devices_per_card=self.accel.devices_per_card, num_devices=devices,
+                    feasible=False, reasons=[str(exc)], train_layout=None, rollout_layout=None, phase_times_s={},
+                    memory_per_device_bytes={}, peak_phase=None, usable_bytes_per_device=float("nan"),
+                    host_memory_bytes_per_node=float("nan"), host_memory_limit_bytes_per_node=float("nan"), layouts_evaluated=0, job=job,
+                )  # fmt: skip
+        return self._costs[key]
+
+    def fidelity(self, experts: int, method: str) -> dict[str, dict[str, Any]]:
+        key = (experts, method)
+        if key not in self._fidelity:
+            e = self.arch.original_num_experts
+            if experts == e:
+                exact = {"value": 1.0, "low": 1.0, "high": 1.0, "variant": "original"}
+                self._fidelity[key] = {"fault_reproduced": exact, "margin_ratio": {"value": 0.0, "low": 0.0, "high": 0.0, "variant": "original"}}
+            else:
+                self._fidelity[key] = self.estimator.predict(self.features(experts, method))
+        return self._fidelity[key]
+
+    def features(self, experts: int, method: str) -> dict[str, float]:
+        from planner.fidelity.dataset import architecture_features
+        from planner.fidelity.estimator import features_of
+
+        plan = (self.request.stats or {}).get("plans", {}).get(f"K={experts}/{method}")
+        return features_of(plan["summary"] if plan else {}, architecture_features(self.config, experts), self.recipe)
+
+    def option(self, experts: int, method: str, devices: int, recompute: str, offload: str) -> Option:
+        cost = self.cost(experts, devices, recompute, offload)
+        within, note = True, ""
+        if self.budget.max_devices is not None and devices > self.budget.max_devices:
+            within, note = False, f"{devices} > {self.budget.max_devices} {self.accel.device_unit}s"
+        if self.budget.device_hours is not None and cost.feasible:
+            total = cost.device_hours_per_step * self.request.steps
+            if total > self.budget.device_hours:
+                within, note = False, f"{total:,.1f} > {self.budget.device_hours:g} {self.accel.device_unit}-hours for {self.request.steps} steps"
+        return Option(experts, method, recompute, offload, cost, self.fidelity(experts, method), within, note)
+
+    def space_size(self) -> int:
+        return len(self.experts) * len(self.methods) * len(self.devices) * len(RECOMPUTES) * len(OFFLOADS)
+
+    def enumerate_all(self) -> list[Option]:
+        return [self.option(k, m, d, r, o) for k in self.experts for m in self.methods for d in self.devices for r in RECOMPUTES for o in OFFLOADS]
+
+    # ---- the Optuna search -------------------------------------------------------------------
+    def search(self, progress: Callable[[int, int], None] | None = None) -> tuple[list[Option], dict[tuple, int]]:
+        """Run the study; every option evaluated here, and the trial number that first reached each."""
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        req = self.request
+        min_fid = req.min_fidelity
+        if self.space_size() <= req.trials:  # the trials cover the space: visit every point once, in a seeded order
+            sampler = optuna.samplers.BruteForceSampler(seed=req.seed)
+        else:
+            sampler = optuna.samplers.NSGAIISampler(seed=req.seed, population_size=min(40, max(4, req.trials // 6)))
+        storage = None
+        if req.storage:
+            from planner.rdb import rdb_storage
+
+            storage = rdb_storage(req.storage)
+        study = optuna.create_study(study_name=f"suggest-{req.key()}", storage=storage, sampler=sampler,
+                                    directions=["minimize", "maximize"], load_if_exists=True)  # fmt: skip
+        seen: dict[tuple, int] = {}
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):  # earlier workers' points
+            key = tuple(t.params[n] for n in ("experts", "method", "devices", "recompute", "offload"))
+            seen.setdefault(key, t.number)
+        if not study.trials and isinstance(sampler, optuna.samplers.NSGAIISampler):
+            # warm start: every K at the budget's top count with the most memory-frugal settings
+            for k in self.experts:
+                study.enqueue_trial({"experts": k, "method": self.methods[0], "devices": self.devices[-1], "recompute": "full", "offload": "all"})
+
+        def objective(trial: optuna.Trial):
+            params = (
+                trial.suggest_categorical("experts", self.experts),
+                trial.suggest_categorical("method", self.methods),
+                trial.suggest_categorical("devices", self.devices),
+                trial.suggest_categorical("recompute", list(RECOMPUTES)),
+                trial.suggest_categorical("offload", list(OFFLOADS)),
+            )
+            opt = self.option(*params)
+            seen.setdefault(params, trial.number)
+            memory = 0.0 if opt.fits else 1.0
+            budget = 0.0 if opt.within_budget else 1.0
+            trial.set_constraint("memory", memory)
+            trial.set_constraint("budget", budget)
+            trial.set_constraint("fidelity", min_fid - opt.p_reproduced)
+            if progress:
+                progress(trial.number + 1, req.trials)
+            hours = opt.hours if opt.fits else 1e12
+            return hours, opt.p_reproduced
+
+        done = len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE])
+        if done < req.trials:
+            study.optimize(objective, n_trials=req.trials - done)
+        options = []
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            key = tuple(t.params[n] for n in ("experts", "method", "devices", "recompute", "offload"))
+            seen.setdefault(key, t.number)
+        for key in seen:
+            options.append(self.option(*key))
+        return options, seen
+
+
+def _pareto(options: list[Option]) -> list[Option]:
+    pool = sorted({(o.hours, -o.p_reproduced): o for o in options if o.fits and o.within_budget}.items())
+    front, best_p = [], -math.inf
+    for (hours, neg_p), o in pool:
+        if -neg_p > best_p:
+            front.append(o)
+            best_p = -neg_p
+    return front
+
+
+def _diagnose(s: Suggester, options: list[Option]) -> list[str]:
+    """Why nothing qualifies, and the smallest budget that would."""
+    req, unit = s.request, s.accel.device_unit
+    out = []
+    fitting = [o for o in options if o.fits]
+    if not fitting:
+        out.append(f"no evaluated point fits in memory on up to {s.devices[-1]} {unit}s; the closest: {options[0].cost.reasons[0] if options and options[0].cost.reasons else '?'}")
+    in_budget = [o for o in fitting if o.within_budget]
+    if fitting and not in_budget:
+        out.append(f"every fitting point is over the budget ({s.budget.describe(s.accel)}): e.g. {fitting[0].budget_note}")
+    if in_budget and not [o for o in in_budget if o.p_reproduced >= req.min_fidelity]:
+        top = max(in_budget, key=lambda o: o.p_reproduced)
+        out.append(f"within the budget the highest predicted fidelity is {top.p_reproduced:.2f} (K={top.experts}), below --min-fidelity {req.min_fidelity}")
+    # the smallest budget that would do: the cheapest qualifying point for each K at its own minimum count
+    for k in sorted(s.experts, key=lambda k: -s.fidelity(k, s.methods[0])["fault_reproduced"]["value"]):
+        if s.fidelity(k, s.methods[0])["fault_reproduced"]["value"] < req.min_fidelity:
+            continue
+        arch = s.arch if k == s.arch.original_num_experts else s.arch.with_experts(k)
+        try:
+            r = min_devices(arch, s.accel, replace(req.job, recompute="full", offload=OFFLOADS["all"]), max_devices=req.max_devices,
+                            memory_margin=req.memory_margin)  # fmt: skip
+        except InfeasibleError:
+            continue
+        hours = r.device_hours_per_step * req.steps
+        out.append(f"smallest budget that would do: {r.num_devices}{'npu' if s.accel.family == 'ascend' else 'gpu'} (K={k} fits there; "
+                   f"{hours:,.1f} {unit}-hours for {req.steps} steps)")  # fmt: skip
+        break
+    return out
+
+
+def suggest(request: Request, *, progress: Callable[[int, int], None] | None = None, estimator=None) -> Suggestion:
+    import time
+
+    start = time.perf_counter()
+    s = Suggester(request, estimator)
+    options, first_seen = s.search(progress)
+    ranked, seen = [], set()
+    for o in sorted((o for o in options if o.acceptable(request.min_fidelity)), key=Option.rank_key):
+        if o.outcome() not in seen:  # a recompute or offload that changes nothing is listed once, in its lightest form
+            seen.add(o.outcome())
+            ranked.append(o)
+    try:
+        original = min_devices(s.arch, s.accel, request.job, max_devices=request.max_devices)
+    except InfeasibleError:
+        original = None
+    best = ranked[0] if ranked else None
+    best_trial = first_seen[(best.experts, best.method, best.cost.num_devices, best.recompute, best.offload)] if best else None
+    return Suggestion(
+        request=request, accelerator=s.accel, budget=s.budget, recipe=s.recipe, original=original, options=options, ranked=ranked,
+        pareto=_pareto(options), trials=request.trials, best_trial=best_trial, diagnosis=[] if ranked else _diagnose(s, options),
+        fidelity_source="stats" if request.stats else "prior", factors=s.factors, seconds=time.perf_counter() - start,
+    )  # fmt: skip

@@ -1,0 +1,101 @@
+"""The committed calibration dataset and estimator, and `calibrate add` + refit on top of them."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from planner.cli import main
+from planner.fidelity.estimator import FULL_FEATURES, FidelityEstimator
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASET = ROOT / "calibration" / "fidelity_dataset.csv"
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+# ---- calibrate add, fit, report; the committed dataset --------------------------------------------
+
+@pytest.mark.slow
+def test_committed_dataset_meets_the_grid_spec_and_reports():
+    from planner.fidelity.dataset import read_dataset
+    from planner.fidelity.validate import cross_validate
+
+    rows = read_dataset(DATASET)
+    grid_rows = [r for r in rows if r["source"] == "grid"]
+    assert len(grid_rows) >= 150
+    assert len({r["family"] for r in grid_rows}) >= 2 and len({r["recipe"] for r in grid_rows}) >= 4
+    assert len({r["experts"] for r in grid_rows}) >= 3
+    per_k = {}
+    for r in grid_rows:
+        per_k.setdefault((r["family"], r["experts"]), set()).add(r["model"])
+    assert min(len(v) for v in per_k.values()) >= 6
+    meta = json.loads(DATASET.with_suffix(".json").read_text())
+    assert meta["rows"] == len(rows) and meta["versions"]["torch"] and meta["seeds"] and meta["command"].startswith("planner calibrate run")
+    report = cross_validate(rows)
+    for label in ("margin_ratio", "curve_agreement", "fault_reproduced"):
+        assert set(report["labels"][label]) == {"full", "prior", "K/E only"}
+    assert 0.6 <= report["labels"]["margin_ratio"]["full"]["coverage"] <= 0.98  # nominal 0.8, on unseen groups
+    estimator = FidelityEstimator.load(ROOT / "calibration" / "fidelity.json")
+    assert estimator.info["rows"] == len(rows)
+    refit = json.loads(json.dumps(FidelityEstimator.fit(rows).to_json()))
+    assert refit["models"] == json.loads((ROOT / "calibration" / "fidelity.json").read_text())["models"]  # regenerable exactly
+    prediction = estimator.predict(grid_rows[0])
+    assert prediction["margin_ratio"]["low"] <= prediction["margin_ratio"]["value"] <= prediction["margin_ratio"]["high"]
+    assert prediction["margin_ratio"]["variant"] == "full"
+    assert estimator.predict({"kept_fraction": 0.5, "recipe_fp16-overflow": 1.0})["margin_ratio"]["variant"] == "prior"
+
+
+@pytest.mark.slow
+def test_calibrate_add_updates_the_dataset_and_a_refit_changes_predictions(rl_model, tmp_path):
+    from planner.checkpoint import Checkpoint
+    from planner.fidelity.dataset import read_dataset
+    from planner.stats.compute import compute_stats, plan_from_stats
+
+    model = rl_model[0]
+    ckpt = Checkpoint(model)
+    stats = compute_stats(ckpt, experts=[8], methods=("agglomerative",), calib_tokens=512, seq_len=64)
+    plan = plan_from_stats(stats, 8, "agglomerative", model=str(model))
+    assert plan.statistics and "frequency_dropped" in plan.statistics
+    (tmp_path / "plan.yaml").write_text(plan.to_yaml())
+    assert run_cli("build", model, tmp_path / "proxy", "--plan", tmp_path / "plan.yaml").exit_code == 0
+    for name, target in (("a", model), ("b", tmp_path / "proxy")):
+        out = tmp_path / name
+        assert run_cli("rl", "run", target, "--recipe", "rollout-mismatch", "--knob", "21", "--steps", "2",
+                       "--set", "prompts=4", "--set", "new_tokens=8", "-o", out).exit_code == 0  # fmt: skip
+        assert run_cli("rl", "margin", target, "--recipe", "rollout-mismatch", "--seeds", "0", "--iters", "3", "-o", out).exit_code == 0
+
+    dataset = tmp_path / "dataset.csv"
+    shutil.copy(DATASET, dataset)
+    shutil.copy(DATASET.with_suffix(".json"), dataset.with_suffix(".json"))
+    n = len(read_dataset(dataset))
+    assert run_cli("calibrate", "fit", "--dataset", dataset, "-o", tmp_path / "before.json").exit_code == 0
+    added = run_cli("calibrate", "add", "--original", tmp_path / "a", "--proxy", tmp_path / "b", "--plan", tmp_path / "plan.yaml",
+                    "--dataset", dataset, "--json")  # fmt: skip
+    assert added.exit_code == 0, added.output
+    row = json.loads(added.stdout)
+    assert row["recipe"] == "rollout-mismatch" and row["experts"] == 8 and row["margin_ratio"] is not None
+    rows = read_dataset(dataset)
+    assert len(rows) == n + 1 and rows[-1]["source"].startswith("add:")
+    assert all(math.isfinite(rows[-1][f]) for f in FULL_FEATURES)  # the plan's statistics are the features
+    assert json.loads(dataset.with_suffix(".json").read_text())["added"][-1]["plan"] == str(tmp_path / "plan.yaml")
+    kept = (tmp_path / "before.json").read_text()
+    refused = run_cli("calibrate", "fit", "--dataset", dataset, "-o", tmp_path / "before.json")
+    assert refused.exit_code == 2 and "--force" in refused.output and (tmp_path / "before.json").read_text() == kept
+    assert run_cli("calibrate", "fit", "--dataset", dataset, "-o", tmp_path / "after.json").exit_code == 0
+    before, after = (FidelityEstimator.load(tmp_path / p) for p in ("before.json", "after.json"))
+    assert before.predict(rows[-1])["margin_ratio"]["value"] != after.predict(rows[-1])["margin_ratio"]["value"]
+    report = run_cli("calibrate", "report", "--dataset", dataset)
+    assert report.exit_code == 0 and "margin_ratio" in report.output and "K/E only" in report.output
+
+    bad = run_cli("calibrate", "add", "--original", tmp_path / "a", "--proxy", tmp_path / "b", "--plan", tmp_path / "plan.yaml",
+                  "--recipe", "entropy-collapse", "--dataset", dataset)  # fmt: skip
+    assert bad.exit_code == 2 and "measured rollout-mismatch" in bad.output
+    assert len(read_dataset(dataset)) == n + 1  # nothing half-written

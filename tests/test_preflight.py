@@ -1,0 +1,129 @@
+"""`planner preflight`: a good request passes; each bad one fails for its own reason; exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from planner.cli import main
+
+GOOD_SETTINGS = {"precision": "bf16", "max_prompt_tokens": 256, "max_response_tokens": 3072, "top_k": 8, "router_dtype": "fp32"}
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def suggested(tmp_path_factory) -> Path:
+    """A plan from `planner suggest --budget 8npu` (deferred: no checkpoint; with its deployment)."""
+    out = tmp_path_factory.mktemp("pf") / "plan.yaml"
+    assert run_cli("suggest", "--budget", "8npu", "-o", out).exit_code == 0
+    return out
+
+
+def write(tmp_path: Path, request: dict, plan: dict | None = None, name: str = "request.yaml") -> Path:
+    if plan is not None:
+        (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(request, sort_keys=False))
+    return path
+
+
+def verdict(path: Path) -> tuple[int, dict[str, dict]]:
+    result = run_cli("preflight", path, "--json")
+    data = json.loads(result.stdout)
+    return result.exit_code, {c["check"]: c for c in data["checks"]}
+
+
+def base_request(**changes) -> dict:
+    request = {"model": "qwen3-30b-a3b", "plan": "plan.yaml", "budget": "8npu",
+               "fault": {"type": "grad-overflow", "settings": dict(GOOD_SETTINGS)}}  # fmt: skip
+    request.update(changes)
+    return request
+
+
+def test_a_good_request_passes(suggested, tmp_path):
+    code, checks = verdict(write(tmp_path, base_request(), yaml.safe_load(suggested.read_text())))
+    assert code == 0
+    assert {c["status"] for c in checks.values()} <= {"PASS", "WARN"}
+    assert set(checks) >= {"schema", "model", "plan", "memory", "host memory", "budget", "fidelity", "fault factors", "stats"}
+    assert checks["stats"]["status"] == "WARN"  # no stats: the prior estimator
+    text = run_cli("preflight", tmp_path / "request.yaml").output
+    assert "PASS with warnings" in text
+
+
+def _deployment(plan: dict, **changes) -> dict:
+    plan = json.loads(json.dumps(plan))
+    plan["deployment"].update(changes)
+    return plan
+
+
+BAD = {
+    "schema": (lambda p: (base_request(colour="blue"), p), "unknown key"),
+    "plan": (lambda p: (base_request(), {**p, "experts": 6}), "top_k"),
+    "memory": (lambda p: (base_request(), _deployment(p, num_cards=1, train_layout={"tp": 1, "pp": 1, "ep": 1, "cp": 1, "etp": 1},
+                                                       rollout_layout={"tp": 1, "dp": 1, "ep": 1})), "does not fit"),  # fmt: skip
+    "budget": (lambda p: (base_request(budget="2npu"), p), "budget is 2 npus"),
+    "fidelity": (lambda p: (base_request(min_fidelity=1.0), p), "threshold 1.0"),
+    "fault factors": (lambda p: (base_request(fault={"type": "grad-overflow", "settings": {**GOOD_SETTINGS, "precision": "fp16"}}), p),
+                      "precision fp16 (job: bf16)"),
+}
+
+
+@pytest.mark.parametrize("check", list(BAD))
+def test_each_bad_request_fails_its_check(suggested, tmp_path, check):
+    make, words = BAD[check]
+    request, plan = make(yaml.safe_load(suggested.read_text()))
+    code, checks = verdict(write(tmp_path, request, plan))
+    assert code == 1
+    assert checks[check]["status"] == "FAIL" and words in checks[check]["reason"], checks[check]
+
+
+def test_host_memory_routing_replay_and_metrics_fail(suggested, tmp_path):
+    accel = yaml.safe_load((Path(__file__).resolve().parents[1] / "models" / "accelerators.yaml").read_text())["accelerators"]["ascend-910b2"]
+    accel.update(name="910B2 with little host RAM", host_memory_gib_per_node=8)
+    (tmp_path / "small-host.yaml").write_text(yaml.safe_dump(accel))
+    plan = yaml.safe_load(suggested.read_text())
+    settings = {**GOOD_SETTINGS, "routing_replay": True}
+    request = base_request(hardware=str(tmp_path / "small-host.yaml"), fault={"type": "grad-overflow", "settings": settings, "metrics": "nowhere"})
+    code, checks = verdict(write(tmp_path, request, plan))
+    assert code == 1
+    assert checks["host memory"]["status"] == "FAIL" and "host memory" in checks["host memory"]["reason"]
+    assert checks["fault factors"]["status"] == "FAIL" and "routing replay" in checks["fault factors"]["reason"]
+    assert checks["failing run metrics"]["status"] == "FAIL"
+
+
+@pytest.mark.slow
+def test_checkpoint_and_stats_consistency(rl_model, tmp_path):
+    model = rl_model[0]
+    assert run_cli("stats", model, "--experts", "16", "--calib-tokens", "512", "--seq-len", "64", "-o", tmp_path / "stats.json").exit_code == 0
+    assert run_cli("plan", model, "--experts", "16", "--stats", tmp_path / "stats.json", "-o", tmp_path / "plan.yaml").exit_code == 0
+    good = {"checkpoint": str(model), "plan": "plan.yaml", "budget": "1npu", "stats": "stats.json", "min_fidelity": 0.0,
+            "fault": {"type": "entropy-collapse", "settings": {"top_k": 4}}}  # fmt: skip
+    code, checks = verdict(write(tmp_path, good))
+    assert code == 0, checks
+    assert checks["model"]["status"] == "PASS" and checks["stats"]["status"] in ("PASS", "WARN") and checks["plan"]["status"] in ("PASS", "WARN")
+    assert checks["fidelity"]["reason"].count("plan statistics") == 1  # the plan's statistics fed the full estimator
+
+    other = tmp_path / "other"
+    from planner.rl.models import ModelRecipe, make_model
+
+    make_model("qwen3_moe", other, ModelRecipe(dense_steps=2, moe_steps=2, seed=1))
+    assert run_cli("stats", other, "--weights-only", "--experts", "16", "-o", tmp_path / "other.json").exit_code == 0
+    code, checks = verdict(write(tmp_path, {**good, "stats": "other.json"}, name="stale.yaml"))
+    assert code == 1 and checks["stats"]["status"] == "FAIL" and "not this one" in checks["stats"]["reason"]
+    code, checks = verdict(write(tmp_path, {**good, "model": "qwen3-30b-a3b"}, name="mismatch.yaml"))
+    assert code == 1 and checks["model"]["status"] == "FAIL" and "disagree" in checks["model"]["reason"]
+
+
+def test_unreadable_or_malformed_request_is_a_usage_error(tmp_path):
+    assert run_cli("preflight", tmp_path / "missing.yaml").exit_code == 2
+    (tmp_path / "bad.yaml").write_text("model: [unclosed")
+    assert run_cli("preflight", tmp_path / "bad.yaml").exit_code == 2
+    code, checks = verdict(write(tmp_path, {"model": "qwen3-30b-a3b"}))
+    assert code == 1 and "missing plan, budget, fault" in checks["schema"]["reason"]

@@ -1,0 +1,84 @@
+"""`planner report` renders real figures; `planner check` runs a tiny real proxy on CPU and compares
+predicted with measured memory, and computes fidelity labels against the original's run."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from planner.cli import main
+from planner.report import FIGURE_SIZE_PX
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_writes_markdown_html_and_figures(tmp_path):
+    out = tmp_path / "report"
+    result = run_cli("report", "--budget", "8npu", "--trials", "60", "-o", out)
+    assert result.exit_code == 0, result.output
+    for name in ("memory.png", "phases.png", "scaling.png", "pareto.png"):
+        assert png_size(out / "figures" / name) == FIGURE_SIZE_PX
+    md = (out / "report.md").read_text()
+    for section in ("## Original and proxies", "## The cheapest proxy within the budget", "## Inputs and versions", "figures/pareto.png"):
+        assert section in md
+    html = (out / "report.html").read_text()
+    assert html.count("<img") == 4 and "<table>" in html
+    data = json.loads((out / "report.json").read_text())
+    assert data["costs"]["original"]["num_cards"] == 16 and data["suggestion"]["plans"]
+    assert run_cli("report", "--budget", "8npu", "-o", out).exit_code == 2  # exists: needs --force
+    assert not (tmp_path / "report.tmp").exists()
+
+
+@pytest.mark.slow
+def test_check_predicts_memory_and_labels_the_proxy(rl_model, tmp_path):
+    model = rl_model[0]
+    assert run_cli("plan", model, "--experts", "16", "-o", tmp_path / "plan.yaml").exit_code == 0
+    common = ("--recipe", "entropy-collapse", "--knob", "-1.5", "--steps", "5")
+    assert run_cli("rl", "run", model, *common, "-o", tmp_path / "ref").exit_code == 0
+    assert run_cli("rl", "run", model, *common, "--gen-seed", "7", "-o", tmp_path / "replica").exit_code == 0
+    dataset = tmp_path / "dataset.csv"
+    result = run_cli("check", tmp_path / "plan.yaml", "--checkpoint", model, "--reference-metrics", tmp_path / "ref",
+                     "--replica", tmp_path / "replica", "-o", tmp_path / "check", "--add-to", dataset, "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["built"] and Path(report["proxy_dir"], "expert_map.json").is_file()
+    assert 0.85 <= report["memory_predicted_over_measured"] <= 1.15
+    assert report["steps"] == 5 and report["step_time_s"] > 0
+    labels = report["labels"]
+    assert labels["experts"] == 16 and labels["recipe"] == "entropy-collapse"
+    assert math.isfinite(labels["curve_agreement"]) and math.isfinite(labels["spearman_grad_norm"])
+    assert len(dataset.read_text().splitlines()) == 2  # header + the pair
+    again = run_cli("check", tmp_path / "plan.yaml", "--checkpoint", model, "-o", tmp_path / "check")
+    assert again.exit_code == 2 and "--force" in again.output
+
+
+@pytest.mark.slow
+def test_a_plan_suggested_without_stats_builds(rl_model, tmp_path):
+    """suggest on a checkpoint's config writes a deferred plan; build chooses its experts then."""
+    from planner.checkpoint import Checkpoint
+    from planner.plan import load_plan
+
+    model = rl_model[0]
+    result = run_cli("suggest", "--model", model, "--budget", "1npu", "--fault", "entropy-collapse", "--min-fidelity", "0", "--min-k-ratio", "2",
+                     "-o", tmp_path / "plan.yaml")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    plan = load_plan(tmp_path / "plan.yaml")
+    assert plan.deferred and plan.deployment["num_cards"] == 1
+    assert run_cli("build", model, tmp_path / "proxy", "--plan", tmp_path / "plan.yaml").exit_code == 0
+    built = Checkpoint(tmp_path / "proxy")
+    assert built.arch.original_num_experts == plan.experts
+    emap = json.loads((tmp_path / "proxy" / "expert_map.json").read_text())
+    assert emap["method"] == plan.method and emap["experts"] == plan.experts

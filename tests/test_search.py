@@ -1,0 +1,121 @@
+"""`planner suggest`: the budget grammar, the search against exhaustive enumeration, seeds, shared
+storage, the JSON and the plan file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from planner.catalog import load_accelerator
+from planner.cli import main
+from planner.errors import SpecError
+from planner.search.budget import parse_budget
+from planner.search.suggest import Option, Request, Suggester, suggest
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+# ---- budgets --------------------------------------------------------------------------------------
+
+def test_budget_grammar():
+    b2, a3, h100 = (load_accelerator(a) for a in ("ascend-910b2", "atlas-a3", "h100-sxm"))
+    assert parse_budget("8npu", b2).max_devices == 8
+    assert parse_budget("2x8npu", b2).max_devices == 16 and parse_budget("2x8npu", b2).nodes == 2
+    assert parse_budget("64card", a3).max_devices == 128  # an A3 card holds two dies
+    assert parse_budget("16gpu", h100).max_devices == 16
+    hours = parse_budget("40npu-h", b2)
+    assert hours.max_devices is None and hours.device_hours == 40
+    assert parse_budget("10card-h", a3).device_hours == 20  # card-hours -> die-hours
+    for text, accel, words in [("8gpu", b2, "ascend"), ("8npu", h100, "nvidia"), ("eight", b2, "expected"), ("2x16npu", b2, "node holds 8"),
+                               ("1.5npu", b2, "positive integer"), ("2x4npu-h", b2, "no node count")]:  # fmt: skip
+        with pytest.raises(SpecError, match=words):
+            parse_budget(text, accel)
+
+
+# ---- the search -----------------------------------------------------------------------------------
+
+CASES = [
+    Request(model="qwen3-30b-a3b", hardware="ascend-910b2", budget="8npu", fault="grad-overflow"),
+    Request(model="glm-4.5-air", hardware="h20", budget="16gpu", fault="entropy-collapse"),
+    Request(model="mixtral-8x7b", hardware="h100-sxm", budget="8gpu", fault="grad-overflow", min_k_ratio=2.0),
+    Request(model="deepseek-v3", hardware="atlas-a3", budget="128npu", fault="grad-overflow", trials=200),  # NSGA-II: 396 points
+]
+
+
+@pytest.mark.parametrize("request_", CASES, ids=lambda r: f"{r.model}-{r.budget}")
+def test_search_finds_the_exhaustive_optimum(request_):
+    space = Suggester(request_)
+    exhaustive = min((o for o in space.enumerate_all() if o.acceptable(request_.min_fidelity)), key=Option.rank_key)
+    best = suggest(request_).best
+    assert best is not None
+    assert best.hours == pytest.approx(exhaustive.hours, rel=1e-12)
+    assert (best.experts, best.cost.num_devices) == (exhaustive.experts, exhaustive.cost.num_devices)
+
+
+def test_default_suggest_is_fast_reproducible_and_complete():
+    start = time.perf_counter()
+    first = run_cli("suggest", "--budget", "8npu", "--json")
+    seconds = time.perf_counter() - start
+    assert first.exit_code == 0, first.output
+    assert seconds < 5.0
+    data = json.loads(first.stdout)
+    second = json.loads(run_cli("suggest", "--budget", "8npu", "--json").stdout)
+    assert [(p["experts"], p["num_cards"], p["recompute"], p["offload"]) for p in data["plans"]] == \
+           [(p["experts"], p["num_cards"], p["recompute"], p["offload"]) for p in second["plans"]]  # fmt: skip
+    best = data["plans"][0]
+    for key in ("experts", "num_cards", "layout", "memory_per_card_bytes", "step_time_s", "accelerator_hours_per_step", "predicted_fidelity", "reduction"):
+        assert best[key] is not None, key
+    assert set(best["predicted_fidelity"]) >= {"value", "low", "high"}
+    assert best["predicted_fidelity"]["low"] <= best["predicted_fidelity"]["value"] <= best["predicted_fidelity"]["high"]
+    assert best["predicted_fidelity"]["variant"] == "prior" and data["request"]["fidelity_source"] == "prior"
+    assert best["num_cards"] <= 8 and best["memory_per_card_bytes"] <= 0.9 * best["usable_bytes_per_card"]
+    assert best["experts"] >= 4 * 8  # K/top_k >= 4 by default
+    assert best["reduction"]["cards"] == data["original"]["num_cards"] / best["num_cards"]
+    assert data["pareto"] and data["original"]["num_cards"] == 16
+    outcomes = [(p["experts"], p["method"], p["num_cards"], json.dumps(p["layout"]), p["memory_per_card_bytes"], p["step_time_s"]) for p in data["plans"]]
+    assert len(set(outcomes)) == len(outcomes)  # a recompute/offload variant that changes nothing is listed once
+    text = run_cli("suggest", "--budget", "8npu").output
+    assert "cheapest proxies" in text and "Pareto set" in text and "kept for the fault" in text
+
+
+def test_two_processes_share_one_sqlite_study(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    args = [sys.executable, "-m", "planner.cli", "suggest", "--budget", "16npu", "--fault", "router-collapse", "--trials", "80", "--json"]
+    procs = [subprocess.Popen(args + ["--storage", storage, "--seed", str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for seed in (0, 1)]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    shared = min(json.loads(o[0])["plans"][0]["accelerator_hours_per_step"] for o in outs)
+    single = suggest(Request(budget="16npu", fault="router-collapse")).best  # in memory, the default 300 trials
+    assert shared == pytest.approx(single.hours, rel=1e-12)
+    import optuna
+
+    (summary,) = optuna.get_all_study_summaries(storage)
+    assert summary.n_trials >= 135  # the second process continued the first's study: together they covered the space
+
+
+def test_nothing_fits_says_why_and_the_smallest_budget():
+    result = run_cli("suggest", "--model", "deepseek-v3", "--hardware", "atlas-a3", "--budget", "8npu")
+    assert result.exit_code == 1
+    assert "no proxy clears every constraint" in result.output and "smallest budget that would do" in result.output
+    wrong = run_cli("suggest", "--budget", "8gpu")
+    assert wrong.exit_code == 2 and "ascend" in wrong.output
+    assert run_cli("suggest", "--budget", "8npu", "--fault", "bogus").exit_code == 2
+
+
+def test_plan_file_round_trips_into_preflight_and_build(tmp_path):
+    from planner.plan import load_plan
+
+    out = tmp_path / "plan.yaml"
+    assert run_cli("suggest", "--budget", "8npu", "-o", out).exit_code == 0
+    plan = load_plan(out)
+    assert plan.deferred and plan.experts >= 32 and plan.deployment["num_cards"] <= 8
+    assert plan.deployment["predicted"]["fault_reproduced"]["variant"] == "prior"
+    assert run_cli("suggest", "--budget", "8npu", "-o", out).exit_code == 2  # never overwritten silently

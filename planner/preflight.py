@@ -295,6 +295,8 @@ def check_fidelity(c: _Context) -> Check:
         return Check("fidelity", "FAIL", text)
     if pred["low"] < threshold:
         return Check("fidelity", "WARN", text + ": the interval reaches below it")
+    if pred["outside"]:
+        return Check("fidelity", "WARN", text + "; extrapolated beyond the calibration data: " + "; ".join(pred["outside"]))
     return Check("fidelity", "PASS", text)
 
 

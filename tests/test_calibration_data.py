@@ -49,7 +49,11 @@ def test_committed_dataset_meets_the_grid_spec_and_reports():
     assert refit["models"] == json.loads((ROOT / "calibration" / "fidelity.json").read_text())["models"]  # regenerable exactly
     prediction = estimator.predict(grid_rows[0])
     assert prediction["margin_ratio"]["low"] <= prediction["margin_ratio"]["value"] <= prediction["margin_ratio"]["high"]
-    assert prediction["margin_ratio"]["variant"] == "full"
+    assert prediction["margin_ratio"]["variant"] == "full" and prediction["margin_ratio"]["outside"] == []
+    assert 0.6 <= report["labels"]["fault_reproduced"]["full"]["coverage"]  # the group-shift widening holds unseen groups' rates
+    far = estimator.predict({**grid_rows[0], "log2_experts": 8.0, "recipe_grad-blowup": 1.0})["fault_reproduced"]["outside"]
+    assert [o.split()[0] for o in far] == ["log2_experts", "recipe_grad-blowup"] and "calibrated 5 only" in far[0]
+    assert FidelityEstimator.from_json(json.loads(json.dumps(estimator.to_json()))).domain == estimator.domain
     assert estimator.predict({"kept_fraction": 0.5, "recipe_fp16-overflow": 1.0})["margin_ratio"]["variant"] == "prior"
 
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,30 @@ def test_classifier_probabilities_and_json():
     assert np.all(low <= p + 1e-12) and np.all(p <= high + 1e-12)
     again = LogisticModel.from_json(json.loads(json.dumps(model.model_.to_json())))
     assert np.array_equal(again.proba(x), model.predict_proba(x)[:, 1])
+    assert np.array_equal(again.predict_interval(x)[0], low) and np.array_equal(again.predict_interval(x)[1], high)
+
+
+def test_classifier_interval_widens_for_group_shift():
+    """Groups whose base rates differ by more than sampling noise: the bootstrap interval alone holds
+    few held-out groups' observed rates; widened by the groups' conformal shift it holds most."""
+    rng = np.random.default_rng(2)
+    rates = [0.95, 0.9, 0.85, 0.6, 0.92, 0.88, 0.75, 0.97]
+    groups = np.repeat([f"g{i}" for i in range(len(rates))], 40)
+    x = rng.normal(size=(len(groups), 2))
+    y = (rng.random(len(groups)) < np.repeat(rates, 40)).astype(int)
+    plain = FidelityClassifier(n_bootstrap=20).fit(x, y)
+    grouped = FidelityClassifier(n_bootstrap=20).fit(x, y, groups=list(groups))
+    assert grouped.shift_ > 2 * plain.shift_  # random folds see sampling noise only
+    held_in, held_in_bootstrap = 0, 0
+    for g in sorted(set(groups)):
+        held = groups == g
+        model = FidelityClassifier(n_bootstrap=20).fit(x[~held], y[~held], groups=list(groups[~held]))
+        rate = y[held].mean()
+        low, high = model.predict_interval(x[held])
+        held_in += low.mean() <= rate <= high.mean()
+        low, high = replace(model.model_, shift=0.0).predict_interval(x[held])
+        held_in_bootstrap += low.mean() <= rate <= high.mean()
+    assert held_in >= 6 and held_in_bootstrap <= 3, (held_in, held_in_bootstrap)
 
 
 def test_estimator_file_is_json_and_rejects_other_files(tmp_path):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -103,7 +103,9 @@ class LinearModel:
 
 @dataclass(frozen=True)
 class LogisticModel:
-    """A fitted logistic model: P(classes[1]), and an interval from bootstrap refits."""
+    """A fitted logistic model: P(classes[1]), and an interval: the bootstrap refits' quantiles,
+    widened on each side by `shift`, how far a held-out group's observed rate fell from its mean
+    prediction (conformal over groups), so that the interval also covers an unseen (family, recipe)."""
 
     mean: np.ndarray
     scale: np.ndarray
@@ -111,6 +113,7 @@ class LogisticModel:
     bootstrap_coef: np.ndarray
     coverage: float
     classes: np.ndarray
+    shift: float = 0.0
 
     def decision(self, x, coef: np.ndarray | None = None) -> np.ndarray:
         w = self.coef if coef is None else coef
@@ -122,16 +125,18 @@ class LogisticModel:
     def predict_interval(self, x) -> tuple[np.ndarray, np.ndarray]:
         ps = np.array([self.proba(x, c) for c in self.bootstrap_coef])
         tail = (1 - self.coverage) / 2
-        return np.quantile(ps, tail, axis=0), np.quantile(ps, 1 - tail, axis=0)
+        low, high = np.quantile(ps, tail, axis=0), np.quantile(ps, 1 - tail, axis=0)
+        return np.clip(low - self.shift, 0.0, 1.0), np.clip(high + self.shift, 0.0, 1.0)
 
     def to_json(self) -> dict:
         return {"mean": self.mean.tolist(), "scale": self.scale.tolist(), "coef": self.coef.tolist(),
-                "bootstrap_coef": self.bootstrap_coef.tolist(), "coverage": self.coverage, "classes": self.classes.tolist()}  # fmt: skip
+                "bootstrap_coef": self.bootstrap_coef.tolist(), "coverage": self.coverage, "classes": self.classes.tolist(),
+                "shift": self.shift}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "LogisticModel":
         return cls(np.array(d["mean"]), np.array(d["scale"]), np.array(d["coef"]), np.array(d["bootstrap_coef"]), d["coverage"],
-                   np.array(d["classes"]))  # fmt: skip
+                   np.array(d["classes"]), float(d.get("shift", 0.0)))  # fmt: skip
 
 
 def default_estimator_path() -> Path:
@@ -153,11 +158,13 @@ def training_set(rows: list[dict], label: str, names: tuple[str, ...]) -> tuple[
 
 @dataclass
 class FidelityEstimator:
-    """The three labels' models, full and prior variants, with their feature names."""
+    """The three labels' models, full and prior variants, with their feature names and the range
+    of every feature in the calibration data (a prediction outside it is an extrapolation, and says so)."""
 
     models: dict[str, dict[str, LinearModel | LogisticModel]]  # variant -> label -> fitted model
     features: dict[str, tuple[str, ...]]  # variant -> feature names
     info: dict[str, Any]
+    domain: dict[str, tuple[float, float]] = field(default_factory=dict)  # feature -> (min, max) seen in fitting
 
     @classmethod
     def fit(cls, rows: list[dict], *, info: dict | None = None) -> "FidelityEstimator":
@@ -171,18 +178,35 @@ class FidelityEstimator:
                 _, x, y, groups = training_set(rows, label, names)
                 if len(y) >= 5 and (label != "fault_reproduced" or len(np.unique(y)) == 2):
                     models[variant][label] = new_model(label).fit(x, y, groups=groups).model_
-        return cls(models, {k: tuple(v) for k, v in features.items()}, dict(info or {}, rows=len(rows)))
+        domain = {}
+        for name in FULL_FEATURES:
+            seen = [float(r[name]) for r in rows if _finite(r.get(name))]
+            if seen:
+                domain[name] = (min(seen), max(seen))
+        return cls(models, {k: tuple(v) for k, v in features.items()}, dict(info or {}, rows=len(rows)), domain)
+
+    def outside(self, row: Mapping[str, float], variant: str) -> list[str]:
+        """The features of `row` outside the range the calibration data covered, as readable text."""
+        out = []
+        for name in self.features[variant]:
+            value, bounds = row.get(name), self.domain.get(name)
+            if bounds and _finite(value) and not bounds[0] - 1e-9 <= float(value) <= bounds[1] + 1e-9:
+                lo, hi = bounds
+                out.append(f"{name} {float(value):.4g} (calibrated {lo:.4g}" + (f" to {hi:.4g})" if hi != lo else " only)"))
+        return out
 
     def predict(self, row: Mapping[str, float], variant: str | None = None) -> dict[str, dict[str, Any]]:
-        """{label: {value, low, high, variant}} for one feature row; the full variant when its
-        features are all present, else the prior one."""
+        """{label: {value, low, high, variant, outside}} for one feature row; the full variant when
+        its features are all present, else the prior one. `outside` lists the features beyond the
+        calibration data's range: there the value is an extrapolation."""
         chosen = variant or ("full" if all(_finite(row.get(n)) for n in self.features["full"]) else "prior")
         x = np.array([[row.get(n, np.nan) for n in self.features[chosen]]], dtype=float)
+        outside = self.outside(row, chosen)
         out: dict[str, dict[str, Any]] = {}
         for label, model in self.models[chosen].items():
             value = model.proba(x)[0] if isinstance(model, LogisticModel) else model.predict(x)[0]
             low, high = (float(v[0]) for v in model.predict_interval(x))
-            out[label] = {"value": float(value), "low": low, "high": high, "variant": chosen}
+            out[label] = {"value": float(value), "low": low, "high": high, "variant": chosen, "outside": outside}
         return out
 
     def to_json(self) -> dict:
@@ -191,6 +215,7 @@ class FidelityEstimator:
             "schema": "planner.fidelity/2",
             "features": {k: list(v) for k, v in self.features.items()},
             "models": {v: {label: {"kind": kinds[type(m)], **m.to_json()} for label, m in ms.items()} for v, ms in self.models.items()},
+            "domain": {k: list(v) for k, v in self.domain.items()},
             "info": self.info,
         }
 
@@ -200,7 +225,8 @@ class FidelityEstimator:
             raise ValueError(f"not a fidelity estimator file of this version (schema {data.get('schema')!r}, want planner.fidelity/2)")
         kinds = {"ridge": LinearModel, "logistic": LogisticModel}
         models = {v: {label: kinds[m["kind"]].from_json(m) for label, m in ms.items()} for v, ms in data["models"].items()}
-        return cls(models, {k: tuple(v) for k, v in data["features"].items()}, data.get("info", {}))
+        domain = {k: (float(v[0]), float(v[1])) for k, v in data.get("domain", {}).items()}
+        return cls(models, {k: tuple(v) for k, v in data["features"].items()}, data.get("info", {}), domain)
 
     def save(self, path: str | Path) -> None:
         p = Path(path)

@@ -111,7 +111,10 @@ def _logistic(z: np.ndarray, y: np.ndarray, c: float, iters: int = 50) -> np.nda
 
 class FidelityClassifier(ClassifierMixin, BaseEstimator):
     """L2 logistic regression; `C`, or when None the one of CS with the least held-out log loss
-    (folds as FidelityRegressor's); interval on P(class 1) from `n_bootstrap` refits on resamples."""
+    (folds as FidelityRegressor's). Interval on P(class 1): the quantiles of `n_bootstrap` refits on
+    resamples (sampling noise), widened by the conformal quantile, over held-out folds, of
+    |observed rate - mean predicted P| (with groups: the shift to an unseen group, which the
+    bootstrap alone does not see)."""
 
     def __init__(self, C: float | None = None, n_bootstrap: int = 50, coverage: float = 0.8, random_state: int | None = 0):
         self.C = C
@@ -120,16 +123,23 @@ class FidelityClassifier(ClassifierMixin, BaseEstimator):
         self.random_state = random_state
 
     @staticmethod
-    def _log_loss(z: np.ndarray, target: np.ndarray, folds: np.ndarray, c: float) -> float:
-        losses = []
+    def _held_out(z: np.ndarray, target: np.ndarray, folds: np.ndarray, c: float):
+        """(held-out P, its fold) for every fold whose training part has both classes."""
         for f in np.unique(folds):
             train, test = folds != f, folds == f
             if len(np.unique(target[train])) < 2:
                 continue
             w = _logistic(z[train], target[train], c)
-            p = np.clip(1.0 / (1.0 + np.exp(-np.clip(w[0] + z[test] @ w[1:], -30, 30))), 1e-6, 1 - 1e-6)
-            losses.extend(-(target[test] * np.log(p) + (1 - target[test]) * np.log(1 - p)))
-        return float(np.mean(losses)) if losses else 0.0
+            yield np.clip(1.0 / (1.0 + np.exp(-np.clip(w[0] + z[test] @ w[1:], -30, 30))), 1e-6, 1 - 1e-6), test
+
+    def _log_loss(self, z: np.ndarray, target: np.ndarray, folds: np.ndarray, c: float) -> float:
+        losses = [-(target[t] * np.log(p) + (1 - target[t]) * np.log(1 - p)) for p, t in self._held_out(z, target, folds, c)]
+        return float(np.mean(np.concatenate(losses))) if losses else 0.0
+
+    def _shift(self, z: np.ndarray, target: np.ndarray, folds: np.ndarray) -> float:
+        shifts = np.array([abs(target[t].mean() - p.mean()) for p, t in self._held_out(z, target, folds, self.C_)])
+        n = len(shifts)
+        return float(np.quantile(shifts, min(1.0, np.ceil((n + 1) * self.coverage) / n), method="higher")) if n else 0.0
 
     def fit(self, X, y, groups=None):
         X, y = validate_data(self, X, y)
@@ -145,11 +155,12 @@ class FidelityClassifier(ClassifierMixin, BaseEstimator):
         mean, scale = x.mean(0), x.std(0)
         scale[scale == 0] = 1.0
         z = (x - mean) / scale
+        folds = _folds(len(z), groups, self.random_state)
         if self.C is None:
-            folds = _folds(len(z), groups, self.random_state)
             self.C_ = CS[int(np.argmin([self._log_loss(z, target, folds, c) for c in CS]))]
         else:
             self.C_ = float(self.C)
+        self.shift_ = self._shift(z, target, folds)
         self.coef_ = _logistic(z, target, self.C_)
         rng = np.random.default_rng(self.random_state)
         boots = []
@@ -157,7 +168,8 @@ class FidelityClassifier(ClassifierMixin, BaseEstimator):
             idx = rng.integers(0, len(z), len(z))
             if len(np.unique(target[idx])) == 2:
                 boots.append(_logistic(z[idx], target[idx], self.C_))
-        self.model_ = LogisticModel(mean, scale, self.coef_, np.array(boots) if boots else self.coef_[None, :], self.coverage, self.classes_)
+        self.model_ = LogisticModel(mean, scale, self.coef_, np.array(boots) if boots else self.coef_[None, :], self.coverage, self.classes_,
+                                    self.shift_)  # fmt: skip
         return self
 
     def predict_proba(self, X):

@@ -58,6 +58,8 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
         m = best.fidelity.get("margin_ratio")
         if m and m.get("variant") != "original":
             lines.append(f"predicted margin ratio of the best: {m['value']:.2f} [{m['low']:.2f}, {m['high']:.2f}] log2 units of the fault's knob")
+        if best.fidelity["fault_reproduced"].get("outside"):
+            lines.append("fidelity is extrapolated beyond the calibration data: " + "; ".join(best.fidelity["fault_reproduced"]["outside"]))
         lines.append("kept for the fault: " + "; ".join(s.factors))
         lines.extend(f"note: {n}" for n in best.cost.notes)
     else:

@@ -251,8 +251,8 @@ class Suggester:
         if key not in self._fidelity:
             e = self.arch.original_num_experts
             if experts == e:
-                exact = {"value": 1.0, "low": 1.0, "high": 1.0, "variant": "original"}
-                self._fidelity[key] = {"fault_reproduced": exact, "margin_ratio": {"value": 0.0, "low": 0.0, "high": 0.0, "variant": "original"}}
+                exact = {"value": 1.0, "low": 1.0, "high": 1.0, "variant": "original", "outside": []}
+                self._fidelity[key] = {"fault_reproduced": exact, "margin_ratio": {**exact, "value": 0.0, "low": 0.0, "high": 0.0}}
             else:
                 self._fidelity[key] = self.estimator.predict(self.features(experts, method))
         return self._fidelity[key]

@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/clustering_quality.py
 	$(PY) benchmarks/rl_harness.py
 	$(PY) benchmarks/suggest_search.py
+	$(PY) benchmarks/check_memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -28,6 +28,9 @@ CASES = [
     Request(model="deepseek-v3", hardware="atlas-a3", budget="128npu", fault="grad-overflow"),
     Request(model="qwen3-235b-a22b", hardware="atlas-a3", budget="200npu-h", fault="rollout-mismatch"),
     Request(model="mixtral-8x7b", hardware="h100-sxm", budget="8gpu", fault="grad-overflow", min_k_ratio=2.0),
+    # large budgets: many device counts, where the cheapest point sits at each K's own minimum count
+    Request(model="qwen3-30b-a3b", hardware="ascend-910b2", budget="2048npu", fault="grad-overflow"),
+    Request(model="deepseek-v3", hardware="atlas-a3", budget="512npu", fault="entropy-collapse"),
 ]
 
 
@@ -50,10 +53,11 @@ def main() -> int:
         ok &= match
         best = result.best
         rows.append([f"{req.model} {req.hardware} {req.budget} {req.fault}", space.space_size(), f"{t_enum:.2f}", f"{result.seconds:.2f}",
-                     f"{t_enum / result.seconds:.1f}x", len(result.options), "-" if result.best_trial is None else result.best_trial,
+                     f"{t_enum / result.seconds:.1f}x", result.trials, len(result.options), "-" if result.best_trial is None else result.best_trial,
                      "-" if best is None else f"K={best.experts} {best.cost.num_devices} {best.cost.device_unit}s {best.hours:.2f} h/step",
                      "yes" if match else "NO"])  # fmt: skip
-    print(table(["case", "space", "enumerate s", "search s", "enum/search", "points tried", "optimum at trial", "best", "= exhaustive"], rows))
+    print(table(["case", "space", "enumerate s", "search s", "enum/search", "trials", "points tried", "optimum at trial", "best", "= exhaustive"],
+                rows))  # fmt: skip
     return 0 if ok else 1
 
 

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,21 +46,63 @@ class CheckReport:
         return {**asdict(self), "memory_predicted_over_measured": self.memory_ratio}
 
 
-def _proxy(plan, checkpoint: Path, out: Path, stats_path, progress) -> tuple[Path, bool]:
-    from planner.checkpoint import Checkpoint, build
+def _built_from_other_plan(proxy: Path, plan) -> str | None:
+    """Why the proxy at `proxy` was not built by `plan` (None when it was, as far as its expert map says)."""
+    from planner.files import read_json
+
+    emap_path = proxy / "expert_map.json"
+    if not emap_path.is_file():
+        return f"{proxy} has no expert_map.json: not a proxy `planner build` wrote"
+    emap = read_json(emap_path, "expert map")
+    if (emap.get("experts"), emap.get("method")) != (plan.experts, plan.method):
+        return f"it keeps K={emap.get('experts')} by {emap.get('method')}, the plan K={plan.experts} by {plan.method}"
+    if not plan.deferred:
+        built = {int(layer): list(entry["kept"]) for layer, entry in emap.get("layers", {}).items()}
+        if built != {int(layer): list(kept) for layer, kept in plan.layers.items()}:
+            return "its kept experts differ from the plan's"
+    return None
+
+
+def _proxy(plan, ckpt, out: Path, stats_path, force: bool, progress) -> tuple[Path, bool]:
+    from planner.checkpoint import build
     from planner.stats.compute import resolve_plan
 
-    ckpt = Checkpoint(checkpoint)
     e = ckpt.arch.original_num_experts
-    if e == plan.experts and plan.experts != plan.original_experts:
-        return checkpoint, False  # already the proxy
+    if e == plan.experts and plan.experts != plan.original_experts:  # the checkpoint given is the proxy already
+        why = _built_from_other_plan(ckpt.path, plan)
+        if why:
+            raise SpecError(f"{ckpt.path} has {e} experts per layer, as the plan's proxy would, but {why}")
+        return ckpt.path, False
     if e != plan.original_experts:
-        raise SpecError(f"{checkpoint} has {e} experts per layer; the plan is for a model with {plan.original_experts} (or its K={plan.experts} proxy)")
+        raise SpecError(f"{ckpt.path} has {e} experts per layer; the plan is for a model with {plan.original_experts} (or its K={plan.experts} proxy)")
     target = out / "proxy"
-    if (target / "expert_map.json").is_file():
-        return target, False
-    build(ckpt, resolve_plan(ckpt, plan, stats_path=stats_path), target, verify="auto", progress=progress)
+    if target.exists():
+        why = _built_from_other_plan(target, plan)
+        if why is None:
+            return target, False  # built by this plan before: reused
+        if not force:
+            raise SpecError(f"{target} holds a proxy not built by this plan ({why}); pass --force to rebuild it")
+    build(ckpt, resolve_plan(ckpt, plan, stats_path=stats_path), target, verify="auto", force=force, progress=progress)
     return target, True
+
+
+def _reference_config(reference: Path, device: str, recipe_name: str | None, knob: float | None):
+    """The RLConfig of the original's run, for the proxy to repeat; conflicting options are errors."""
+    from planner.files import read_json
+    from planner.rl.grpo import RLConfig
+
+    ref_info = read_json(reference / "run.json", "`planner rl run` record", "; --reference-metrics takes a `planner rl run` directory")
+    if not isinstance(ref_info, dict) or not isinstance(ref_info.get("config"), dict):
+        raise SpecError(f"{reference}/run.json: not a `planner rl run` record (no config)")
+    if recipe_name and ref_info.get("recipe") and recipe_name != ref_info["recipe"]:
+        raise SpecError(f"--recipe {recipe_name}, but the reference run {reference} ran {ref_info['recipe']}: the proxy repeats the reference's settings")
+    if knob is not None and ref_info.get("knob") is not None and knob != ref_info["knob"]:
+        raise SpecError(f"--knob {knob}, but the reference run {reference} ran at {ref_info['knob']}: the proxy repeats the reference's settings")
+    fields = RLConfig.__dataclass_fields__
+    config = RLConfig(**{**{k: v for k, v in ref_info["config"].items() if k in fields}, "device": device})
+    if config.steps < 2:
+        raise SpecError(f"the reference run {reference} has {config.steps} step(s); a check needs at least 2 (one warm-up, one measured)")
+    return config, {"recipe": ref_info.get("recipe") or recipe_name, "knob": ref_info.get("knob")}
 
 
 def run_check(plan_path: str | Path, checkpoint: str | Path, out_dir: str | Path, *, device: str = "cpu", steps: int = 20,
@@ -82,18 +123,10 @@ def run_check(plan_path: str | Path, checkpoint: str | Path, out_dir: str | Path
         raise SpecError(f"{run_dir} already holds a run; pass --force to replace it")
     if steps < 2:
         raise SpecError(f"--steps must be at least 2 (one warm-up step, one measured), got {steps}")
-    out.mkdir(parents=True, exist_ok=True)
-    proxy_dir, built = _proxy(plan, Path(checkpoint), out, stats_path, progress and (lambda d, t: progress("build", d, t)))
-
     info: dict[str, Any] = {}
-    if reference is not None:
-        ref_info = json.loads((Path(reference) / "run.json").read_text()) if (Path(reference) / "run.json").is_file() else None
-        if not ref_info or "config" not in ref_info:
-            raise SpecError(f"{reference}: not a `planner rl run` directory (no run.json with a config)")
-        fields = RLConfig.__dataclass_fields__
-        config = RLConfig(**{**{k: v for k, v in ref_info["config"].items() if k in fields}, "device": device})
-        steps = config.steps
-        info.update(recipe=ref_info.get("recipe"), knob=ref_info.get("knob"))
+    if reference is not None:  # read and checked before anything is built or written
+        config, ref = _reference_config(Path(reference), device, recipe_name, knob)
+        info.update(ref)
     else:
         r = recipe(recipe_name) if recipe_name else None
         if knob is not None and r is None:
@@ -105,6 +138,9 @@ def run_check(plan_path: str | Path, checkpoint: str | Path, out_dir: str | Path
         else:
             config = r.config(knob, seed=seed, steps=steps, device=device)
         info.update(recipe=recipe_name, knob=knob)
+    ckpt = Checkpoint(checkpoint)  # a bad checkpoint is refused before the output folder is made
+    out.mkdir(parents=True, exist_ok=True)
+    proxy_dir, built = _proxy(plan, ckpt, out, stats_path, force, progress and (lambda d, t: progress("build", d, t)))
 
     trainer = GRPO(proxy_dir, config)
     peak = 0.0

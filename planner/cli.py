@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from planner.errors import InfeasibleError, PlannerError, SpecError
-from planner.files import refuse_existing
+from planner.files import new_output, refuse_existing, write_text_atomic
 from planner.plan import SELECTION_METHODS
 
 DEFAULT_MODEL = "qwen3-30b-a3b"
@@ -242,13 +242,11 @@ def plan(checkpoint, experts, method, stats_path, mtp, target_ep, seed, output, 
     from planner.stats.compute import choose_plan
 
     def body():
-        refuse_existing(output, force)
+        new_output(output, force)
         ckpt = Checkpoint(checkpoint)
         result = choose_plan(ckpt, experts, method, stats_path=stats_path, mtp=mtp, target_ep=tuple(_ints(target_ep)), seed=seed)
         warnings = result.check(ckpt.arch, list(ckpt.moe_layers))
-        tmp = Path(output + ".tmp")
-        tmp.write_text(result.to_yaml())
-        tmp.replace(output)
+        write_text_atomic(output, result.to_yaml())
         for w in warnings:
             click.echo(f"warning: {w}", err=True)
         click.echo(f"wrote {output}: K={experts} of {result.original_experts} experts, {len(result.layers)} MoE layers, method {method}")

@@ -10,53 +10,60 @@ import click
 
 from planner.cli import DEFAULT_HARDWARE, DEFAULT_MODEL, _emit_json, _progress, _run, main
 from planner.errors import SpecError
-from planner.files import refuse_existing
+from planner.files import new_output, write_text_atomic
+
+_SEARCH_OPTIONS = (
+    click.option("--budget", required=True, help="8npu, 16gpu, 2x8npu (nodes x devices), 64card, or 40npu-h (accelerator-hours for --steps steps)."),
+    click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Catalog model or a path to config.json / a checkpoint."),
+    click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True),
+    click.option("--job", "job_path", type=click.Path(dir_okay=False), default=None, help="RL job YAML (default: GRPO 512x16)."),
+    click.option("--fault", default="grad-overflow", show_default=True,
+                 help="grad-overflow, rollout-mismatch, entropy-collapse, router-collapse or grad-norm-divergence."),
+    click.option("--stats", "stats_path", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="`planner stats` of the checkpoint: fidelity from plan statistics (default: the prior estimator)."),
+    click.option("--min-fidelity", type=float, default=0.8, show_default=True, help="Least predicted P(fault reproduced)."),
+    click.option("--trials", type=int, default=300, show_default=True),
+    click.option("--storage", default=None, help="Optuna storage URL (sqlite:///study.db, postgresql://...) shared by several processes."),
+    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--steps", type=int, default=20, show_default=True, help="Steps of the reproduction (for hours budgets and totals)."),
+    click.option("--min-k-ratio", type=float, default=4.0, show_default=True, help="Keep K/top_k at least this (0: any legal K)."),
+    click.option("--memory-margin", type=float, default=0.1, show_default=True, help="Share of usable device memory to keep free."),
+)  # fmt: skip
 
 
-def _write_new(path: str, text: str, force: bool) -> None:
-    out = refuse_existing(path, force)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+def search_options(fn):
+    """The options `suggest` and `report` share, so a report reproduces a suggestion exactly."""
+    for option in reversed(_SEARCH_OPTIONS):
+        fn = option(fn)
+    return fn
 
 
-@main.command()
-@click.option("--budget", required=True, help="8npu, 16gpu, 2x8npu (nodes x devices), 64card, or 40npu-h (accelerator-hours for --steps steps).")
-@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Catalog model or a path to config.json / a checkpoint.")
-@click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True)
-@click.option("--job", "job_path", type=click.Path(dir_okay=False), default=None, help="RL job YAML (default: GRPO 512x16).")
-@click.option("--fault", default="grad-overflow", show_default=True,
-              help="grad-overflow, rollout-mismatch, entropy-collapse, router-collapse or grad-norm-divergence.")
-@click.option("--stats", "stats_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="`planner stats` of the checkpoint: fidelity from plan statistics (default: the prior estimator).")
-@click.option("--min-fidelity", type=float, default=0.8, show_default=True, help="Least predicted P(fault reproduced).")
-@click.option("--trials", type=int, default=300, show_default=True)
-@click.option("--storage", default=None, help="Optuna storage URL (sqlite:///study.db, postgresql://...) shared by several processes.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--steps", type=int, default=20, show_default=True, help="Steps of the reproduction (for hours budgets and totals).")
-@click.option("--min-k-ratio", type=float, default=4.0, show_default=True, help="Keep K/top_k at least this (0: any legal K).")
-@click.option("--memory-margin", type=float, default=0.1, show_default=True, help="Share of usable device memory to keep free.")
-@click.option("--json", "as_json", is_flag=True)
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the best option's plan YAML here.")
-@click.option("--force", is_flag=True)
-def suggest(budget, model, hardware, job_path, fault, stats_path, min_fidelity, trials, storage, seed, steps, min_k_ratio,
-            memory_margin, as_json, output, force) -> None:  # fmt: skip
-    """The cheapest proxy within the budget whose predicted fidelity clears the threshold."""
-    from planner.search.output import plan_of, render_suggestion, suggestion_json
+def _request(budget, model, hardware, job_path, fault, stats_path, min_fidelity, trials, storage, seed, steps, min_k_ratio, memory_margin):
     from planner.search.suggest import Request
-    from planner.search.suggest import suggest as run_suggest
     from planner.specs import load_job
     from planner.stats.store import load_stats
 
+    return Request(model=model, hardware=hardware, job=load_job(job_path), budget=budget, fault=fault,
+                   stats=load_stats(stats_path) if stats_path else None, min_fidelity=min_fidelity, trials=trials,
+                   storage=storage, seed=seed, steps=steps, min_k_ratio=min_k_ratio, memory_margin=memory_margin)  # fmt: skip
+
+
+@main.command()
+@search_options
+@click.option("--json", "as_json", is_flag=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the best option's plan YAML here.")
+@click.option("--force", is_flag=True)
+def suggest(as_json, output, force, **search) -> None:
+    """The cheapest proxy within the budget whose predicted fidelity clears the threshold."""
+    from planner.search.output import plan_of, render_suggestion, suggestion_json
+    from planner.search.suggest import suggest as run_suggest
+
     def body():
         if output:
-            refuse_existing(output, force)
-        request = Request(model=model, hardware=hardware, job=load_job(job_path), budget=budget, fault=fault,
-                          stats=load_stats(stats_path) if stats_path else None, min_fidelity=min_fidelity, trials=trials,
-                          storage=storage, seed=seed, steps=steps, min_k_ratio=min_k_ratio, memory_margin=memory_margin)  # fmt: skip
-        result = run_suggest(request, progress=None if as_json else _progress("search"))
+            new_output(output, force)
+        result = run_suggest(_request(**search), progress=None if as_json else _progress("search"))
         if output and result.best:
-            _write_new(output, plan_of(result, result.best).to_yaml(), force)
+            write_text_atomic(new_output(output, force), plan_of(result, result.best).to_yaml())
         if as_json:
             _emit_json(suggestion_json(result))
         else:
@@ -125,25 +132,16 @@ def check(plan_path, checkpoint, reference, replica, device, steps, recipe_name,
 
 
 @main.command()
-@click.option("--model", default=DEFAULT_MODEL, show_default=True)
-@click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True)
-@click.option("--budget", required=True, help="As `planner suggest --budget`.")
-@click.option("--job", "job_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--fault", default="grad-overflow", show_default=True)
-@click.option("--min-fidelity", type=float, default=0.8, show_default=True)
-@click.option("--trials", type=int, default=300, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@search_options
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Report directory (report.md, report.html, figures/).")
-@click.option("--force", is_flag=True, help="Replace an existing report directory.")
-def report(model, hardware, budget, job_path, fault, min_fidelity, trials, seed, output, force) -> None:
-    """A capacity-planning report: Markdown and HTML with PNG figures."""
-    from planner.report import build_report, default_request, write_report
-    from planner.specs import load_job
+@click.option("--force", is_flag=True, help="Replace an existing report directory (only a report directory).")
+def report(output, force, **search) -> None:
+    """A capacity-planning report: Markdown and HTML with PNG figures (the search is `suggest`'s)."""
+    from planner.report import build_report, check_report_dir, write_report
 
     def body():
-        refuse_existing(output, force)
-        request = default_request(model, hardware, budget, job=load_job(job_path), fault=fault, min_fidelity=min_fidelity, trials=trials, seed=seed)
-        result = build_report(request, progress=lambda s: click.echo(s, err=True))
+        check_report_dir(output, force)
+        result = build_report(_request(**search), progress=lambda s: click.echo(s, err=True))
         out = write_report(result, output, force=force)
         click.echo(f"wrote {out}/report.md, {out}/report.html and {len(list((out / 'figures').glob('*.png')))} figures")
 

@@ -11,7 +11,7 @@ import yaml
 
 from planner.errors import SpecError
 
-__all__ = ["read_yaml", "read_json", "refuse_existing"]
+__all__ = ["read_yaml", "read_json", "refuse_existing", "new_output", "write_text_atomic"]
 
 
 def _text(path: Path, what: str, hint: str) -> str:
@@ -42,4 +42,22 @@ def refuse_existing(path: str | Path, force: bool, note: str = "") -> Path:
     p = Path(path)
     if p.exists() and not force:
         raise SpecError(f"{p} exists; pass --force to replace it{note}")
+    return p
+
+
+def new_output(path: str | Path, force: bool) -> Path:
+    """An output file `path` that may be written: its folder exists, and it is new unless --force.
+    Checked before any long work, so that a run is never lost to a typo in -o."""
+    p = refuse_existing(path, force)
+    if not p.resolve().parent.is_dir():
+        raise SpecError(f"{p}: folder {p.resolve().parent} does not exist")
+    return p
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to PATH.part, then rename it over `path`: readers never see half a file."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".part")
+    tmp.write_text(text)
+    tmp.replace(p)
     return p

@@ -63,11 +63,19 @@ class _Context:
 
     def __init__(self, data: dict, base: Path):
         self.data, self.base = data, base
-        self.settings = (data.get("fault") or {}).get("settings") or {}
+        fault = data.get("fault")
+        settings = fault.get("settings") if isinstance(fault, dict) else None
+        self.settings = settings if isinstance(settings, dict) else {}
 
     def path(self, key: str) -> Path:
         p = Path(str(self.data[key])).expanduser()
         return p if p.is_absolute() else self.base / p
+
+    def ref(self, key: str) -> str:
+        """A catalog id or a path: a path relative to the request's folder when one exists there."""
+        text = str(self.data[key])
+        local = self.path(key)
+        return str(local) if not Path(text).expanduser().is_absolute() and local.exists() else text
 
     def __getattr__(self, name: str):
         loader = getattr(type(self), f"_load_{name}", None)
@@ -89,8 +97,7 @@ class _Context:
         from planner.catalog import load_model_config
 
         if self.data.get("model"):
-            ref = str(self.data["model"])
-            return load_model_config(ref if not Path(ref).suffix else str(self.path("model")))
+            return load_model_config(self.ref("model"))
         return load_model_config(str(self.path("checkpoint")))
 
     def _load_arch(self):
@@ -107,7 +114,9 @@ class _Context:
     def _load_accel(self):
         from planner.catalog import load_accelerator
 
-        return load_accelerator(str(self.data.get("hardware") or self.deployment.get("hardware") or "ascend-910b2"))
+        if self.data.get("hardware"):
+            return load_accelerator(self.ref("hardware"))
+        return load_accelerator(str(self.deployment.get("hardware") or "ascend-910b2"))
 
     def _load_job(self):
         from planner.specs import Job, load_job
@@ -139,9 +148,9 @@ class _Context:
         if dep.get("train_layout") and dep.get("rollout_layout"):
             job = dataclasses.replace(job, train_layout=TrainLayout.from_dict(dep["train_layout"]),
                                       rollout_layout=RolloutLayout.from_dict(dep["rollout_layout"]))  # fmt: skip
-        margin = float(self.data.get("memory_margin", 0.1))
+        margin = float(self.data.get("memory_margin", 0.1))  # kept free in the training phases, as `suggest` does
         if dep.get("num_cards"):
-            return evaluate(arch, self.accel, job, int(dep["num_cards"]))
+            return evaluate(arch, self.accel, job, int(dep["num_cards"]), memory_margin=margin)
         return min_devices(arch, self.accel, job, memory_margin=margin)
 
 
@@ -170,22 +179,48 @@ def check_schema(c: _Context) -> Check:
     fault = d.get("fault")
     if fault is not None:
         if not isinstance(fault, dict) or "type" not in fault:
-            problems.append("fault must be a mapping with a type")
+            problems.append(f"fault must be a mapping with a type (e.g. fault: {{type: grad-overflow}}), got {fault!r}")
         else:
-            from planner.search.suggest import FAULTS
-
-            bad = [k for k in fault if k not in FAULT_KEYS] + [k for k in (fault.get("settings") or {}) if k not in SETTING_KEYS]
-            if bad:
-                problems.append(f"unknown fault key(s) {bad}; fault: {', '.join(FAULT_KEYS)}; settings: {', '.join(SETTING_KEYS)}")
-            if fault["type"] not in FAULTS:
-                problems.append(f"fault type {fault['type']!r} is not one of {', '.join(sorted(FAULTS))}")
+            problems += _fault_problems(fault)
     for key, lo, hi in (("min_fidelity", 0.0, 1.0), ("memory_margin", 0.0, 0.9)):
         v = d.get(key)
-        if v is not None and (not isinstance(v, (int, float)) or not lo <= v <= hi):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi):
             problems.append(f"{key} must lie in [{lo}, {hi}], got {v!r}")
+    steps = d.get("steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        problems.append(f"steps must be a whole number of at least 1, got {steps!r}")
+    for key in ("model", "checkpoint", "plan", "budget", "hardware", "stats"):
+        if d.get(key) is not None and not isinstance(d[key], (str, int, float)):
+            problems.append(f"{key} must be a name or a path, got {d[key]!r}")
     if problems:
         return Check("schema", "FAIL", "; ".join(problems))
     return Check("schema", "PASS", f"{REQUEST_SCHEMA}: every key known, plan, budget and fault given")
+
+
+_SETTING_TYPES = {"precision": str, "max_prompt_tokens": int, "max_response_tokens": int, "top_k": int, "scoring": str, "router_dtype": str,
+                  "balance_coef": (int, float), "routing_replay": bool, "n_group": int, "topk_group": int}  # fmt: skip
+
+
+def _fault_problems(fault: dict) -> list[str]:
+    from planner.search.suggest import FAULTS
+
+    problems = []
+    settings = fault.get("settings") or {}
+    if not isinstance(settings, dict):
+        return [f"fault.settings must be a mapping of the failing run's settings, got {settings!r}"]
+    bad = [k for k in fault if k not in FAULT_KEYS] + [k for k in settings if k not in SETTING_KEYS]
+    if bad:
+        problems.append(f"unknown fault key(s) {bad}; fault: {', '.join(FAULT_KEYS)}; settings: {', '.join(SETTING_KEYS)}")
+    if not isinstance(fault["type"], str) or fault["type"] not in FAULTS:
+        problems.append(f"fault type {fault['type']!r} is not one of {', '.join(sorted(FAULTS))}")
+    for key, kind in _SETTING_TYPES.items():
+        v = settings.get(key)
+        if v is not None and (not isinstance(v, kind) or (kind is not bool and isinstance(v, bool))):
+            names = " or ".join(t.__name__ for t in (kind if isinstance(kind, tuple) else (kind,)))
+            problems.append(f"fault.settings.{key} must be {names}, got {v!r}")
+    if fault.get("metrics") is not None and not isinstance(fault["metrics"], str):
+        problems.append(f"fault.metrics is the failing run's directory, got {fault['metrics']!r}")
+    return problems
 
 
 def check_model(c: _Context) -> Check:
@@ -211,6 +246,11 @@ def check_plan(c: _Context) -> Check:
     plan, arch = c.plan, c.arch
     ckpt = c.checkpoint
     moe_layers = list(ckpt.moe_layers) if ckpt is not None else None
+    from planner.catalog import resolve_model_id
+
+    asked, made_for = c.config[0], resolve_model_id(str(plan.model)) if plan.model else None
+    if c.data.get("model") and made_for is not None and resolve_model_id(asked) is not None and made_for != resolve_model_id(asked):
+        return Check("plan", "FAIL", f"the plan was made for {made_for}, the request names {asked}")
     warnings = plan.check(arch, moe_layers)
     if ckpt is not None and plan.checkpoint_fingerprint and plan.checkpoint_fingerprint != ckpt.fingerprint():
         return Check("plan", "FAIL", f"the plan was made for checkpoint {plan.checkpoint_fingerprint[:12]}, not this one ({ckpt.fingerprint()[:12]})")
@@ -228,14 +268,15 @@ def check_memory(c: _Context) -> Check:
     unit = r.device_unit
     if not r.feasible:
         return Check("memory", "FAIL", f"K={r.experts} on {r.num_devices} {unit}s does not fit: " + "; ".join(r.reasons))
-    peak, usable = r.peak_memory_bytes, r.usable_bytes_per_device
+    # the rollout engine pre-allocates a fixed share of memory; the margin is kept free in the training phases
+    usable = r.usable_bytes_per_device
+    train_phase, train_peak = max(((p, m["total"]) for p, m in r.memory_per_device_bytes.items() if p != "rollout"), key=lambda t: t[1])
     limit = usable * (1 - margin)
-    text = f"peak {gib(peak)} per {unit} ({r.peak_phase}) of {gib(usable)} usable on {r.num_devices} {unit}s, layout {r.train_layout.describe()}"
-    if peak > limit:
-        return Check("memory", "FAIL", f"{text}: above the {margin:.0%} safety margin (limit {gib(limit)})")
-    if peak > usable * (1 - margin / 2):
-        return Check("memory", "WARN", f"{text}: within half the safety margin")
-    return Check("memory", "PASS", f"{text}: {gib(usable - peak)} headroom")
+    text = (f"peak {gib(r.peak_memory_bytes)} per {unit} ({r.peak_phase}); training peak {gib(train_peak)} ({train_phase}) of "
+            f"{gib(limit)} allowed ({gib(usable)} usable, {margin:.0%} kept free), on {r.num_devices} {unit}s, layout {r.train_layout.describe()}")  # fmt: skip
+    if train_peak > usable * (1 - 1.5 * margin):
+        return Check("memory", "WARN", f"{text}: less than half the margin again to spare")
+    return Check("memory", "PASS", f"{text}: {gib(limit - train_peak)} to spare")
 
 
 def check_host_memory(c: _Context) -> Check:
@@ -261,13 +302,13 @@ def check_budget(c: _Context) -> Check:
     budget = parse_budget(str(c.data["budget"]), c.accel)
     r = c.cost
     unit = r.device_unit
+    if not r.feasible:
+        return Check("budget", "FAIL", "not evaluated: the proxy does not fit in device memory")
     if budget.max_devices is not None:
         if r.num_devices > budget.max_devices:
             return Check("budget", "FAIL", f"the plan runs on {r.num_devices} {unit}s, the budget is {budget.describe(c.accel)}")
         return Check("budget", "PASS", f"{r.num_devices} of {budget.max_devices} {unit}s")
     steps = int(c.data.get("steps", 20))
-    if not r.feasible:
-        return Check("budget", "FAIL", "not evaluated: the proxy does not fit in device memory")
     hours = r.device_hours_per_step * steps
     if hours > budget.device_hours:
         return Check("budget", "FAIL", f"{steps} steps take {hours:,.1f} {unit}-hours > the budget of {budget.device_hours:g}")
@@ -314,7 +355,11 @@ def check_factors(c: _Context) -> Check:
         if key in s:
             (kept if s[key] == have else fails).append(f"{key} {s[key]} (model: {have})")
     if "router_dtype" in s:
-        kept.append(f"router dtype {s['router_dtype']} (the builder never changes the router's dtype)")
+        stored = "fp32" if moe.router_fp32 else job.precision
+        if s["router_dtype"] != stored:
+            warns.append(f"router dtype {s['router_dtype']} in the failing run, {stored} in the model: set {s['router_dtype']} in the proxy run")
+        else:
+            kept.append(f"router dtype {s['router_dtype']} (the builder never changes the router's dtype)")
     if plan.experts < 4 * moe.top_k:
         warns.append(f"K/top_k = {plan.experts}/{moe.top_k} < 4: near-dense routing loses the fragility behind mismatch faults")
     if c.data["fault"]["type"] == "router-collapse" and "balance_coef" not in s:
@@ -361,6 +406,8 @@ def check_metrics(c: _Context) -> Check | None:
     from planner.rl.grpo import read_metrics
 
     rows = read_metrics(p)
+    if not rows:
+        return Check("failing run metrics", "FAIL", f"{p}/metrics.csv holds no steps")
     return Check("failing run metrics", "PASS", f"{len(rows)} steps of the failing run to compare the proxy against")
 
 
@@ -396,6 +443,8 @@ def preflight(path: str | Path) -> list[Check]:
             result = fn(ctx)
         except PlannerError as exc:
             result = Check(name, "FAIL", str(exc))
+        except (ValueError, TypeError, KeyError, OSError) as exc:  # a malformed file the request points at
+            result = Check(name, "FAIL", f"{type(exc).__name__}: {exc}")
         if result is None:
             continue
         results.append(result)

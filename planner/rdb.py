@@ -8,20 +8,30 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 __all__ = ["rdb_storage"]
 
 
 def rdb_storage(url: str, attempts: int = 6, **kwargs):
+    """Optuna RDB storage at `url`; a malformed URL or a database that cannot be opened is a
+    SpecError (exit code 2) naming the URL."""
     import optuna
     import sqlalchemy.exc
 
-    if url.startswith("sqlite"):
+    from planner.errors import SpecError
+
+    if url.startswith("sqlite:///"):
         kwargs.setdefault("engine_kwargs", {"connect_args": {"timeout": 120}})
+        folder = Path(url[len("sqlite:///") :]).parent
+        if not folder.is_dir():
+            raise SpecError(f"--storage {url}: folder {folder} does not exist")
     for attempt in range(attempts):
         try:
             return optuna.storages.RDBStorage(url, **kwargs)
-        except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError):
+        except sqlalchemy.exc.ArgumentError as exc:
+            raise SpecError(f"--storage {url!r}: not a database URL (e.g. sqlite:///study.db, postgresql://host/db): {exc}") from None
+        except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError) as exc:
             if attempt == attempts - 1:
-                raise
+                raise SpecError(f"--storage {url}: cannot open the database: {exc.orig}") from None
             time.sleep(random.uniform(0.2, 1.0))

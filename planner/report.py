@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import platform
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Callable
 
-from planner.cost.evaluate import CostResult, min_devices
-from planner.errors import InfeasibleError, SpecError
+from planner.cost.evaluate import CostResult
+from planner.errors import SpecError
 from planner.files import refuse_existing
 
 __all__ = ["Report", "build_report", "write_report", "FIGURE_SIZE_PX"]
@@ -44,18 +44,18 @@ def _label(k: int, e: int) -> str:
 def build_report(request, *, progress: Callable[[str], None] = lambda s: None) -> Report:
     from planner.search.suggest import Suggester, suggest
 
+    progress("costing the original and every K at its minimum device count")
     space = Suggester(request)
     costs, skipped = {}, {}
     e = space.arch.original_num_experts
     for k in sorted(space.experts, reverse=True):
-        progress(f"costing {_label(k, e)} at its minimum device count")
-        arch = space.arch if k == e else space.arch.with_experts(k)
-        try:
-            costs[_label(k, e)] = min_devices(arch, space.accel, request.job, max_devices=request.max_devices)
-        except InfeasibleError as exc:
-            skipped[_label(k, e)] = str(exc)
+        m = space.minimum(k)
+        if m is not None:
+            costs[_label(k, e)] = m
+        else:
+            skipped[_label(k, e)] = f"fits on no count up to {request.max_devices} {space.accel.device_unit}s"
     progress(f"searching proxies within {request.budget} ({request.trials} trials)")
-    return Report(request, costs, suggest(request), skipped)
+    return Report(request, costs, suggest(request, suggester=space), skipped)
 
 
 # ---- figures --------------------------------------------------------------------------------------
@@ -183,7 +183,9 @@ def _markdown(r: Report) -> str:
                  f"recompute {req.job.recompute}. Budget {s.budget.describe(s.accelerator)}; fault {req.fault} (recipe {s.recipe}); "
                  f"fidelity threshold {req.min_fidelity}.")  # fmt: skip
     lines += ["", "## Original and proxies at their minimum device counts", "",
-              "Each at the fewest devices it fits on (no safety margin), with its best layouts; proxies keep K experts per MoE layer.", ""]
+              f"Each at the fewest devices it fits on (keeping {req.memory_margin:.0%} of usable memory free, full recompute, offload "
+              "all), with its best layouts there; proxies keep K experts per MoE layer. Reductions compare like with like, each at its "
+              "minimum count; the search below uses the original's cheapest configuration instead.", ""]
     lines.append(f"| model | {unit}s | train layout | rollout layout | peak GiB/{unit} (phase) | step s | {unit}-h/step | fewer {unit}s | fewer hours |")
     lines.append("|---|---|---|---|---|---|---|---|---|")
     for name, c in r.costs.items():
@@ -254,12 +256,13 @@ def _html(markdown: str, title: str) -> str:
 def write_report(r: Report, out_dir: str | Path, *, force: bool = False) -> Path:
     from planner.search.output import suggestion_json
 
-    out = Path(out_dir)
-    refuse_existing(out, force)
+    out = check_report_dir(out_dir, force)
     if not r.costs:
         raise SpecError("neither the original nor any proxy fits within the search bound: " + "; ".join(r.skipped.values()))
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists():
+        _replaceable(tmp)
+        shutil.rmtree(tmp)
     (tmp / "figures").mkdir(parents=True)
     for name, draw in FIGURES.items():
         draw(r, tmp / "figures" / name)
@@ -274,7 +277,23 @@ def write_report(r: Report, out_dir: str | Path, *, force: bool = False) -> Path
     return out
 
 
-def default_request(model: str, hardware: str, budget: str, **kw):
-    from planner.search.suggest import Request
+def _replaceable(path: Path) -> None:
+    """Only a report directory (or an empty one) is ever deleted to make room for a new report."""
+    if path.is_dir() and any(path.iterdir()) and not (path / "report.md").is_file():
+        raise SpecError(f"{path} is not a report directory (no report.md); refusing to replace it")
+    if path.exists() and not path.is_dir():
+        raise SpecError(f"{path} exists and is not a directory")
 
-    return replace(Request(), model=model, hardware=hardware, budget=budget, **kw)
+
+def check_report_dir(out_dir: str | Path, force: bool) -> Path:
+    """The report's directory, before any work: a fresh name in an existing folder, or with --force
+    an earlier report (never `.`, `..` or a directory that is not a report)."""
+    out = Path(out_dir)
+    if out.resolve() == Path.cwd().resolve() or out.name in ("", ".", ".."):
+        raise SpecError(f"-o {out_dir}: name a report directory of its own, not the current or a parent folder")
+    if not out.resolve().parent.is_dir():
+        raise SpecError(f"-o {out_dir}: folder {out.resolve().parent} does not exist")
+    refuse_existing(out, force)
+    if out.exists():
+        _replaceable(out)
+    return out

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from planner.cli import main
 
-GOOD_SETTINGS = {"precision": "bf16", "max_prompt_tokens": 256, "max_response_tokens": 3072, "top_k": 8, "router_dtype": "fp32"}
+GOOD_SETTINGS = {"precision": "bf16", "max_prompt_tokens": 256, "max_response_tokens": 3072, "top_k": 8, "router_dtype": "bf16"}
 
 
 def run_cli(*args):
@@ -127,3 +127,40 @@ def test_unreadable_or_malformed_request_is_a_usage_error(tmp_path):
     assert run_cli("preflight", tmp_path / "bad.yaml").exit_code == 2
     code, checks = verdict(write(tmp_path, {"model": "qwen3-30b-a3b"}))
     assert code == 1 and "missing plan, budget, fault" in checks["schema"]["reason"]
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"fault": "grad-overflow"}, "fault must be a mapping"),
+    ({"steps": -5}, "steps must be a whole number"),
+    ({"fault": {"type": "grad-overflow", "settings": ["precision"]}}, "fault.settings must be a mapping"),
+    ({"fault": {"type": "grad-overflow", "settings": {"max_prompt_tokens": "4k"}}}, "max_prompt_tokens must be int"),
+    ({"fault": {"type": ["a"]}}, "fault type ['a']"),
+])  # fmt: skip
+def test_mistyped_requests_fail_the_schema_check_without_a_traceback(suggested, tmp_path, change, words):
+    code, checks = verdict(write(tmp_path, base_request(**change), yaml.safe_load(suggested.read_text())))
+    assert code == 1 and checks["schema"]["status"] == "FAIL" and words in checks["schema"]["reason"], checks["schema"]
+
+
+def test_plan_model_router_dtype_metrics_and_relative_paths(suggested, tmp_path):
+    plan = yaml.safe_load(suggested.read_text())
+    code, checks = verdict(write(tmp_path, base_request(model="qwen3-235b-a22b"), plan))
+    assert code == 1 and checks["plan"]["status"] == "FAIL" and "made for qwen3-30b-a3b" in checks["plan"]["reason"]
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.csv").write_text("step,loss\n")  # a header and no steps
+    accel = yaml.safe_load((Path(__file__).resolve().parents[1] / "models" / "accelerators.yaml").read_text())["accelerators"]["ascend-910b2"]
+    (tmp_path / "hw.yaml").write_text(yaml.safe_dump(accel))  # relative to the request's folder, not the working directory
+    settings = {**GOOD_SETTINGS, "router_dtype": "fp16"}
+    request = base_request(hardware="hw.yaml", fault={"type": "grad-overflow", "settings": settings, "metrics": "run"})
+    code, checks = verdict(write(tmp_path, request, plan))
+    assert checks["failing run metrics"]["status"] == "FAIL" and "no steps" in checks["failing run metrics"]["reason"]
+    assert checks["fault factors"]["status"] == "WARN" and "router dtype fp16" in checks["fault factors"]["reason"]
+    assert checks["memory"]["status"] in ("PASS", "WARN")  # the hardware file was found
+
+
+def test_a_plan_suggested_with_a_wide_margin_passes_preflight_with_it(tmp_path):
+    plan = tmp_path / "wide.yaml"
+    assert run_cli("suggest", "--budget", "8npu", "--memory-margin", "0.2", "-o", plan).exit_code == 0
+    request = base_request(plan="wide.yaml", memory_margin=0.2)
+    code, checks = verdict(write(tmp_path, request, name="wide-request.yaml"))
+    assert checks["memory"]["status"] in ("PASS", "WARN"), checks["memory"]

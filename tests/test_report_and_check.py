@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import struct
 from pathlib import Path
 
@@ -63,6 +64,18 @@ def test_check_predicts_memory_and_labels_the_proxy(rl_model, tmp_path):
     assert len(dataset.read_text().splitlines()) == 2  # header + the pair
     again = run_cli("check", tmp_path / "plan.yaml", "--checkpoint", model, "-o", tmp_path / "check")
     assert again.exit_code == 2 and "--force" in again.output
+
+    # fp16 autocast over fp32 masters, longer responses than prompts: the same proxy, reused
+    half = run_cli("check", tmp_path / "plan.yaml", "--checkpoint", model, "--recipe", "fp16-overflow", "--knob", "8", "--steps", "2",
+                   "-o", tmp_path / "check", "--force", "--json")  # fmt: skip
+    assert half.exit_code == 0, half.output
+    half = json.loads(half.stdout)
+    assert not half["built"] and 0.85 <= half["memory_predicted_over_measured"] <= 1.15, half["memory_predicted_over_measured"]
+
+    run_cli("plan", model, "--experts", "8", "-o", tmp_path / "other.yaml")
+    shutil.rmtree(tmp_path / "check" / "run")  # a proxy left without its run, as by an interrupted check
+    other = run_cli("check", tmp_path / "other.yaml", "--checkpoint", model, "-o", tmp_path / "check", "--steps", "2")
+    assert other.exit_code == 2 and "not built by this plan" in other.output  # never a stale proxy
 
 
 @pytest.mark.slow

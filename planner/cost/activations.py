@@ -141,11 +141,12 @@ def layer_activation_bytes(arch: Architecture, *, act_bytes: int, backend: str, 
     )
 
 
-def output_activation_bytes(arch: Architecture, *, act_bytes: int, backend: str) -> float:
-    """Per token after the last layer: final norm, lm_head input, and the fp32 log-probabilities
-    over the vocabulary the RL loss gathers from (log_softmax keeps its fp32 result; Megatron's
-    vocab-parallel log-prob also keeps the logits)."""
+def output_activation_bytes(arch: Architecture, *, act_bytes: int, backend: str, logits: bool = True) -> float:
+    """Per token after the last layer: final norm, lm_head input, and (`logits`) the fp32
+    log-probabilities over the vocabulary the RL loss gathers from (log_softmax keeps its fp32
+    result; Megatron's vocab-parallel log-prob also keeps the logits). A caller whose loss reads
+    the vocabulary on some tokens only passes logits=False and counts its own."""
     h, v = arch.hidden_size, arch.vocab_size
     final = _rmsnorm(h, act_bytes, backend) + act_bytes * h
-    logits = FP32 * v if backend == "transformers" else (FP32 + act_bytes) * v
-    return final + logits + INDEX  # token ids of the embedding lookup
+    vocab = (FP32 * v if backend == "transformers" else (FP32 + act_bytes) * v) if logits else 0.0
+    return final + vocab + INDEX  # token ids of the embedding lookup

@@ -194,7 +194,6 @@ def fit_all(runs: list[PublishedRun] | None = None) -> dict[str, Any]:
 
 
 def write_fit(path: str | Path, result: dict[str, Any]) -> None:
-    p = Path(path)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(p)
+    from planner.files import write_text_atomic
+
+    write_text_atomic(path, json.dumps(result, indent=2) + "\n")

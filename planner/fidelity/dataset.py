@@ -19,6 +19,7 @@ from typing import Any
 from planner.arch import Architecture
 from planner.fidelity.estimator import FULL_FEATURES
 from planner.fidelity.labels import curve_agreement, fault_reproduced, knob_scale, margin_ratio, spearman
+from planner.files import write_text_atomic
 
 __all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "architecture_features", "pair_row", "write_dataset", "read_dataset"]
 
@@ -80,10 +81,7 @@ def write_dataset(rows: list[dict], path: Path, provenance: dict) -> None:
             writer.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v) for k, v in r.items()})
     tmp.replace(path)
     versions = {"python": platform.python_version(), **{p: _version(p) for p in ("torch", "transformers", "numpy", "scikit-learn", "optuna")}}
-    meta = path.with_suffix(".json")
-    tmp = meta.with_name(meta.name + ".part")
-    tmp.write_text(json.dumps({"rows": len(rows), "columns": columns + extra, "versions": versions, **provenance}, indent=2))
-    tmp.replace(meta)
+    write_text_atomic(path.with_suffix(".json"), json.dumps({"rows": len(rows), "columns": columns + extra, "versions": versions, **provenance}, indent=2))
 
 
 def _version(package: str) -> str | None:

@@ -81,6 +81,7 @@ class LinearModel:
     intercept: float
     halfwidth: float
     lower_bound: float | None = None
+    coverage: float = 0.8  # the share of held-out labels the interval is meant to hold
 
     def predict(self, x) -> np.ndarray:
         return _standardise(x, self.mean, self.scale) @ self.coef + self.intercept
@@ -94,11 +95,12 @@ class LinearModel:
 
     def to_json(self) -> dict:
         return {"mean": self.mean.tolist(), "scale": self.scale.tolist(), "coef": self.coef.tolist(), "intercept": float(self.intercept),
-                "halfwidth": self.halfwidth, "lower_bound": self.lower_bound}  # fmt: skip
+                "halfwidth": self.halfwidth, "lower_bound": self.lower_bound, "coverage": self.coverage}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "LinearModel":
-        return cls(np.array(d["mean"]), np.array(d["scale"]), np.array(d["coef"]), d["intercept"], d["halfwidth"], d.get("lower_bound"))
+        return cls(np.array(d["mean"]), np.array(d["scale"]), np.array(d["coef"]), d["intercept"], d["halfwidth"], d.get("lower_bound"),
+                   d.get("coverage", 0.8))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,7 @@ class FidelityEstimator:
         for label, model in self.models[chosen].items():
             value = model.proba(x)[0] if isinstance(model, LogisticModel) else model.predict(x)[0]
             low, high = (float(v[0]) for v in model.predict_interval(x))
-            out[label] = {"value": float(value), "low": low, "high": high, "variant": chosen, "outside": outside}
+            out[label] = {"value": float(value), "low": low, "high": high, "coverage": model.coverage, "variant": chosen, "outside": outside}
         return out
 
     def to_json(self) -> dict:
@@ -229,10 +231,9 @@ class FidelityEstimator:
         return cls(models, {k: tuple(v) for k, v in data["features"].items()}, data.get("info", {}), domain)
 
     def save(self, path: str | Path) -> None:
-        p = Path(path)
-        tmp = p.with_name(p.name + ".part")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(p)
+        from planner.files import write_text_atomic
+
+        write_text_atomic(path, json.dumps(self.to_json(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> "FidelityEstimator":

@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from planner.errors import SpecError
+from planner.files import write_text_atomic
 from planner.rl.margin import DEFAULT_ITERS, DEFAULT_PROBE_STEPS
 
 __all__ = ["Grid", "prepare", "run_phase", "run_workers", "collect", "study_name", "DEFAULT_STORAGE"]
@@ -172,9 +173,7 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
                                             "method": method, "statistics": plan["summary"]}  # fmt: skip
         if progress:
             progress(family)
-    tmp = workdir / "models.json.part"
-    tmp.write_text(json.dumps(records, indent=1))
-    tmp.replace(workdir / "models.json")
+    write_text_atomic(workdir / "models.json", json.dumps(records, indent=1))
     return records
 
 

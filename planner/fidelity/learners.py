@@ -80,7 +80,7 @@ class FidelityRegressor(RegressorMixin, BaseEstimator):
         n = len(residuals)
         level = min(1.0, np.ceil((n + 1) * self.coverage) / n) if n else 1.0
         halfwidth = float(np.quantile(residuals, level, method="higher")) if n else float("inf")
-        self.model_ = LinearModel(mean, scale, self.coef_, float(intercept), halfwidth, self.lower_bound)
+        self.model_ = LinearModel(mean, scale, self.coef_, float(intercept), halfwidth, self.lower_bound, self.coverage)
         return self
 
     def predict(self, X):

@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from planner.errors import SpecError
+from planner.files import write_text_atomic
 from planner.hf import require_torch
 from planner.rl.corpus import prompt_windows
 from planner.rl.device import Device
@@ -454,8 +455,7 @@ def write_metrics(rows: list[dict], path: Path, config: RLConfig, extra: dict | 
     tmp.replace(path / "metrics.csv")
     info = {"config": asdict(config), "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                                                    "python": platform.python_version()}, **(extra or {})}  # fmt: skip
-    (path / "run.json.part").write_text(json.dumps(info, indent=2))
-    (path / "run.json.part").replace(path / "run.json")
+    write_text_atomic(path / "run.json", json.dumps(info, indent=2))
 
 
 def read_metrics(path: Path) -> list[dict]:

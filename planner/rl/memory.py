@@ -4,8 +4,17 @@ and measured.
 Predicted: the tensors a GRPO step holds at its peak (the backward of one mini-batch) - policy
 weights, their gradients, Adam's two moments, the frozen reference, the rollout copy in its own
 precision, the saved initial weights that runs reset from, under bf16/fp16 autocast's cached
-half-precision weight copies - plus what the forward of one mini-batch saves for backward, from planner.cost.activations (the `transformers` backend: what
-transformers' modeling code saves, measured op by op in tests/test_activation_memory.py).
+half-precision weight copies - plus what the forward of one mini-batch saves for backward:
+the decoder layers from planner.cost.activations (the `transformers` backend: what transformers'
+modeling code saves, measured op by op in tests/test_activation_memory.py), and the loss's own
+vocabulary-sized tensors, on response tokens only (log_softmax's fp32 output and the exp of it the
+entropy keeps).
+
+The harness keeps fp32 master weights, so under bf16/fp16 autocast only matmul outputs are half:
+the residual stream, norms and everything downstream of an fp32 weight stay fp32 (measured on the
+tiny models: 70% of the saved bytes of qwen3_moe, 48% of deepseek_v3's). The layers are counted at
+fp32 then, an upper bound measured within 0-22% of the saved bytes (tests/test_report_and_check.py
+checks the whole peak under fp16).
 
 Measured: on cuda or npu, the allocator's peak (`max_memory_allocated`) over a step. On CPU, where
 no allocator keeps one, the bytes of every live tensor storage at the start of a step plus the
@@ -31,9 +40,9 @@ def predict_peak(arch: Architecture, config) -> dict[str, float]:
     """Bytes by component at the harness's peak, and their total (`total`)."""
     params = count_parameters(arch).total
     weights = 4.0 * params  # fp32 master weights; autocast casts on the fly
-    act = _BYTES[config.precision] if config.precision != "fp32" else 4
+    act = 4  # fp32 masters: see the module docstring for autocast
     layer = layer_activation_bytes(arch, act_bytes=act, backend="transformers", recompute="none")
-    per_token = output_activation_bytes(arch, act_bytes=act, backend="transformers")
+    per_token = output_activation_bytes(arch, act_bytes=act, backend="transformers", logits=False)
     for i in range(arch.num_layers):
         per_token += layer.attention
         if i in arch.moe_layers:
@@ -42,6 +51,7 @@ def predict_peak(arch: Architecture, config) -> dict[str, float]:
             per_token += layer.dense
     sequences = config.prompts * config.group / config.mini_batches
     tokens = sequences * (config.prompt_len + config.new_tokens)
+    vocab = 2 * 4.0 * arch.vocab_size * sequences * config.new_tokens  # log_softmax output and its exp, fp32, response tokens
     parts = {
         "policy weights": weights,
         "gradients": weights,
@@ -52,6 +62,7 @@ def predict_peak(arch: Architecture, config) -> dict[str, float]:
         # autocast caches a half-precision copy of every weight it casts, for the forward's duration
         "autocast weight copies": 0.0 if config.precision == "fp32" else _BYTES[config.precision] * float(params),
         "activations": per_token * tokens,
+        "loss over the vocabulary": vocab,
     }
     parts["total"] = sum(parts.values())
     return parts

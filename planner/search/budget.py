@@ -45,8 +45,11 @@ def parse_budget(text: str, accel: Accelerator) -> Budget:
     nodes, amount, kind, hours = m.group(1), float(m.group(2)), m.group(3).lower(), m.group(4)
     expected = _KIND_OF_FAMILY.get(accel.family)
     if kind != "card" and expected and kind != expected:
+        fixed = f"{text[: m.start(3)]}{expected}{text[m.end(3) :]}".strip()
         raise SpecError(f"--budget {text!r} counts {kind.upper()}s but {accel.id} is an {accel.family} {expected.upper()}; "
-                        f"write e.g. {int(amount)}{expected}")  # fmt: skip
+                        f"write {fixed!r}")  # fmt: skip
+    if nodes is not None and int(nodes) < 1:
+        raise SpecError(f"--budget {text!r}: the node count must be at least 1")
     if hours:
         if nodes:
             raise SpecError(f"--budget {text!r}: an hours budget has no node count")
@@ -62,4 +65,8 @@ def parse_budget(text: str, accel: Accelerator) -> Budget:
             raise SpecError(f"--budget {text!r}: {count} per node, but a {accel.id} node holds {accel.devices_per_node} {accel.device_unit}s")
         count *= int(nodes)
     devices = count * accel.devices_per_card if kind == "card" else count
+    if devices % accel.devices_per_card:
+        raise SpecError(f"--budget {text!r}: {accel.id} has {accel.devices_per_card} {accel.device_unit}s per card, and {devices} is not "
+                        f"a whole number of cards; write {devices - devices % accel.devices_per_card or accel.devices_per_card}{kind} "
+                        f"or {devices + accel.devices_per_card - devices % accel.devices_per_card}{kind}")  # fmt: skip
     return Budget(text, devices, None, int(nodes) if nodes else None)

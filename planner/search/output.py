@@ -7,24 +7,24 @@ from typing import Any
 
 from planner.plan import Plan
 from planner.render import table
-from planner.search.suggest import Option, Suggestion
+from planner.search.suggest import OFFLOADS, Option, Suggestion, figures, reduction
 from planner.units import gib
 
 __all__ = ["render_suggestion", "suggestion_json", "plan_of"]
 
 
-def _fidelity(o: Option) -> str:
+def _fidelity(o: Option, headline: str) -> str:
     f = o.fidelity["fault_reproduced"]
     if f.get("variant") == "original":
         return "1 (original)"
-    return f"{f['value']:.2f} [{f['low']:.2f}, {f['high']:.2f}]"
+    marker = f" ({f['variant']})" if f.get("variant") != headline else ""  # a K the stats file lacks falls back to the prior
+    return f"{f['value']:.2f} [{f['low']:.2f}, {f['high']:.2f}]{marker}"
 
 
-def _row(o: Option, original) -> list[Any]:
+def _row(o: Option, baseline, headline: str) -> list[Any]:
     c = o.cost
     peak = c.peak_memory_bytes
-    cards = f"{original.num_devices / c.num_devices:.1f}x" if original else "-"
-    hours = f"{original.device_hours_per_step / c.device_hours_per_step:.2f}x" if original else "-"
+    r = reduction(c, baseline)
     return [
         "original" if o.experts == c.original_experts else o.experts,
         o.method if o.experts != c.original_experts else "-",
@@ -34,25 +34,41 @@ def _row(o: Option, original) -> list[Any]:
         f"{gib(peak, suffix=False)} ({gib(c.usable_bytes_per_device - peak, suffix=False)})",
         f"{c.step_time_s:,.0f}",
         f"{c.device_hours_per_step:,.2f}",
-        cards,
-        hours,
-        _fidelity(o),
+        f"{r['cards']:.1f}x" if r["cards"] else "-",
+        f"{r['accelerator_hours']:.2f}x" if r["accelerator_hours"] else "-",
+        _fidelity(o, headline),
     ]
+
+
+def _coverage(s: Suggestion) -> str:
+    f = next((o.fidelity["fault_reproduced"] for o in s.options if o.fidelity["fault_reproduced"].get("variant") != "original"), None)
+    return f"{round(100 * f['coverage'])}%" if f and f.get("coverage") else "interval"
+
+
+def _settings(c) -> str:
+    offload = next((name for name, value in OFFLOADS.items() if c.job and c.job.offload == value), "?")
+    return f"recompute {c.job.recompute if c.job else '?'}, offload {offload}"
 
 
 def render_suggestion(s: Suggestion, top: int = 5) -> str:
     req, unit = s.request, s.accelerator.device_unit
+    headline = "full" if s.fidelity_source == "stats" else "prior"
     head = (f"{req.model} on {s.accelerator.id}, budget {s.budget.describe(s.accelerator)}, fault {req.fault} "
             f"(recipe {s.recipe}), fidelity >= {req.min_fidelity} ({'plan statistics' if s.fidelity_source == 'stats' else 'prior estimator: K/E and architecture only, wider intervals'})")  # fmt: skip
     lines = [head]
-    if s.original is not None:
-        o = s.original
-        lines.append(f"original: {o.num_devices} {unit}s minimum, {o.step_time_s:,.0f} s/step, {o.device_hours_per_step:,.2f} {unit}-hours/step")
+    if s.baseline is not None:
+        m, c = s.baseline.minimum, s.baseline.cheapest
+        lines.append(f"original, with the same {req.memory_margin:.0%} memory margin: {m.num_devices} {unit}s minimum "
+                     f"({m.device_hours_per_step:,.2f} {unit}-hours/step there); cheapest {c.device_hours_per_step:,.2f} {unit}-hours/step "
+                     f"on {c.num_devices} {unit}s ({_settings(c)}). Reductions: {unit}s against the minimum, hours against the cheapest.")  # fmt: skip
+    if s.budget.max_devices is not None and s.device_counts[-1] < s.budget.max_devices:
+        lines.append(f"note: {s.budget.max_devices} {unit}s is not an allocation size of {s.accelerator.id} (whole cards below a node of "
+                     f"{s.accelerator.devices_per_node}, whole nodes above); searched up to {s.device_counts[-1]}")  # fmt: skip
     headers = ["K", "method", unit + "s", "layout train / rollout", "recompute, offload", f"peak GiB/{unit} (headroom)", "step s",
-               f"{unit}-h/step", f"fewer {unit}s", "fewer hours", "P(fault reproduced) [80%]"]  # fmt: skip
+               f"{unit}-h/step", f"fewer {unit}s", "fewer hours", f"P(fault reproduced) [{_coverage(s)}]"]  # fmt: skip
     if s.ranked:
         lines.append("")
-        lines.append(table(headers, [_row(o, s.original) for o in s.ranked[:top]], title="cheapest proxies that clear the threshold"))
+        lines.append(table(headers, [_row(o, s.baseline, headline) for o in s.ranked[:top]], title="cheapest proxies that clear the threshold"))
         best = s.best
         lines.append("")
         m = best.fidelity.get("margin_ratio")
@@ -68,7 +84,8 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
         lines.extend(f"  - {d}" for d in s.diagnosis)
     if s.pareto:
         lines.append("")
-        front = [[o.experts, o.method, o.cost.num_devices, f"{o.cost.device_hours_per_step:,.2f}", _fidelity(o)] for o in s.pareto]
+        front = [["original" if o.experts == o.cost.original_experts else o.experts, o.method if o.experts != o.cost.original_experts else "-",
+                  o.cost.num_devices, f"{o.cost.device_hours_per_step:,.2f}", _fidelity(o, headline)] for o in s.pareto]  # fmt: skip
         lines.append(table(["K", "method", unit + "s", f"{unit}-h/step", "P(fault reproduced)"], front, title="Pareto set: cost vs predicted fidelity"))
     lines.append("")
     lines.append(f"{s.trials} trials, {len(s.options)} distinct points evaluated, {s.seconds:.1f} s"
@@ -77,16 +94,19 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
 
 
 def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
-    original = s.original
+    b = s.baseline
     return {
         "request": {"model": s.request.model, "hardware": s.request.hardware, "budget": s.request.budget, "fault": s.request.fault,
                     "recipe": s.recipe, "min_fidelity": s.request.min_fidelity, "trials": s.request.trials, "seed": s.request.seed,
-                    "fidelity_source": s.fidelity_source, "steps": s.request.steps},  # fmt: skip
-        "original": original.to_json() if original else None,
-        "plans": [o.to_json(original) for o in s.ranked[:top]] if original else [],
-        "pareto": [o.to_json(original) for o in s.pareto] if original else [],
+                    "fidelity_source": s.fidelity_source, "steps": s.request.steps, "memory_margin": s.request.memory_margin},  # fmt: skip
+        "original": {**figures(b.minimum), "memory_breakdown_bytes": b.minimum.memory_per_device_bytes,
+                     "cheapest": {**figures(b.cheapest), "settings": _settings(b.cheapest)}} if b else None,  # fmt: skip
+        "plans": [o.to_json(b) for o in s.ranked[:top]],
+        "pareto": [o.to_json(b) for o in s.pareto],
         "diagnosis": s.diagnosis,
         "fault_relevant_factors": s.factors,
+        "device_counts": s.device_counts,
+        "trials": s.trials,
         "evaluated_points": len(s.options),
         "best_trial": s.best_trial,
         "seconds": s.seconds,

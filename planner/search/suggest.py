@@ -1,10 +1,10 @@
 """`planner suggest`: the cheapest proxy within a budget whose predicted fidelity clears a threshold.
 
 The space: K (legal values that are powers of two with K/top_k >= 4 by default, and E itself: the
-original), the expert
-selection method (those a stats file holds; without one the prior estimator, which does not see the
-method), the device count (whole cards below a node, whole nodes above; within the budget),
-activation recomputation and what colocated mode offloads. Inside every point the parallel layouts
+original), the expert selection method (those a stats file holds; without one the prior estimator,
+which does not see the method), the device count (whole cards below a node, whole nodes above;
+within the budget, focused on each K's own minimum count, see `Suggester._focus`), activation
+recomputation and what colocated mode offloads. Inside every point the parallel layouts
 are enumerated exactly by the vectorised cost model (planner.cost), which returns the best one.
 
 Optuna searches the space (two objectives: accelerator-hours per step down, predicted fidelity up;
@@ -118,35 +118,55 @@ class Option:
         c = self.cost
         return (self.experts, self.method, c.num_devices, repr(c.train_layout), repr(c.rollout_layout), c.peak_memory_bytes, c.step_time_s)
 
-    def to_json(self, original: CostResult) -> dict[str, Any]:
-        c = self.cost
-        out = {
+    def to_json(self, baseline: "Baseline | None") -> dict[str, Any]:
+        return {
             "experts": self.experts,
             "method": self.method,
             "recompute": self.recompute,
             "offload": self.offload,
-            "num_cards": c.num_devices,
-            "device_unit": c.device_unit,
-            "physical_cards": c.num_cards,
-            "layout": {"train": vars(c.train_layout) if c.train_layout else None, "rollout": vars(c.rollout_layout) if c.rollout_layout else None},
-            "memory_per_card_bytes": c.peak_memory_bytes if c.feasible else None,
-            "usable_bytes_per_card": c.usable_bytes_per_device,
-            "headroom_bytes": c.usable_bytes_per_device - c.peak_memory_bytes if c.feasible else None,
-            "peak_phase": c.peak_phase,
-            "step_time_s": c.step_time_s if c.feasible else None,
-            "phase_times_s": c.phase_times_s,
-            "accelerator_hours_per_step": c.device_hours_per_step if c.feasible else None,
-            "predicted_fidelity": {k: v for k, v in self.fidelity["fault_reproduced"].items()},
+            **figures(self.cost),
+            "predicted_fidelity": dict(self.fidelity["fault_reproduced"]),
             "predicted_margin_ratio": self.fidelity.get("margin_ratio"),
-            "reduction": {
-                "cards": original.num_devices / c.num_devices if c.feasible else None,
-                "accelerator_hours": original.device_hours_per_step / c.device_hours_per_step if c.feasible else None,
-            },
+            "reduction": reduction(self.cost, baseline),
             "within_budget": self.within_budget,
-            "reasons": c.reasons,
-            "notes": c.notes,
+            "reasons": self.cost.reasons,
+            "notes": self.cost.notes,
         }
-        return out
+
+
+def figures(c: CostResult) -> dict[str, Any]:
+    """One costed point in the JSON shape every plan and the original share."""
+    return {
+        "num_cards": c.num_devices,
+        "device_unit": c.device_unit,
+        "physical_cards": c.num_cards,
+        "layout": {"train": vars(c.train_layout) if c.train_layout else None, "rollout": vars(c.rollout_layout) if c.rollout_layout else None},
+        "memory_per_card_bytes": c.peak_memory_bytes if c.feasible else None,
+        "usable_bytes_per_card": c.usable_bytes_per_device,
+        "headroom_bytes": c.usable_bytes_per_device - c.peak_memory_bytes if c.feasible else None,
+        "peak_phase": c.peak_phase,
+        "step_time_s": c.step_time_s if c.feasible else None,
+        "phase_times_s": c.phase_times_s,
+        "accelerator_hours_per_step": c.device_hours_per_step if c.feasible else None,
+    }
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The original the reductions are measured against, under the proxies' own rules (the same
+    memory margin): `minimum`, its fewest devices; `cheapest`, its fewest accelerator-hours per
+    step over device counts from that minimum up to four times it, every recompute and offload."""
+
+    minimum: CostResult
+    cheapest: CostResult
+
+
+def reduction(c: CostResult, baseline: Baseline | None) -> dict[str, float | None]:
+    """Devices: the original's fewest over this point's; hours: the original's cheapest over this point's."""
+    if baseline is None or not c.feasible:
+        return {"cards": None, "accelerator_hours": None}
+    return {"cards": baseline.minimum.num_devices / c.num_devices,
+            "accelerator_hours": baseline.cheapest.device_hours_per_step / c.device_hours_per_step}  # fmt: skip
 
 
 @dataclass
@@ -155,11 +175,12 @@ class Suggestion:
     accelerator: Accelerator
     budget: Budget
     recipe: str
-    original: CostResult | None  # the original at its own minimum device count (None: does not fit the search bound)
+    baseline: Baseline | None  # the original under the proxies' rules (None: does not fit the search bound)
     options: list[Option]  # every evaluated point
     ranked: list[Option]  # acceptable points, cheapest first
     pareto: list[Option]  # fitting, within budget: nondominated in (hours, fidelity)
-    trials: int
+    trials: int  # completed trials in the study (a brute-force search stops when it has covered the space)
+    device_counts: list[int]  # the device counts searched
     best_trial: int | None  # the trial at which the chosen option was first evaluated
     diagnosis: list[str]
     fidelity_source: str  # "stats" or "prior"
@@ -186,6 +207,8 @@ class Suggester:
             raise SpecError(f"--min-fidelity must lie in [0, 1] (a probability of reproducing the fault), got {request.min_fidelity}")
         if request.trials < 1:
             raise SpecError(f"--trials must be at least 1, got {request.trials}")
+        if request.steps < 1:
+            raise SpecError(f"--steps must be at least 1 (the reproduction's length), got {request.steps}")
         self.recipe = FAULTS[request.fault]
         self.accel = load_accelerator(request.hardware)
         self.budget = parse_budget(request.budget, self.accel)
@@ -196,16 +219,43 @@ class Suggester:
         floor = request.min_k_ratio * self.arch.moe.top_k
         self.experts = sorted({k for k in self.arch.legal_expert_counts() if k & (k - 1) == 0 and k >= floor} | {e})
         self.methods = self._methods()
-        limit = self.budget.max_devices if self.budget.max_devices is not None else request.max_devices
-        counts = candidate_device_counts(self.accel, limit)
-        if self.budget.max_devices is None:  # hours budgets: whole nodes in powers of two
-            per_node = self.accel.devices_per_node
-            counts = [n for n in counts if n < per_node or (n // per_node) & (n // per_node - 1) == 0]
-        if not counts:
-            raise SpecError(f"--budget {request.budget}: below the smallest allocation of {self.accel.id} ({self.accel.devices_per_card} {self.accel.device_unit}s)")
-        self.devices = counts
         self._costs: dict[tuple, CostResult] = {}
         self._fidelity: dict[tuple, dict] = {}
+        self._minimum: dict[int, CostResult | None] = {}
+        limit = self.budget.max_devices if self.budget.max_devices is not None else request.max_devices
+        counts = candidate_device_counts(self.accel, limit)
+        if not counts:
+            raise SpecError(f"--budget {request.budget}: below the smallest allocation of {self.accel.id} ({self.accel.devices_per_card} {self.accel.device_unit}s)")
+        self.devices = self._focus(counts)
+
+    def minimum(self, experts: int) -> CostResult | None:
+        """K's own smallest device count (most memory-frugal settings, the request's memory margin),
+        up to the search bound; None when it fits nowhere there."""
+        if experts not in self._minimum:
+            arch = self.arch if experts == self.arch.original_num_experts else self.arch.with_experts(experts)
+            job = replace(self.request.job, recompute="full", offload=OFFLOADS["all"])
+            try:
+                self._minimum[experts] = min_devices(arch, self.accel, job, max_devices=self.request.max_devices,
+                                                     memory_margin=self.request.memory_margin)  # fmt: skip
+            except (InfeasibleError, PlannerError):
+                self._minimum[experts] = None
+        return self._minimum[experts]
+
+    def _focus(self, counts: list[int]) -> list[int]:
+        """The device counts searched. Cost per step grows with devices beyond a K's minimum count,
+        so the cheapest points lie at or just above the minimum counts: those (and the two counts
+        after each) are always in; of the rest, counts below a node, up to 8 nodes, and nodes in
+        powers of two. A small budget keeps every allocation size."""
+        per_node = self.accel.devices_per_node
+        near = set()
+        for k in self.experts:
+            m = self.minimum(k)
+            if m is not None and m.num_devices in counts:
+                i = counts.index(m.num_devices)
+                near.update(counts[i : i + 3])
+        if len(counts) <= 24:
+            return counts
+        return [n for n in counts if n in near or n < per_node or n // per_node <= 8 or (n // per_node) & (n // per_node - 1) == 0]
 
     def _methods(self) -> list[str]:
         stats = self.request.stats
@@ -223,7 +273,7 @@ class Suggester:
         routing = f"top-{moe.top_k} {moe.scoring}" + (f", {moe.n_group} groups (top {moe.topk_group})" if moe.grouped else "")
         return [
             f"routing: {routing}" + (", renormalised" if moe.norm_topk_prob else ""),
-            f"precision {job.precision}, router in fp32",
+            f"precision {job.precision}, router weights in {'fp32' if moe.router_fp32 else job.precision}",
             f"sequence lengths: prompt <= {job.prompt_tokens.max}, response <= {job.response_tokens.max} (mean {job.response_tokens.mean:g})",
             f"{job.algorithm.upper()} {job.prompts_per_step} x {job.samples_per_prompt}, {job.ppo_epochs} epoch(s) x {job.mini_batches} mini-batch(es)",
             "backbone, attention, shared experts, embeddings: unchanged",
@@ -282,8 +332,9 @@ class Suggester:
         return [self.option(k, m, d, r, o) for k in self.experts for m in self.methods for d in self.devices for r in RECOMPUTES for o in OFFLOADS]
 
     # ---- the Optuna search -------------------------------------------------------------------
-    def search(self, progress: Callable[[int, int], None] | None = None) -> tuple[list[Option], dict[tuple, int]]:
-        """Run the study; every option evaluated here, and the trial number that first reached each."""
+    def search(self, progress: Callable[[int, int], None] | None = None) -> tuple[list[Option], dict[tuple, int], int]:
+        """Run the study; every option evaluated (here or by other workers of the study), the trial
+        number that first reached each, and the study's completed trials."""
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -306,9 +357,13 @@ class Suggester:
             key = tuple(t.params[n] for n in ("experts", "method", "devices", "recompute", "offload"))
             seen.setdefault(key, t.number)
         if not study.trials and isinstance(sampler, optuna.samplers.NSGAIISampler):
-            # warm start: every K at the budget's top count with the most memory-frugal settings
+            # warm start: every K at its own minimum count (the cheapest region), every recompute and offload setting
             for k in self.experts:
-                study.enqueue_trial({"experts": k, "method": self.methods[0], "devices": self.devices[-1], "recompute": "full", "offload": "all"})
+                m = self.minimum(k)
+                devices = m.num_devices if m is not None and m.num_devices in self.devices else self.devices[-1]
+                for recompute in RECOMPUTES:
+                    for offload in OFFLOADS:
+                        study.enqueue_trial({"experts": k, "method": self.methods[0], "devices": devices, "recompute": recompute, "offload": offload})
 
         def objective(trial: optuna.Trial):
             params = (
@@ -333,13 +388,22 @@ class Suggester:
         done = len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE])
         if done < req.trials:
             study.optimize(objective, n_trials=req.trials - done)
-        options = []
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        completed = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        for t in completed:
             key = tuple(t.params[n] for n in ("experts", "method", "devices", "recompute", "offload"))
             seen.setdefault(key, t.number)
-        for key in seen:
-            options.append(self.option(*key))
-        return options, seen
+        return [self.option(*key) for key in seen], seen, len(completed)
+
+    def baseline(self) -> Baseline | None:
+        e = self.arch.original_num_experts
+        minimum = self.minimum(e)
+        if minimum is None:
+            return None
+        all_counts = candidate_device_counts(self.accel, min(self.request.max_devices, 4 * minimum.num_devices))
+        counts = [n for n in all_counts if n >= minimum.num_devices]
+        counts = sorted(set(counts[:3]) | {counts[round(i * (len(counts) - 1) / 7)] for i in range(8)})  # the first three, then spread
+        fitting = [c for n in counts for r in RECOMPUTES for o in OFFLOADS if (c := self.cost(e, n, r, o)).feasible]
+        return Baseline(minimum, min(fitting + [minimum], key=lambda c: c.device_hours_per_step))
 
 
 def _pareto(options: list[Option]) -> list[Option]:
@@ -358,49 +422,64 @@ def _diagnose(s: Suggester, options: list[Option]) -> list[str]:
     out = []
     fitting = [o for o in options if o.fits]
     if not fitting:
-        out.append(f"no evaluated point fits in memory on up to {s.devices[-1]} {unit}s; the closest: {options[0].cost.reasons[0] if options and options[0].cost.reasons else '?'}")
+        frugal = [o for o in options if o.recompute == "full" and o.offload == "all"] or options
+        closest = max(frugal, key=lambda o: (o.cost.num_devices, -o.experts)) if frugal else None  # most devices, fewest experts
+        why = closest.cost.reasons[0] if closest and closest.cost.reasons else "?"
+        out.append(f"no evaluated point fits in memory on up to {s.devices[-1]} {unit}s; the closest (K={closest.experts if closest else '?'}, "
+                   f"{closest.cost.num_devices if closest else '?'} {unit}s, full recompute, offload all): {why}")  # fmt: skip
     in_budget = [o for o in fitting if o.within_budget]
     if fitting and not in_budget:
-        out.append(f"every fitting point is over the budget ({s.budget.describe(s.accel)}): e.g. {fitting[0].budget_note}")
+        cheapest = min(fitting, key=lambda o: o.hours)
+        out.append(f"every fitting point is over the budget ({s.budget.describe(s.accel)}); the cheapest: K={cheapest.experts} on "
+                   f"{cheapest.cost.num_devices} {unit}s, {cheapest.budget_note}")  # fmt: skip
     if in_budget and not [o for o in in_budget if o.p_reproduced >= req.min_fidelity]:
         top = max(in_budget, key=lambda o: o.p_reproduced)
-        out.append(f"within the budget the highest predicted fidelity is {top.p_reproduced:.2f} (K={top.experts}), below --min-fidelity {req.min_fidelity}")
-    # the smallest budget that would do: the cheapest qualifying point for each K at its own minimum count
-    for k in sorted(s.experts, key=lambda k: -s.fidelity(k, s.methods[0])["fault_reproduced"]["value"]):
-        if s.fidelity(k, s.methods[0])["fault_reproduced"]["value"] < req.min_fidelity:
-            continue
-        arch = s.arch if k == s.arch.original_num_experts else s.arch.with_experts(k)
-        try:
-            r = min_devices(arch, s.accel, replace(req.job, recompute="full", offload=OFFLOADS["all"]), max_devices=req.max_devices,
-                            memory_margin=req.memory_margin)  # fmt: skip
-        except InfeasibleError:
-            continue
-        hours = r.device_hours_per_step * req.steps
-        out.append(f"smallest budget that would do: {r.num_devices}{'npu' if s.accel.family == 'ascend' else 'gpu'} (K={k} fits there; "
-                   f"{hours:,.1f} {unit}-hours for {req.steps} steps)")  # fmt: skip
-        break
+        out.append(f"within the budget the highest predicted fidelity is {top.p_reproduced:.4g} (K={top.experts}), below --min-fidelity {req.min_fidelity}")
+    smallest = _smallest_budget(s, fitting)
+    if smallest:
+        out.append(smallest)
     return out
 
 
-def suggest(request: Request, *, progress: Callable[[int, int], None] | None = None, estimator=None) -> Suggestion:
+def _smallest_budget(s: Suggester, fitting: list[Option]) -> str:
+    """The smallest budget, in the budget's own grammar, under which some K whose predicted fidelity
+    clears the threshold fits: its minimum device count, or for an hours budget the fewest
+    accelerator-hours of the points evaluated or of each K's minimum count."""
+    req, unit = s.request, s.accel.device_unit
+    kind = "npu" if s.accel.family == "ascend" else "gpu"
+    good = [k for k in s.experts if s.fidelity(k, s.methods[0])["fault_reproduced"]["value"] >= req.min_fidelity]
+    minima = [(m, k) for k in good if (m := s.minimum(k)) is not None]
+    if s.budget.device_hours is not None:
+        points = [(o.hours, o.experts, o.cost.num_devices) for o in fitting if o.p_reproduced >= req.min_fidelity]
+        points += [(m.device_hours_per_step, k, m.num_devices) for m, k in minima]
+        if not points:
+            return ""
+        hours, k, n = min(points)
+        total = hours * req.steps
+        return f"smallest budget that would do: {math.ceil(total * 10) / 10:g}{kind}-h (K={k} on {n} {unit}s, {hours:,.2f} {unit}-hours/step x {req.steps} steps)"
+    if not minima:
+        return ""
+    m, k = min(minima, key=lambda t: (t[0].num_devices, -t[1]))
+    return f"smallest budget that would do: {m.num_devices}{kind} (K={k} fits there, {m.device_hours_per_step:,.2f} {unit}-hours/step)"
+
+
+def suggest(request: Request, *, progress: Callable[[int, int], None] | None = None, estimator=None,
+            suggester: Suggester | None = None) -> Suggestion:  # fmt: skip
     import time
 
     start = time.perf_counter()
-    s = Suggester(request, estimator)
-    options, first_seen = s.search(progress)
+    s = suggester or Suggester(request, estimator)
+    options, first_seen, trials = s.search(progress)
     ranked, seen = [], set()
     for o in sorted((o for o in options if o.acceptable(request.min_fidelity)), key=Option.rank_key):
         if o.outcome() not in seen:  # a recompute or offload that changes nothing is listed once, in its lightest form
             seen.add(o.outcome())
             ranked.append(o)
-    try:
-        original = min_devices(s.arch, s.accel, request.job, max_devices=request.max_devices)
-    except InfeasibleError:
-        original = None
     best = ranked[0] if ranked else None
     best_trial = first_seen[(best.experts, best.method, best.cost.num_devices, best.recompute, best.offload)] if best else None
     return Suggestion(
-        request=request, accelerator=s.accel, budget=s.budget, recipe=s.recipe, original=original, options=options, ranked=ranked,
-        pareto=_pareto(options), trials=request.trials, best_trial=best_trial, diagnosis=[] if ranked else _diagnose(s, options),
-        fidelity_source="stats" if request.stats else "prior", factors=s.factors, seconds=time.perf_counter() - start,
+        request=request, accelerator=s.accel, budget=s.budget, recipe=s.recipe, baseline=s.baseline(), options=options, ranked=ranked,
+        pareto=_pareto(options), trials=trials, device_counts=s.devices, best_trial=best_trial,
+        diagnosis=[] if ranked else _diagnose(s, options), fidelity_source="stats" if request.stats else "prior", factors=s.factors,
+        seconds=time.perf_counter() - start,
     )  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from planner.errors import SpecError
-from planner.files import read_json, refuse_existing
+from planner.files import read_json, refuse_existing, write_text_atomic
 
 __all__ = ["STATS_SCHEMA", "save_stats", "load_stats"]
 
@@ -50,9 +50,7 @@ def _decode(obj: Any) -> Any:
 def save_stats(stats: dict, path: str | Path, *, force: bool = False) -> None:
     p = Path(path)
     refuse_existing(p, force)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps({"schema": STATS_SCHEMA, **_encode(stats)}))
-    tmp.replace(p)
+    write_text_atomic(p, json.dumps({"schema": STATS_SCHEMA, **_encode(stats)}))
 
 
 def load_stats(path: str | Path, *, fingerprint: str | None = None) -> dict:

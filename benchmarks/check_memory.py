@@ -35,7 +35,7 @@ def proxy_of(family: str, workdir: Path, scratch: Path) -> Path:
     original = scratch / family
     make_model(family, original, ModelRecipe(dense_steps=20, moe_steps=20))
     ckpt = Checkpoint(original)
-    build(ckpt, choose_plan(ckpt, 16, "frequency"), scratch / f"{family}-K16", verify="never")
+    build(ckpt, choose_plan(ckpt, 16, "agglomerative"), scratch / f"{family}-K16", verify="never")
     return scratch / f"{family}-K16"
 
 

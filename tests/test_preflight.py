@@ -110,6 +110,18 @@ def test_checkpoint_and_stats_consistency(rl_model, tmp_path):
     assert checks["model"]["status"] == "PASS" and checks["stats"]["status"] in ("PASS", "WARN") and checks["plan"]["status"] in ("PASS", "WARN")
     assert checks["fidelity"]["reason"].count("plan statistics") == 1  # the plan's statistics fed the full estimator
 
+    # suggest with the stats file: the full estimator, and a concrete plan (kept sets per layer)
+    result = run_cli("suggest", "--model", model, "--budget", "1npu", "--stats", tmp_path / "stats.json", "--min-fidelity", "0",
+                     "--min-k-ratio", "2", "--fault", "entropy-collapse", "--json", "-o", tmp_path / "suggested.yaml")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["request"]["fidelity_source"] == "stats"
+    variants = {p["experts"]: p["predicted_fidelity"]["variant"] for p in data["plans"]}
+    assert variants.get(16) == "full" and variants.get(8, "prior") == "prior"  # K=8 is not in the stats file: the prior, marked
+    suggested = yaml.safe_load((tmp_path / "suggested.yaml").read_text())
+    assert suggested["experts"] == data["plans"][0]["experts"]
+    assert (len(suggested.get("layers") or {}) == 3) == (suggested["experts"] == 16)  # kept sets from the stats file; else deferred
+
     other = tmp_path / "other"
     from planner.rl.models import ModelRecipe, make_model
 

@@ -113,10 +113,11 @@ class Option:
         return (self.hours, self.cost.num_devices, -self.p_reproduced, -self.experts, self.method,
                 RECOMPUTES.index(self.recompute), list(OFFLOADS).index(self.offload))  # fmt: skip
 
-    def outcome(self) -> tuple:
-        """What the option changes: two options with equal outcomes differ only by settings that did nothing."""
-        c = self.cost
-        return (self.experts, self.method, c.num_devices, repr(c.train_layout), repr(c.rollout_layout), c.peak_memory_bytes, c.step_time_s)
+    def dominates(self, other: "Option") -> bool:
+        """Same proxy on as many devices, no more hours and no more memory: `other`'s recompute or
+        offload setting buys nothing over this one's."""
+        return ((self.experts, self.method, self.cost.num_devices) == (other.experts, other.method, other.cost.num_devices)
+                and self.hours <= other.hours and self.cost.peak_memory_bytes <= other.cost.peak_memory_bytes)  # fmt: skip
 
     def to_json(self, baseline: "Baseline | None") -> dict[str, Any]:
         return {
@@ -470,10 +471,9 @@ def suggest(request: Request, *, progress: Callable[[int, int], None] | None = N
     start = time.perf_counter()
     s = suggester or Suggester(request, estimator)
     options, first_seen, trials = s.search(progress)
-    ranked, seen = [], set()
+    ranked: list[Option] = []
     for o in sorted((o for o in options if o.acceptable(request.min_fidelity)), key=Option.rank_key):
-        if o.outcome() not in seen:  # a recompute or offload that changes nothing is listed once, in its lightest form
-            seen.add(o.outcome())
+        if not any(r.dominates(o) for r in ranked):  # a setting that buys neither time nor memory is not listed
             ranked.append(o)
     best = ranked[0] if ranked else None
     best_trial = first_seen[(best.experts, best.method, best.cost.num_devices, best.recompute, best.offload)] if best else None

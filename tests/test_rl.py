@@ -124,6 +124,25 @@ def test_margin_brackets_the_critical_knob(models, name):
             assert fires(value + resolution) and not fires(value - resolution)
 
 
+@pytest.mark.slow
+def test_margin_brackets_a_dynamic_recipe(models):
+    """entropy collapse: each bisection probe is a short GRPO run (seeded, so a re-run repeats it)."""
+    from planner.rl.grpo import GRPO
+    from planner.rl.margin import critical_knob
+    from planner.rl.recipes import recipe
+
+    r, iters, steps = recipe("entropy-collapse"), 3, 6
+    margin = critical_knob(models, r, [0], iters=iters, steps=steps)
+    (value,), (censored,) = margin.values, margin.censored
+    resolution = (r.hi - r.lo) / 2 ** (iters + 1)
+
+    def fires(knob):
+        return r.onset(GRPO(models, r.config(knob, seed=0, steps=steps)).run()) is not None
+
+    assert not censored and r.lo < value < r.hi, margin  # the fault lies inside the bracket
+    assert fires(value + resolution) and not fires(value - resolution)
+
+
 def test_rl_cli_run_margin_and_errors(rl_model, tmp_path):
     model = rl_model[0]
     result = run_cli("rl", "run", model, "--recipe", "rollout-mismatch", "--knob", "21", "--steps", "2",

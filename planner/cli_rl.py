@@ -14,7 +14,7 @@ import click
 
 from planner.cli import _emit_json, _ints, _progress, _run, main
 from planner.errors import SpecError
-from planner.files import refuse_existing
+from planner.files import refuse_existing, write_text_atomic
 from planner.render import table
 
 DATASET = "calibration/fidelity_dataset.csv"
@@ -58,12 +58,6 @@ def _settings(pairs: tuple[str, ...], reserved: tuple[str, ...]) -> dict:
         except ValueError:
             raise SpecError(f"--set {pair!r}: {text!r} is not a valid {kind}") from None
     return out
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
 
 
 @main.group()
@@ -196,9 +190,9 @@ def rl_margin(model_dir, recipe_name, seeds, iters, steps, device, output, force
                 "model": str(Path(model_dir).resolve()), "steps": steps_, "iters": n}  # fmt: skip
         if out:
             out.mkdir(parents=True, exist_ok=True)
-            _write_json(out / "margin.json", data)
+            write_text_atomic(out / "margin.json", json.dumps(data, indent=2))
             if not (out / "run.json").exists():
-                _write_json(out / "run.json", {"model": data["model"], "recipe": recipe_name})
+                write_text_atomic(out / "run.json", json.dumps({"model": data["model"], "recipe": recipe_name}, indent=2))
         if as_json:
             return _emit_json(data)
         rows = [[s, f"{v:.3f}", "censored" if c else ""] for s, v, c in zip(seed_list, margin.values, margin.censored)]

@@ -143,7 +143,7 @@ class _Context:
         from planner.specs import RolloutLayout, TrainLayout
 
         dep, plan = self.deployment, self.plan
-        arch = self.arch if plan.experts == self.arch.original_num_experts else self.arch.with_experts(plan.experts)
+        arch = self.arch.with_experts(plan.experts)  # K = E: the original itself
         job = self.job
         if dep.get("train_layout") and dep.get("rollout_layout"):
             job = dataclasses.replace(job, train_layout=TrainLayout.from_dict(dep["train_layout"]),

@@ -27,6 +27,7 @@ from planner.arch import config_with_experts
 from planner.checkpoint.reader import INDEX_NAME, SINGLE_NAME, Checkpoint, MoELayer
 from planner.checkpoint.safetensors import DTYPE_BYTES, OutTensor, Segment, TensorInfo, write_shard
 from planner.errors import CheckpointError, PlanError, SpecError
+from planner.files import refuse_existing, write_text_atomic
 from planner.plan import Plan
 
 __all__ = ["BuildReport", "build", "EXPERT_MAP_NAME"]
@@ -185,9 +186,7 @@ def _expert_map(ckpt: Checkpoint, plan: Plan, report_warnings: list[str]) -> dic
 
 
 def _write_atomic_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def _side_files(src: Path) -> list[Path]:
@@ -208,9 +207,7 @@ def _prepare_output(out_dir: Path, src: Path, force: bool) -> Path:
     """Check OUT_DIR can be (re)placed and make OUT_DIR.tmp, marked as ours."""
     if out_dir == src or src.is_relative_to(out_dir) or out_dir.is_relative_to(src):
         raise SpecError(f"{out_dir} overlaps the source checkpoint {src}; choose a directory outside it")
-    if out_dir.exists():
-        if not force:
-            raise SpecError(f"{out_dir} exists; pass --force to replace it")
+    if refuse_existing(out_dir, force).exists():
         if not (out_dir / EXPERT_MAP_NAME).is_file():
             raise SpecError(f"{out_dir} exists and is not a planner build (no {EXPERT_MAP_NAME}); not replacing it, even with --force")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -290,7 +287,7 @@ def build(
         if verify == "always" or (verify == "auto" and ckpt.total_bytes <= size_limit):
             from planner.checkpoint.verify import verify_proxy
 
-            verification.update(verify_proxy(ckpt.path, tmp, plan))
+            verification.update(verify_proxy(ckpt.path, tmp, plan, num_layers=ckpt.arch.num_layers))
         elif verify == "never":
             verification["load"] = "skipped (verify=never)"
         else:

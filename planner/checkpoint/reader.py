@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.arch import FAMILIES, Architecture
+from planner.arch import Architecture
 from planner.arch.families import TEXT_CONFIG_WRAPPERS
 from planner.checkpoint.safetensors import NUMPY_DTYPES, ShardHeader, TensorInfo, read_header
 from planner.errors import CheckpointError, ConfigError
@@ -65,13 +65,6 @@ class MoELayer:
         if self.fused:
             return next(iter(self.fused.values())).shape[0]
         return self.router.shape[0] if self.router is not None else 0
-
-    def expert_tensor_names(self) -> set[str]:
-        names = {t.name for ex in self.experts.values() for t in ex.values()} | {t.name for t in self.fused.values()}
-        for t in (self.router, self.router_bias, self.correction_bias):
-            if t is not None:
-                names.add(t.name)
-        return names
 
 
 def to_float32(raw: bytes | memoryview, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -306,6 +299,3 @@ class Checkpoint:
     def text_wrapper(self) -> bool:
         return self.config.get("model_type") in TEXT_CONFIG_WRAPPERS
 
-    @staticmethod
-    def supported_families() -> list[str]:
-        return sorted(set(_family_table()) & set(FAMILIES))

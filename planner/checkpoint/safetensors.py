@@ -44,10 +44,6 @@ class TensorInfo:
     def nbytes(self) -> int:
         return self.end - self.begin
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
     def row_bytes(self) -> int:
         """Bytes of one index along dim 0."""
         return self.nbytes // self.shape[0] if self.shape and self.shape[0] else 0

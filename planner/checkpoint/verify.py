@@ -36,9 +36,11 @@ def load_strict(path: Path, *, num_layers: int | None = None):
     return model
 
 
-def verify_proxy(source: Path, proxy: Path, plan: Plan, *, tokens: int = 24, seed: int = 0) -> dict:
+def verify_proxy(source: Path, proxy: Path, plan: Plan, *, num_layers: int, tokens: int = 24, seed: int = 0) -> dict:
+    """Load the proxy strictly, run it, and compare its logits with the source's (`num_layers`:
+    the decoder layers of both; MTP layers beyond them are not part of the causal LM)."""
     torch, _ = require_torch("verifying a build")
-    model = load_strict(proxy, num_layers=_num_layers(proxy))
+    model = load_strict(proxy, num_layers=num_layers)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (2, tokens), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -46,7 +48,7 @@ def verify_proxy(source: Path, proxy: Path, plan: Plan, *, tokens: int = 24, see
         generated = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
     if not torch.isfinite(logits).all():
         raise CheckpointError(f"{proxy}: the proxy's logits contain NaN or inf")
-    original = load_strict(source, num_layers=_num_layers(source))
+    original = load_strict(source, num_layers=num_layers)
     with torch.no_grad():
         reference = original(input_ids=ids).logits
     out = {"load": "strict ok", "forward": "finite", "generated_tokens": int(generated.shape[1] - 8)}
@@ -62,10 +64,3 @@ def verify_proxy(source: Path, proxy: Path, plan: Plan, *, tokens: int = 24, see
         out["kl_original_proxy"] = float((p.exp() * (p - q)).sum(-1).mean())
     return out
 
-
-def _num_layers(path: Path) -> int:
-    import json
-
-    config = json.loads((path / "config.json").read_text())
-    config = config.get("text_config", config)
-    return int(config["num_hidden_layers"])

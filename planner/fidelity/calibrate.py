@@ -18,6 +18,7 @@ from planner.errors import SpecError
 from planner.fidelity.dataset import ID_COLUMNS, architecture_features, pair_row, read_dataset, write_dataset
 from planner.fidelity.estimator import FidelityEstimator, features_of
 from planner.fidelity.grid import Grid, collect, prepare, run_workers
+from planner.files import read_json
 
 __all__ = ["run", "export", "add_pair", "fit"]
 
@@ -91,12 +92,12 @@ def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path
         info_path = Path(d) / "run.json"
         if not info_path.is_file():
             raise SpecError(f"{d}: not a run directory (no run.json); make one with `planner rl run -o` or `rl margin -o`")
-        info = json.loads(info_path.read_text())
+        info = read_json(info_path, "run record")
         runs[name] = {"info": info, "dir": Path(d)}
         if (Path(d) / "metrics.csv").is_file():
             runs[name]["rows"] = read_metrics(Path(d))
         if (Path(d) / "margin.json").is_file():
-            runs[name]["margin"] = json.loads((Path(d) / "margin.json").read_text())
+            runs[name]["margin"] = read_json(Path(d) / "margin.json", "margin record")
     names = {runs[n]["info"].get("recipe") for n in ("original", "proxy")}
     if recipe_name is None:
         if len(names) != 1 or None in names:
@@ -105,16 +106,13 @@ def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path
     r = recipe(recipe_name)
     _check_same_settings(runs)
     model_dir = Path(runs["original"]["info"]["model"])
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-        experts = Architecture.from_config(config).original_num_experts
-    except OSError as exc:
-        raise SpecError(f"the original run's model {model_dir} is not readable: {exc.strerror}") from None
+    config = read_json(model_dir / "config.json", "model config", " (the original run's model)")
+    experts = Architecture.from_config(config).original_num_experts
     if experts != plan.original_experts:
         raise SpecError(f"the plan is for {plan.original_experts} experts; the original run's model has {experts}")
     proxy_config = Path(runs["proxy"]["info"]["model"]) / "config.json"
     if proxy_config.is_file():
-        kept = Architecture.from_config(json.loads(proxy_config.read_text())).original_num_experts
+        kept = Architecture.from_config(read_json(proxy_config, "model config")).original_num_experts
         if kept != plan.experts:
             raise SpecError(f"the plan keeps {plan.experts} experts per layer; the proxy run's model has {kept}")
 
@@ -153,7 +151,7 @@ def add_pair(dataset: Path, original_dir: Path, proxy_dir: Path, plan_path: Path
     rows = read_dataset(dataset) if dataset.is_file() else []
     rows.append(row)
     meta_path = dataset.with_suffix(".json")
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta = read_json(meta_path, "dataset provenance") if meta_path.is_file() else {}
     meta.pop("rows", None), meta.pop("columns", None), meta.pop("versions", None)
     meta.setdefault("added", []).append({"original": str(original_dir), "proxy": str(proxy_dir), "plan": str(plan_path),
                                          "replica": str(replica_dir) if replica_dir else None, "recipe": recipe_name})  # fmt: skip

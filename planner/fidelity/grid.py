@@ -36,13 +36,12 @@ from typing import Any
 import yaml
 
 from planner.errors import SpecError
-from planner.files import write_text_atomic
+from planner.files import read_yaml, write_text_atomic
 from planner.rl.margin import DEFAULT_ITERS, DEFAULT_PROBE_STEPS
 
-__all__ = ["Grid", "prepare", "run_phase", "run_workers", "collect", "study_name", "DEFAULT_STORAGE"]
+__all__ = ["Grid", "prepare", "run_phase", "run_workers", "collect", "study_name"]
 
 log = logging.getLogger(__name__)
-DEFAULT_STORAGE = "sqlite:///calibration.db"
 # a worker beats every HEARTBEAT_S; a trial whose worker went silent for GRACE_S fails and is re-queued
 HEARTBEAT_S = int(os.environ.get("PLANNER_GRID_HEARTBEAT_S", 30))
 GRACE_S = int(os.environ.get("PLANNER_GRID_GRACE_S", 120))
@@ -90,10 +89,7 @@ class Grid:
     def load(cls, path: str | Path | None) -> "Grid":
         if path is None:
             return cls()
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise SpecError(f"cannot read grid {path}: {exc}") from None
+        data = read_yaml(path, "grid") or {}
         if not isinstance(data, dict):
             raise SpecError(f"{path}: a grid file is a mapping of setting -> value")
         kinds = {f.name: f for f in fields(cls)}

@@ -16,6 +16,7 @@ grouped_mm fails.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import re
@@ -213,7 +214,7 @@ class GRPO:
         gen = torch.Generator(device="cpu").manual_seed(int(((self.cfg.seed if self.cfg.gen_seed is None else self.cfg.gen_seed) * 1_000_003 + step) % 2**63))
         ids = prompt_ids
         past = None
-        tokens, logps = [], []
+        logps = []
         with torch.no_grad():
             for _ in range(self.cfg.new_tokens):
                 out = self.rollout(input_ids=ids if past is None else ids[:, -1:], cache=past, use_cache=True)
@@ -221,16 +222,31 @@ class GRPO:
                 logits = out.logits[:, -1].float() / self.cfg.temperature
                 logp = torch.log_softmax(logits, -1)
                 nxt = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(ids.device)
-                tokens.append(nxt)
                 logps.append(logp.gather(-1, nxt))
                 ids = torch.cat([ids, nxt], dim=1)
         return ids, torch.cat(logps, dim=1)
+
+    def _rollout(self, prompt_seed: int, sample_step: int):
+        """Each prompt of `prompt_seed` `group` times, continued by the rollout path (synchronised with
+        the policy first): the sequences, the rollout log-probs of their new tokens, their rewards."""
+        torch, cfg = self.torch, self.cfg
+        prompts = torch.from_numpy(prompt_windows(cfg.prompts, cfg.prompt_len, seed=prompt_seed))
+        prompts = prompts.repeat_interleave(cfg.group, dim=0).to(self.device.name)
+        self._sync_rollout()
+        ids, rollout_logp = self._sample(prompts, sample_step)
+        return ids, rollout_logp, reward_lowercase(ids[:, cfg.prompt_len :].cpu().numpy())
+
+    def _advantages(self, rewards):
+        """Group-normalised advantages, one per sequence, on the device."""
+        grouped = rewards.reshape(self.cfg.prompts, self.cfg.group)
+        adv = (grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, keepdims=True) + 1e-4)
+        return self.torch.from_numpy(adv.reshape(-1)).float().to(self.device.name)
 
     def _token_logps(self, model, ids, *, grad: bool, autocast: bool):
         """Log-probs of the response tokens, entropy of the policy there, router calls, max logit."""
         torch = self.torch
         p = self.cfg.prompt_len
-        ctx = self.device.autocast(_dtype(torch, self.cfg.precision)) if autocast and self.cfg.precision != "fp32" else _null()
+        ctx = self.device.autocast(_dtype(torch, self.cfg.precision)) if autocast and self.cfg.precision != "fp32" else contextlib.nullcontext()
         with (torch.enable_grad() if grad else torch.no_grad()), ctx:
             logits = model(input_ids=ids).logits[:, p - 1 : -1].float() / self.cfg.temperature
         logp_all = torch.log_softmax(logits, -1)
@@ -276,14 +292,8 @@ class GRPO:
         lr = self._lr(t)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        prompts = torch.from_numpy(prompt_windows(cfg.prompts, cfg.prompt_len, seed=cfg.seed * 7919 + t))
-        prompts = prompts.repeat_interleave(cfg.group, dim=0).to(self.device.name)
-        self._sync_rollout()
-        ids, rollout_logp = self._sample(prompts, t)
-        rewards = reward_lowercase(ids[:, cfg.prompt_len :].cpu().numpy())
-        grouped = rewards.reshape(cfg.prompts, cfg.group)
-        adv = (grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, keepdims=True) + 1e-4)
-        advantages = torch.from_numpy(adv.reshape(-1)).float().to(self.device.name)
+        ids, rollout_logp, rewards = self._rollout(cfg.seed * 7919 + t, t)
+        advantages = self._advantages(rewards)
 
         self.policy.eval()
         self.routers.clear()
@@ -387,12 +397,7 @@ class GRPO:
     # ---- probes at the initial weights (static recipes) ---------------------------------------
     def _batch(self, seed: int):
         """Prompts of `seed`, continuations sampled by the rollout path, and their rewards."""
-        torch, cfg = self.torch, self.cfg
-        prompts = torch.from_numpy(prompt_windows(cfg.prompts, cfg.prompt_len, seed=seed * 7919))
-        prompts = prompts.repeat_interleave(cfg.group, dim=0).to(self.device.name)
-        self._sync_rollout()
-        ids, rollout_logp = self._sample(prompts, seed)
-        return ids, rollout_logp, reward_lowercase(ids[:, cfg.prompt_len :].cpu().numpy())
+        return self._rollout(seed * 7919, seed)
 
     def probe_mismatch(self, seed: int) -> float:
         """KL(rollout || train) per token on rollout samples of `seed` (see _mismatch)."""
@@ -405,9 +410,7 @@ class GRPO:
         """Does one scaled fp16 backward of the GRPO loss on `batch` overflow?"""
         torch, cfg = self.torch, self.cfg
         ids, _, rewards = batch
-        grouped = rewards.reshape(cfg.prompts, cfg.group)
-        adv = torch.from_numpy(((grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, keepdims=True) + 1e-4)).reshape(-1))
-        adv = adv.to(self.device.name)
+        adv = self._advantages(rewards)
         ref_logp, _, _ = self._token_logps(self.reference, ids, grad=False, autocast=False)
         self.policy.train()
         logp, _, _ = self._token_logps(self.policy, ids, grad=True, autocast=True)
@@ -429,14 +432,6 @@ class GRPO:
             if stop is not None and stop(self.rows):
                 break
         return self.rows
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def write_metrics(rows: list[dict], path: Path, config: RLConfig, extra: dict | None = None) -> None:

@@ -90,7 +90,7 @@ def measure_step_peak(trainer, step: int) -> float:
         device.reset_peak()
         trainer.step(step)
         device.synchronize()
-        return float(device.module.max_memory_allocated())
+        return float(device.peak_bytes())
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's own start/stop chatter
     from torch.profiler import ProfilerActivity, profile
 

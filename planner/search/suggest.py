@@ -33,7 +33,7 @@ from planner.arch import Architecture
 from planner.catalog import load_accelerator, load_model_config
 from planner.cost.evaluate import CostResult, candidate_device_counts, evaluate, min_devices
 from planner.cost.hardware import Accelerator
-from planner.errors import InfeasibleError, PlannerError, SpecError
+from planner.errors import PlannerError, SpecError
 from planner.search.budget import Budget, parse_budget
 from planner.specs import Job, Offload
 
@@ -233,12 +233,12 @@ class Suggester:
         """K's own smallest device count (most memory-frugal settings, the request's memory margin),
         up to the search bound; None when it fits nowhere there."""
         if experts not in self._minimum:
-            arch = self.arch if experts == self.arch.original_num_experts else self.arch.with_experts(experts)
+            arch = self.arch.with_experts(experts)  # K = E: the original itself
             job = replace(self.request.job, recompute="full", offload=OFFLOADS["all"])
             try:
                 self._minimum[experts] = min_devices(arch, self.accel, job, max_devices=self.request.max_devices,
                                                      memory_margin=self.request.memory_margin)  # fmt: skip
-            except (InfeasibleError, PlannerError):
+            except PlannerError:  # InfeasibleError among them
                 self._minimum[experts] = None
         return self._minimum[experts]
 
@@ -283,7 +283,7 @@ class Suggester:
     def cost(self, experts: int, devices: int, recompute: str, offload: str) -> CostResult:
         key = (experts, devices, recompute, offload)
         if key not in self._costs:
-            arch = self.arch if experts == self.arch.original_num_experts else self.arch.with_experts(experts)
+            arch = self.arch.with_experts(experts)  # K = E: the original itself
             job = replace(self.request.job, recompute=recompute, offload=OFFLOADS[offload])
             try:
                 self._costs[key] = evaluate(arch, self.accel, job, devices, memory_margin=self.request.memory_margin)

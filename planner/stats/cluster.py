@@ -22,7 +22,7 @@ import numpy as np
 from planner.errors import SpecError
 from planner.plan import SELECTION_METHODS as METHODS
 
-__all__ = ["cosine_distance", "blended_distance", "agglomerative", "kmeans", "mds_embedding", "select", "silhouette", "METHODS"]
+__all__ = ["cosine_distance", "agglomerative", "kmeans", "mds_embedding", "select", "silhouette", "METHODS"]
 
 ROUTER_WEIGHT = 0.3
 
@@ -35,10 +35,6 @@ def cosine_distance(x: np.ndarray) -> np.ndarray:
     d = (1.0 - np.clip(unit @ unit.T, -1.0, 1.0)) / 2.0
     np.fill_diagonal(d, 0.0)
     return d
-
-
-def blended_distance(output: np.ndarray, router: np.ndarray, router_weight: float = ROUTER_WEIGHT) -> np.ndarray:
-    return (1.0 - router_weight) * cosine_distance(output) + router_weight * cosine_distance(router)
 
 
 def agglomerative(d: np.ndarray, k: int) -> np.ndarray:

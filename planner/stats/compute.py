@@ -26,7 +26,7 @@ import numpy as np
 
 from planner.checkpoint.reader import Checkpoint
 from planner.plan import Plan
-from planner.stats.cluster import METHODS, ROUTER_WEIGHT, cosine_distance, mds_embedding, select, silhouette
+from planner.stats.cluster import METHODS, ROUTER_WEIGHT, cosine_distance, select, silhouette
 from planner.stats.sketch import SKETCH_DIM, weight_features
 
 __all__ = ["LayerFeatures", "compute_stats", "plan_from_stats", "summarise", "default_experts"]
@@ -40,7 +40,6 @@ KL_POSITIONS = 256  # positions whose original next-token distribution is kept f
 class LayerFeatures:
     distance: np.ndarray  # blended expert distance (E x E)
     router_distance: np.ndarray
-    embedding: np.ndarray  # MDS coordinates of `distance` (for k-means)
     frequency: np.ndarray | None = None  # share of tokens routed to each expert
     gate_mass: np.ndarray | None = None
     saliency: np.ndarray | None = None
@@ -152,14 +151,13 @@ def _features(ckpt: Checkpoint, weights, raw: dict | None) -> dict[int, LayerFea
         if raw is None or i not in raw:  # weights only, or an MTP layer the model never runs
             router_d = cosine_distance(weights.router[i])
             dist = (1 - ROUTER_WEIGHT) * cosine_distance(weights.sketch[i]) + ROUTER_WEIGHT * router_d
-            out[i] = LayerFeatures(dist, router_d, mds_embedding(dist))
+            out[i] = LayerFeatures(dist, router_d)
             continue
         r = raw[i]
         dist = (1 - ROUTER_WEIGHT) * r["output_distance"] + ROUTER_WEIGHT * r["router_distance"]
         out[i] = LayerFeatures(
             distance=dist,
             router_distance=r["router_distance"],
-            embedding=mds_embedding(dist),
             frequency=r["frequency"],
             gate_mass=r["gate_mass"],
             saliency=r["saliency"],
@@ -293,7 +291,7 @@ def compute_stats(
 
     layers_doc = {}
     for i, f in features.items():
-        entry: dict = {"distance": f.distance, "router_distance": f.router_distance, "embedding": f.embedding}
+        entry: dict = {"distance": f.distance, "router_distance": f.router_distance}
         for name in ("frequency", "gate_mass", "saliency", "max_activation", "coactivation"):
             if getattr(f, name) is not None:
                 entry[name] = getattr(f, name)

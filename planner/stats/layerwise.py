@@ -16,7 +16,8 @@ import copy
 import inspect
 import re
 from contextlib import contextmanager
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from planner.checkpoint.reader import Checkpoint
 from planner.errors import CheckpointError
@@ -25,16 +26,13 @@ from planner.hf import require_torch
 __all__ = ["LayerwiseModel", "MoECall"]
 
 
+@dataclass
 class MoECall:
-    """What one MoE block forward saw: its input, output, router logits and routing."""
+    """One MoE block's routing of some tokens: router logits, top-k ids and their weights."""
 
-    def __init__(self, layer: int):
-        self.layer = layer
-        self.input = None
-        self.output = None
-        self.logits = None
-        self.topk_ids = None
-        self.topk_weights = None
+    logits: Any
+    topk_ids: Any
+    topk_weights: Any
 
 
 class LayerwiseModel:
@@ -169,16 +167,15 @@ class LayerwiseModel:
     def route(self, block, x) -> MoECall:
         """Router logits and top-k routing of `block` on tokens `x` (tokens x hidden)."""
         torch = self.torch
-        call = MoECall(-1)
         router = getattr(block, self.names["memory"]["router"].split(".")[0])
         with torch.no_grad():
             out = router(x)
         if len(out) == 3:  # (logits, weights, ids)
-            call.logits, call.topk_weights, call.topk_ids = out
+            logits, weights, ids = out
         else:  # llama4: (scores, sigmoid of the top-k logits and zero elsewhere; logits)
-            scores, call.logits = out
-            call.topk_weights, call.topk_ids = torch.topk(scores, block.top_k, dim=-1)
-        return call
+            scores, logits = out
+            weights, ids = torch.topk(scores, block.top_k, dim=-1)
+        return MoECall(logits=logits, topk_ids=ids, topk_weights=weights)
 
     def expert_output(self, block, e: int, x):
         """Expert e's output on tokens x (unweighted), through transformers' expert module."""

@@ -11,7 +11,7 @@ import yaml
 
 from planner.errors import SpecError
 
-__all__ = ["read_yaml", "read_json", "refuse_existing", "new_output", "write_text_atomic"]
+__all__ = ["read_yaml", "read_json", "refuse_existing", "new_output", "write_text_atomic", "write_csv_atomic"]
 
 
 def _text(path: Path, what: str, hint: str) -> str:
@@ -59,5 +59,19 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     p = Path(path)
     tmp = p.with_name(p.name + ".part")
     tmp.write_text(text)
+    tmp.replace(p)
+    return p
+
+
+def write_csv_atomic(path: str | Path, fieldnames: list[str], rows) -> Path:
+    """Rows (mappings) as CSV with a header, streamed to PATH.part and renamed over `path`."""
+    import csv
+
+    p = Path(path)
+    tmp = p.with_name(p.name + ".part")
+    with open(tmp, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fieldnames)
+        writer.writeheader()
+        writer.writerows(rows)
     tmp.replace(p)
     return p

@@ -249,3 +249,12 @@ def test_a_killed_worker_is_resumed_by_a_restart(mini_grid, tmp_path, monkeypatc
     _completed_once(trials, _units(grid, work, "proxies"))
     assert {t._trial_id: t.state.name for t in trials}[killed] == "FAIL"  # failed as stale, then retried
     assert [t.params["unit"] for t in trials if t.state.name == "COMPLETE"].count(running[0].params["unit"]) == 1
+
+
+def test_the_cli_offers_every_recipe_of_the_table():
+    """cli_rl keeps its own tuple of recipe names (importing the table would slow every CLI start)."""
+    from planner.cli_rl import RECIPE_NAMES
+    from planner.fidelity.labels import LOG10_KNOBS
+    from planner.rl.recipes import RECIPES
+
+    assert RECIPE_NAMES == tuple(RECIPES) and LOG10_KNOBS <= set(RECIPES)

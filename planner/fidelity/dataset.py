@@ -19,7 +19,7 @@ from typing import Any
 from planner.arch import Architecture
 from planner.fidelity.estimator import FULL_FEATURES
 from planner.fidelity.labels import curve_agreement, fault_reproduced, knob_scale, margin_ratio, spearman
-from planner.files import write_text_atomic
+from planner.files import write_csv_atomic, write_text_atomic
 
 __all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "architecture_features", "pair_row", "write_dataset", "read_dataset"]
 
@@ -73,13 +73,8 @@ def pair_row(recipe: str, kind: str, original: dict, proxy: dict, *, knob_offset
 def write_dataset(rows: list[dict], path: Path, provenance: dict) -> None:
     columns = list(ID_COLUMNS) + list(FULL_FEATURES) + list(LABEL_COLUMNS)
     extra = sorted({k for r in rows for k in r} - set(columns))
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns + extra)
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v) for k, v in r.items()})
-    tmp.replace(path)
+    blank = lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else v  # noqa: E731
+    write_csv_atomic(path, columns + extra, ({k: blank(v) for k, v in r.items()} for r in rows))
     versions = {"python": platform.python_version(), **{p: _version(p) for p in ("torch", "transformers", "numpy", "scikit-learn", "optuna")}}
     write_text_atomic(path.with_suffix(".json"), json.dumps({"rows": len(rows), "columns": columns + extra, "versions": versions, **provenance}, indent=2))
 

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from planner.errors import SpecError
+from planner.rl.recipes import RECIPES as RECIPE_TABLE
 
 __all__ = [
     "LinearModel",
@@ -33,7 +34,7 @@ __all__ = [
     "default_estimator_path",
 ]
 
-RECIPES = ("fp16-overflow", "rollout-mismatch", "entropy-collapse", "grad-blowup", "router-collapse")
+RECIPES = tuple(RECIPE_TABLE)  # one one-hot feature per fault recipe, in the table's order
 ARCH_FEATURES = ("kept_fraction", "top_k_over_k", "experts_per_group", "log2_experts", "sigmoid_router", "grouped", "norm_topk")
 STAT_FEATURES = (
     "frequency_dropped_mean", "frequency_dropped_max", "gate_mass_dropped_mean", "saliency_dropped_mean",

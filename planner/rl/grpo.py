@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from planner.errors import SpecError
-from planner.files import write_text_atomic
+from planner.files import write_csv_atomic, write_text_atomic
 from planner.hf import require_torch
 from planner.rl.corpus import prompt_windows
 from planner.rl.device import Device
@@ -441,13 +441,7 @@ def write_metrics(rows: list[dict], path: Path, config: RLConfig, extra: dict | 
 
     torch, transformers = require_torch("writing metrics")
     path.mkdir(parents=True, exist_ok=True)
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    tmp = path / "metrics.csv.part"
-    with open(tmp, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(path / "metrics.csv")
+    write_csv_atomic(path / "metrics.csv", list(dict.fromkeys(k for r in rows for k in r)), rows)
     info = {"config": asdict(config), "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                                                    "python": platform.python_version()}, **(extra or {})}  # fmt: skip
     write_text_atomic(path / "run.json", json.dumps(info, indent=2))

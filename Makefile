@@ -17,6 +17,7 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/planner suggest --budget 8npu
+	mkdir -p build
 	$(VENV)/bin/planner report --budget 8npu -o build/demo-report --force
 
 reports: $(STAMP)

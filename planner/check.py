@@ -169,7 +169,7 @@ def run_check(plan_path: str | Path, checkpoint: str | Path, out_dir: str | Path
 
 
 def render_check(r: CheckReport) -> str:
-    from planner.render import table
+    from planner.render import label_text, table
     from planner.units import human_bytes
 
     lines = [f"proxy {r.proxy_dir}" + (" (built now)" if r.built else ""), ""]
@@ -186,9 +186,8 @@ def render_check(r: CheckReport) -> str:
                      f"{c.get('step_time_s', float('nan')):,.0f} s/step, {c.get('accelerator_hours_per_step', float('nan')):,.2f} "
                      f"accelerator-hours/step")  # fmt: skip
     if r.labels:
-        keys = ("margin_ratio", "curve_agreement", "spearman_grad_norm", "onset_original", "onset_proxy", "fault_reproduced")
+        keys = ("shift_log2", "shift_sd", "noise_log2", "outcome", "curve_agreement", "spearman_grad_norm", "onset_original", "onset_proxy")
         lines.append("")
-        lines.append(table(["label", "value"], [[k, "-" if r.labels.get(k) is None or r.labels.get(k) != r.labels.get(k) else f"{r.labels[k]:.3g}"]
-                                                for k in keys]))  # fmt: skip
+        lines.append(table(["label", "value"], [[k, label_text(r.labels.get(k))] for k in keys]))
     lines.append(f"metrics in {r.run_dir}/metrics.csv")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import click
 from planner.cli import _emit_json, _ints, _progress, _run, main
 from planner.errors import SpecError
 from planner.files import refuse_existing, write_text_atomic
-from planner.render import table
+from planner.render import label_text, table
 
 DATASET = "calibration/fidelity_dataset.csv"
 ESTIMATOR = "calibration/fidelity.json"
@@ -234,14 +234,14 @@ def calibrate_run(grid_path, storage, workers, workdir, output, force) -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=ESTIMATOR, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing estimator file.")
 def calibrate_fit(dataset, output, force) -> None:
-    """Fit the FidelityEstimator (full and prior variants) on the dataset."""
+    """Fit the FidelityEstimator (per recipe: the shift model, its baselines and the skill gate)."""
     from planner.fidelity.calibrate import fit
 
     def body():
         refuse_existing(output, force)
         estimator = fit(Path(dataset), Path(output))
-        rows = [[variant, label, type(m).__name__] for variant, ms in estimator.models.items() for label, m in ms.items()]
-        click.echo(table(["variant", "label", "model"], rows))
+        rows = [[recipe, len(e["originals"]), ", ".join(str(x) for x in e["experts"]), e["gate"]["reason"]] for recipe, e in estimator.recipes.items()]
+        click.echo(table(["recipe", "originals", "E", "skill gate (held-out originals)"], rows))
         click.echo(f"wrote {output} ({estimator.info['rows']} rows)")
 
     _run(body)
@@ -265,8 +265,8 @@ def calibrate_add(original_dir, proxy_dir, plan_path, replica_dir, recipe_name, 
                        recipe_name=recipe_name)  # fmt: skip
         if as_json:
             return _emit_json(row)
-        keys = ("recipe", "experts", "margin_ratio", "curve_agreement", "spearman_grad_norm", "fault_reproduced")
-        click.echo(table(list(keys), [[row.get(k) if not isinstance(row.get(k), float) else f"{row[k]:.3g}" for k in keys]]))
+        keys = ("recipe", "experts", "shift_log2", "shift_sd", "outcome", "curve_agreement", "spearman_grad_norm")
+        click.echo(table(list(keys), [[label_text(row.get(k)) for k in keys]]))
         click.echo(f"added to {dataset}; run `planner calibrate fit` to refit")
 
     _run(body)
@@ -276,7 +276,7 @@ def calibrate_add(original_dir, proxy_dir, plan_path, replica_dir, recipe_name, 
 @click.option("--dataset", type=click.Path(exists=True, dir_okay=False), default=DATASET, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def calibrate_report(dataset, as_json) -> None:
-    """Grouped cross-validation (leave one (family, recipe) out) of every label and variant."""
+    """Held-out validation per recipe (leave one original out, leave one family out) against K/E alone and the recipe's mean."""
     from planner.fidelity.dataset import read_dataset
     from planner.fidelity.validate import cross_validate, render_report
 

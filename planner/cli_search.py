@@ -17,7 +17,7 @@ _SEARCH_OPTIONS = (
     click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Catalog model or a path to config.json / a checkpoint."),
     click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True),
     click.option("--job", "job_path", type=click.Path(dir_okay=False), default=None, help="RL job YAML (default: GRPO 512x16)."),
-    click.option("--fault", default="grad-overflow", show_default=True,
+    click.option("--fault", default="rollout-mismatch", show_default=True,
                  help="grad-overflow, rollout-mismatch, entropy-collapse, router-collapse or grad-norm-divergence."),
     click.option("--stats", "stats_path", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="`planner stats` of the checkpoint: fidelity from plan statistics (default: the prior estimator)."),

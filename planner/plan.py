@@ -17,10 +17,13 @@ from planner.arch import Architecture
 from planner.errors import PlanError, SpecError
 from planner.files import read_yaml
 
-__all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "METHODS", "SELECTION_METHODS"]
+__all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "METHODS", "SELECTION_METHODS", "BAD_METHODS"]
 
 PLAN_SCHEMA = "planner.plan/1"
-SELECTION_METHODS = ("agglomerative", "kmeans", "router", "saliency", "frequency", "random")
+# the last two are deliberately bad plans, for calibration: the estimator has to learn what an
+# unfaithful proxy looks like (DESIGN.md section 7); `suggest` never proposes them
+SELECTION_METHODS = ("agglomerative", "kmeans", "router", "saliency", "frequency", "random", "least-used", "one-cluster")
+BAD_METHODS = ("least-used", "one-cluster")
 METHODS = (*SELECTION_METHODS, "manual")
 _KEYS = ("schema", "model", "experts", "original_experts", "method", "mtp", "checkpoint_fingerprint",
          "target_ep", "seed", "feature_spec", "statistics", "deployment", "layers", "labels")  # fmt: skip

@@ -318,26 +318,40 @@ def check_budget(c: _Context) -> Check:
 def check_fidelity(c: _Context) -> Check:
     from planner.fidelity.dataset import architecture_features
     from planner.fidelity.estimator import FidelityEstimator, default_estimator_path, features_of
-    from planner.search.suggest import FAULTS
+    from planner.search.suggest import FAULTS, fault_conflicts
 
     plan, threshold = c.plan, float(c.data.get("min_fidelity", 0.8))
+    recipe = FAULTS[c.data["fault"]["type"]]
+    conflicts = fault_conflicts(recipe, c.job.precision)
+    if conflicts:
+        return Check("fidelity", "FAIL", conflicts[0])
+    planned = (plan.deployment or {}).get("fault")
+    other = f"; the plan was made for fault {planned!r}" if planned and FAULTS.get(planned) != recipe else ""
     if plan.experts == plan.original_experts:
-        return Check("fidelity", "PASS", "the plan keeps every expert: the original itself")
+        return Check("fidelity", "WARN" if other else "PASS", "the plan keeps every expert: the original itself" + other)
     statistics = plan.statistics
     stats = c.stats
     if not statistics and stats and f"K={plan.experts}/{plan.method}" in stats.get("plans", {}):
         statistics = stats["plans"][f"K={plan.experts}/{plan.method}"]["summary"]
-    recipe = FAULTS[c.data["fault"]["type"]]
-    row = features_of(statistics or {}, architecture_features(c.config[1], plan.experts), recipe)
-    pred = FidelityEstimator.load(default_estimator_path()).predict(row)["fault_reproduced"]
-    text = (f"P(fault reproduced) {pred['value']:.2f} [{pred['low']:.2f}, {pred['high']:.2f}] "
-            f"({'plan statistics' if pred['variant'] == 'full' else 'prior: K/E and architecture only'}), threshold {threshold}")  # fmt: skip
-    if pred["value"] < threshold:
+    arch = c.arch
+    row = {**features_of(statistics or {}, architecture_features(c.config[1], plan.experts)), "experts": plan.experts,
+           "top_k": arch.moe.top_k, "original_experts": arch.original_num_experts}  # fmt: skip
+    f = FidelityEstimator.load(default_estimator_path()).predict(row, recipe)
+    knob = f"; knob: {f['knob_translation']['text']}" if f.get("knob_translation") else ""
+    if f["status"] == "not-applicable":
+        return Check("fidelity", "FAIL", f"not applicable: {f['reason']}")
+    if f["status"] != "calibrated":
+        measured = ""
+        if f.get("measured_by_k"):
+            m = f["measured_by_k"]
+            measured = f"; measured shift at K/E {m['kept_fraction']:g}: {m['shift_mean']:+.2f} +- {m['shift_sd']:.2f} log2 (noise {m['noise_log2']:.2f})"
+        return Check("fidelity", "WARN", f"{f['status']}: {f['reason']}{measured}{knob}{other}")
+    low, high = f["interval"]
+    text = f"P(fault reproduced) {f['p_reproduced']:.2f} [{low:.2f}, {high:.2f}], threshold {threshold}{knob}{other}"
+    if f["p_reproduced"] < threshold:
         return Check("fidelity", "FAIL", text)
-    if pred["low"] < threshold:
-        return Check("fidelity", "WARN", text + ": the interval reaches below it")
-    if pred["outside"]:
-        return Check("fidelity", "WARN", text + "; extrapolated beyond the calibration data: " + "; ".join(pred["outside"]))
+    if low < threshold or other:
+        return Check("fidelity", "WARN", text + (": the interval reaches below it" if low < threshold else ""))
     return Check("fidelity", "PASS", text)
 
 

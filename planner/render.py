@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-__all__ = ["table", "count"]
+__all__ = ["table", "count", "label_text"]
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]], *, title: str | None = None) -> str:
@@ -22,6 +22,11 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]], *, title: st
     lines.append("  ".join("-" * w for w in widths))
     lines.extend(line(r) for r in cells[1:])
     return "\n".join(lines)
+
+
+def label_text(value: object) -> object:
+    """A measured label for a table cell: "-" where it is missing (None or NaN)."""
+    return "-" if value is None or (isinstance(value, float) and value != value) else value
 
 
 def _cell(value: object) -> str:

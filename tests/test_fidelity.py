@@ -15,13 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from planner.fidelity.labels import OUTCOMES
 from click.testing import CliRunner
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from planner.cli import main
 from planner.errors import SpecError
-from planner.fidelity.estimator import FULL_FEATURES, FidelityEstimator, LinearModel, LogisticModel
-from planner.fidelity.learners import FidelityClassifier, FidelityRegressor
+from planner.fidelity.estimator import FULL_FEATURES, SHIFT_FEATURES, FidelityEstimator, ShiftModel
+from planner.fidelity.learners import ShiftRegressor
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "calibration" / "fidelity_dataset.csv"
@@ -31,60 +33,34 @@ def run_cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
-# ---- the estimators -------------------------------------------------------------------------------
+# ---- the estimator --------------------------------------------------------------------------------
 
-@parametrize_with_checks([FidelityRegressor(), FidelityClassifier(n_bootstrap=10)])
+@parametrize_with_checks([ShiftRegressor()])
 def test_sklearn_conventions(estimator, check):
     check(estimator)
 
 
-def test_regressor_intervals_cover_and_round_trip_through_json():
+def test_regressor_signs_intervals_and_json():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(400, 3))
     y = x @ [1.0, -2.0, 0.5] + rng.normal(scale=0.5, size=400)
-    model = FidelityRegressor(coverage=0.8).fit(x[:300], y[:300])
+    model = ShiftRegressor(coverage=0.8).fit(x[:300], y[:300])
     low, high = model.predict_interval(x[300:])
     assert 0.7 <= np.mean((y[300:] >= low) & (y[300:] <= high)) <= 0.9
-    again = LinearModel.from_json(json.loads(json.dumps(model.model_.to_json())))  # what the estimator file holds
+    again = ShiftModel.from_json(json.loads(json.dumps(model.model_.to_json())))  # what the estimator file holds
     assert np.array_equal(again.predict(x), model.predict(x))
     assert np.array_equal(again.predict_interval(x)[0], model.predict_interval(x)[0])
+    # a sign the mechanism fixes holds even where the data pull the other way: the coefficient stops at 0
+    bound = ShiftRegressor(signs=[0, 1, 0]).fit(x[:300], y[:300])
+    assert bound.coef_[1] == 0.0 and bound.coef_[0] > 0.5
 
 
-def test_classifier_probabilities_and_json():
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(300, 2))
-    y = (x[:, 0] + 0.3 * rng.normal(size=300) > 0).astype(int)
-    model = FidelityClassifier(n_bootstrap=20).fit(x, y)
-    p = model.predict_proba(x)[:, 1]
-    assert np.mean((p > 0.5) == y) > 0.85
-    low, high = model.predict_interval(x)
-    assert np.all(low <= p + 1e-12) and np.all(p <= high + 1e-12)
-    again = LogisticModel.from_json(json.loads(json.dumps(model.model_.to_json())))
-    assert np.array_equal(again.proba(x), model.predict_proba(x)[:, 1])
-    assert np.array_equal(again.predict_interval(x)[0], low) and np.array_equal(again.predict_interval(x)[1], high)
-
-
-def test_classifier_interval_widens_for_group_shift():
-    """Groups whose base rates differ by more than sampling noise: the bootstrap interval alone holds
-    few held-out groups' observed rates; widened by the groups' conformal shift it holds most."""
-    rng = np.random.default_rng(2)
-    rates = [0.95, 0.9, 0.85, 0.6, 0.92, 0.88, 0.75, 0.97]
-    groups = np.repeat([f"g{i}" for i in range(len(rates))], 40)
-    x = rng.normal(size=(len(groups), 2))
-    y = (rng.random(len(groups)) < np.repeat(rates, 40)).astype(int)
-    plain = FidelityClassifier(n_bootstrap=20).fit(x, y)
-    grouped = FidelityClassifier(n_bootstrap=20).fit(x, y, groups=list(groups))
-    assert grouped.shift_ > 2 * plain.shift_  # random folds see sampling noise only
-    held_in, held_in_bootstrap = 0, 0
-    for g in sorted(set(groups)):
-        held = groups == g
-        model = FidelityClassifier(n_bootstrap=20).fit(x[~held], y[~held], groups=list(groups[~held]))
-        rate = y[held].mean()
-        low, high = model.predict_interval(x[held])
-        held_in += low.mean() <= rate <= high.mean()
-        low, high = replace(model.model_, shift=0.0).predict_interval(x[held])
-        held_in_bootstrap += low.mean() <= rate <= high.mean()
-    assert held_in >= 6 and held_in_bootstrap <= 3, (held_in, held_in_bootstrap)
+def test_p_reproduced_follows_the_predictive_distribution():
+    residuals = np.linspace(-0.5, 0.5, 101)
+    model = ShiftModel(np.zeros(1), np.ones(1), np.array([1.0]), 0.0, 0.5, residuals, np.repeat(["a", "b"], [50, 51]))
+    p, low, high = model.p_within(np.array([[0.0], [0.8], [3.0]]), tolerance=1.0)
+    assert p[0] == 1.0 and p[2] == 0.0  # all of the distribution inside, then all outside the tolerance
+    assert 0.6 < p[1] < 0.75 and low[1] <= p[1] <= high[1]  # |0.8 + r| < 1 for r < 0.2: 70 of 101
 
 
 def test_estimator_file_is_json_and_rejects_other_files(tmp_path):
@@ -96,63 +72,124 @@ def test_estimator_file_is_json_and_rejects_other_files(tmp_path):
         FidelityEstimator.load(tmp_path / "missing.json")
 
 
+def _synthetic(signal: str, seed: int = 0) -> list[dict]:
+    """Rows of 4 originals x 3 K x 10 plans for one recipe; the shift follows the routing mass
+    dropped within each K ("plan"), or K/E alone ("k"), plus measurement noise."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for o in range(4):
+        for kf in (0.25, 0.375, 0.5):
+            for plan in range(10):
+                dropped = (1 - kf) * rng.uniform(0.3, 1.3)
+                row = {f: float(rng.normal()) for f in FULL_FEATURES}
+                row.update(kept_fraction=kf, frequency_dropped_mean=dropped, family="f", original=f"f-s{o}", recipe="router-collapse",
+                           model=f"K{kf}-{plan}", method="m", experts=int(32 * kf), top_k=4, original_experts=32, censored=0)  # fmt: skip
+                truth = -6.0 * (dropped - (1 - kf)) if signal == "plan" else -2.0 * (1 - kf)
+                row["shift_log2"] = truth + rng.normal(scale=0.2)
+                row["shift_se"] = row["noise_log2"] = 0.2
+                row["reproduced"] = float(abs(truth) < 0.7) if abs(abs(truth) - 1.0) > 0.3 else float("nan")
+                rows.append(row)
+    return rows
+
+
+def test_skill_gate_switches_p_on_and_off():
+    from planner.fidelity.validate import cross_validate, render_report
+
+    skilled = FidelityEstimator.fit(_synthetic("plan"))
+    gate = skilled.recipes["router-collapse"]["gate"]
+    assert gate["skill"] and gate["mae"] < gate["mae_ke"], gate
+    good, dead = ({**_synthetic("plan")[0], "frequency_dropped_mean": d, "experts": 8} for d in (0.75, 0.95))
+    good["kept_fraction"] = dead["kept_fraction"] = 0.25
+    g, d = (skilled.predict(r, "router-collapse") for r in (good, dead))
+    assert g["status"] == d["status"] == "calibrated" and g["p_reproduced"] > d["p_reproduced"]
+    assert d["shift_log2"] < g["shift_log2"]  # the plan that drops more routing mass collapses earlier
+    assert g["interval"][0] <= g["p_reproduced"] <= g["interval"][1]
+    again = FidelityEstimator.from_json(json.loads(json.dumps(skilled.to_json())))
+    assert again.predict(good, "router-collapse") == g
+
+    k_only = FidelityEstimator.fit(_synthetic("k"))
+    f = k_only.predict(good, "router-collapse")
+    assert not k_only.recipes["router-collapse"]["gate"]["skill"]
+    assert f["status"] == "no-skill" and f["p_reproduced"] is None and f["shift_log2"] is None
+    assert f["measured_by_k"]["kept_fraction"] == 0.25 and f["knob_translation"]["source"].startswith("measured")
+    report = cross_validate(_synthetic("k"))
+    assert "no plan-level skill" in render_report(report) and set(report["recipes"]["router-collapse"]) >= {"original", "family"}
+
+
+def test_statuses_not_applicable_and_uncalibrated():
+    est = FidelityEstimator.fit(_synthetic("plan"))
+    row = _synthetic("plan")[0]
+    assert est.predict({**row, "experts": 4, "top_k": 4}, "router-collapse")["status"] == "not-applicable"
+    far = est.predict({**row, "original_experts": 128}, "router-collapse")
+    assert far["status"] == "uncalibrated" and far["p_reproduced"] is None and "E=128" in far["reason"]
+    assert est.predict(row, "entropy-collapse")["status"] == "uncalibrated"  # a recipe never calibrated
+    outside = est.predict({**row, "frequency_dropped_mean": 5.0}, "router-collapse")
+    assert outside["status"] == "uncalibrated" and "frequency_dropped_mean" in outside["reason"]
+    no_stats = est.predict({k: row[k] for k in ("kept_fraction", "experts", "top_k", "original_experts")}, "router-collapse")
+    assert no_stats["status"] == "no-skill" and "--stats" in no_stats["reason"]
+
+
 # ---- labels ---------------------------------------------------------------------------------------
 
 def test_labels():
-    from planner.fidelity.labels import curve_agreement, curve_deviation, fault_reproduced, margin_ratio, spearman
+    from planner.fidelity.labels import applicable, curve_agreement, curve_deviation, knob_shift, spearman
 
-    assert margin_ratio("fp16-overflow", 18.0, 19.0) == 1.0  # knobs in log2 units stand as they are
-    assert math.isclose(margin_ratio("entropy-collapse", -2.0, -3.0), math.log2(10))  # log10 knobs convert
+    same = knob_shift("fp16-overflow", [19.0, 19.2, 18.9, 19.1], [19.05, 19.1, 18.95, 19.2])
+    assert same.outcome == "reproduced" and abs(same.shift) < 0.1
+    assert math.isclose(same.noise, np.std([19.0, 19.2, 18.9, 19.1], ddof=1))  # the original's seed SD: the noise floor
+    early = knob_shift("router-collapse", [-1.0, -1.1, -0.9, -1.05], [-2.0, -2.1, -1.95, -2.05])
+    assert early.outcome == "not reproduced" and math.isclose(early.shift, -1.0125 * math.log2(10))  # log10 knobs in log2 units
+    assert early.shift_sd < -10  # far beyond the original's own seed spread
+    noisy = knob_shift("fp16-overflow", [18.0, 20.0, 19.0, 21.0], [19.0, 21.0, 20.5, 22.0])
+    assert noisy.outcome == "undetermined"  # too noisy to say either way
+    floor = knob_shift("fp16-overflow", [19.0] * 4, [19.0] * 4, resolution=0.05)
+    assert floor.noise == 0.05 and floor.outcome == "reproduced"  # a spread below the resolution is the resolution
+    bound = knob_shift("fp16-overflow", [19.0, 19.1, 19.0, 19.1], [40.0] * 4, proxy_censored=[True] * 4)
+    assert bound.outcome == "not reproduced"  # never faults in the bracket: the bound settles it
+    assert knob_shift("fp16-overflow", [40.0] * 4, [19.0] * 4, original_censored=[True] * 4).outcome == "undetermined"
+    assert not applicable("router-collapse", 4, 4) and applicable("router-collapse", 8, 4) and applicable("fp16-overflow", 4, 4)
     rng = np.random.default_rng(0)
     keys = ("grad_norm", "entropy", "kl_ref", "reward_mean", "load_cv_max")
     run = [{k: float(v) for k, v in zip(keys, rng.uniform(0.1, 1, 5))} for _ in range(12)]
-    replica = [{k: v + rng.normal(scale=0.05) for k, v in r.items()} for r in run]
+    replicas = [[{k: v + rng.normal(scale=0.05) for k, v in r.items()} for r in run] for _ in range(2)]
     far = [{k: v + rng.normal(scale=0.5) for k, v in r.items()} for r in run]
-    assert curve_deviation(run, run, run) == 0.0 and curve_agreement(run, run, replica) == 0.0
-    assert curve_agreement(far, run, replica) > 3 * curve_agreement(replica, run, replica)  # further from it than its noise
+    assert curve_deviation(run, run, run) == 0.0 and curve_agreement(run, run, replicas) == 0.0
+    assert curve_agreement(far, run, replicas) > 3 * curve_agreement(replicas[0], run, replicas)  # further from it than its noise
     flat = [{"grad_norm": 1.0} for _ in range(6)]
     assert math.isnan(spearman(flat, flat))  # a constant curve ranks nothing
     ties = [{"grad_norm": v} for v in (1, 1, 2, 2, 3, 3)]
     assert math.isclose(spearman(ties, [{"grad_norm": v} for v in (1, 2, 3, 4, 5, 6)]), 0.9562, abs_tol=1e-4)  # ranks 1.5,1.5,3.5,3.5,5.5,5.5 vs 1..6
-    assert fault_reproduced(True, True) == 1.0 and fault_reproduced(False, True) == 0.0
-    assert math.isnan(fault_reproduced(True, False))  # the original did not fault: no question to answer
 
 
-def test_pair_row_labels_and_censoring():
+def test_pair_row_labels_censoring_and_not_applicable():
     from planner.fidelity.dataset import pair_row
 
-    def margin(values, censored=(False, False)):
-        return {"margin": {"values": values, "mean": float(np.mean(values)), "spread": float(np.std(values, ddof=1)), "censored": list(censored)}}
+    def margin(values, censored=None):
+        censored = censored or [False] * len(values)
+        return {"margin": {"values": values, "mean": float(np.mean(values)), "censored": censored, "resolution": 0.035}}
 
-    row = pair_row("fp16-overflow", "static", margin([19.0, 19.5]), margin([18.0, 18.5]), knob_offset=0.25)
-    assert row["margin_ratio"] == 1.0 and row["censored"] == 0 and row["fault_reproduced"] == 1.0
-    assert math.isclose(row["margin_noise"], np.std([19.0, 19.5], ddof=1))
-    later = pair_row("fp16-overflow", "static", margin([19.0, 19.5]), margin([20.0, 20.5]), knob_offset=0.25)
-    assert later["fault_reproduced"] == 0.0  # the proxy needs a larger scale than the original's + offset
-    censored = pair_row("fp16-overflow", "static", margin([40.0, 40.0], (True, True)), margin([20.0, 20.5]), knob_offset=0.25)
-    assert censored["censored"] == 1 and math.isnan(censored["fault_reproduced"])
-    assert math.isnan(pair_row("fp16-overflow", "static", {"margin": None}, margin([1.0, 2.0]), knob_offset=0.25)["margin_ratio"])
+    row = pair_row("fp16-overflow", "static", margin([19.0, 19.5, 19.2, 19.3]), margin([18.0, 18.5, 18.2, 18.3]), experts=8, top_k=4)
+    assert row["shift_log2"] == pytest.approx(-1.0) and row["censored"] == 0 and row["outcome"] in ("not reproduced", "undetermined")
+    assert row["noise_log2"] == pytest.approx(np.std([19.0, 19.5, 19.2, 19.3], ddof=1)) and row["resolution_log2"] == 0.035
+    na = pair_row("router-collapse", "dynamic", margin([-1.0, -1.1]), margin([-1.0, -1.2]), experts=4, top_k=4)
+    assert na["outcome"] == "not applicable" and math.isnan(na["shift_log2"])
+    assert math.isnan(pair_row("fp16-overflow", "static", {"margin": None}, margin([1.0, 2.0]), experts=8, top_k=4)["shift_log2"])
 
 
-def test_grouped_cv_never_fits_on_the_held_out_group():
+def test_held_out_validation_never_fits_on_the_held_out_original():
     from planner.fidelity.validate import cross_validate
 
-    rng = np.random.default_rng(0)
-    rows = []
-    for g, (family, recipe) in enumerate([("a", "fp16-overflow"), ("a", "entropy-collapse"), ("b", "fp16-overflow"), ("b", "entropy-collapse")]):
-        for i in range(20):
-            row = {f: float(rng.normal()) for f in FULL_FEATURES}
-            row.update(family=family, recipe=recipe, model=f"m{i}", experts=8 + 4 * (i % 3), censored=0)
-            # one group's labels follow a feature no other group shares: only a leak could learn it
-            row["margin_ratio"] = abs(row["dispersion_mean"]) * 5 if g == 3 else 0.1 * abs(row["kept_fraction"])
-            row["curve_agreement"] = float("nan")
-            row["fault_reproduced"] = float(i % 2)
-            rows.append(row)
-    report = cross_validate(rows)["labels"]["margin_ratio"]["full"]
-    held_out = FidelityRegressor().fit(np.array([[r["dispersion_mean"]] for r in rows[:60]]), [r["margin_ratio"] for r in rows[:60]])
-    assert report["n"] == 80
-    assert report["mae"] > 0.5  # the last group cannot be predicted from the others
-    assert held_out.coef_[0] == pytest.approx(0.0, abs=0.05)
+    rows = _synthetic("plan")
+    rng = np.random.default_rng(1)
+    for r in rows:  # one original's shifts follow a feature no other original shares: only a leak could learn it
+        if r["original"] == "f-s3":
+            r["shift_log2"] = 5 * r["reconstruction_error_mean"] + rng.normal(scale=0.1)
+    scores = cross_validate(rows)["recipes"]["router-collapse"]["original"]["variants"]
+    assert scores["full"]["n"] == 120
+    held = [r for r in rows if r["original"] != "f-s3"]
+    fitted = FidelityEstimator.fit(held, validate=False).recipes["router-collapse"]["models"]["full"]
+    assert abs(fitted.coef[SHIFT_FEATURES.index("reconstruction_error_mean")]) < 0.1
+    assert scores["full"]["mae"] > scores["full"]["noise_mae"]  # the leaked original cannot be predicted from the others
 
 
 # ---- the grid on Optuna storage -------------------------------------------------------------------
@@ -189,8 +226,9 @@ def _completed_once(trials, units):
 def mini_grid(tmp_path_factory):
     from planner.fidelity.grid import Grid, prepare
 
-    grid = Grid(families=("qwen3_moe",), recipes=("fp16-overflow", "rollout-mismatch"), experts=(16,), methods=("agglomerative",),
-                random_draws=1, margin_seeds=(0,), iters_static=3, calib_tokens=256, dense_steps=10, moe_steps=10)  # fmt: skip
+    grid = Grid(families=("qwen3_moe",), originals=1, recipes=("fp16-overflow", "rollout-mismatch"), kept_fractions=(0.5,),
+                methods=("agglomerative",), random_draws=1, margin_seeds=(0, 1), resolution_static=2.0, calib_tokens=256, dense_steps=10,
+                moe_steps=10)  # fmt: skip
     root = tmp_path_factory.mktemp("grid")
     path = root / "grid.yaml"
     path.write_text(grid.to_yaml())
@@ -212,8 +250,9 @@ def test_two_workers_share_one_sqlite_study(mini_grid, tmp_path):
         trials = _trials(storage, grid, phase)
         _completed_once(trials, _units(grid, work, phase))
         assert not [t for t in trials if t.state.name in ("FAIL", "RUNNING", "WAITING")]
-    rows = export(storage, grid, work)
-    assert len(rows) == 4 and all(math.isfinite(r["margin_ratio"]) for r in rows)
+    rows, noise = export(storage, grid, work)
+    assert len(rows) == 4 and all(math.isfinite(r["shift_log2"]) and r["outcome"] in OUTCOMES for r in rows)
+    assert len(noise) == 2 and all(n["original"] == "qwen3_moe-s0" and len(n["values"]) == 2 for n in noise)
     assert all(r["frequency_dropped_mean"] > 0 for r in rows)  # the plan statistics became features
     before = len(_trials(storage, grid, "proxies"))
     run_workers(storage, grid, str(path), work, "proxies", workers=2)  # all done: nothing is run again

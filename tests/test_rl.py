@@ -4,6 +4,7 @@ bracket the critical knob, runs are deterministic, and the CLI writes what `cali
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -152,7 +153,7 @@ def test_rl_cli_run_margin_and_errors(rl_model, tmp_path):
     header = (tmp_path / "a" / "metrics.csv").read_text().splitlines()[0].split(",")
     design = {"loss", "grad_norm", "grad_norm_router", "grad_norm_experts", "entropy", "kl_ref", "clip_frac", "reward_mean",
               "reward_std", "response_len", "overflow", "skipped_total", "loss_scale_log2", "max_logit", "mismatch_k3",
-              "aux_loss", "load_cv_max", "topk_share_max", "router_entropy_0", "peak_mem_bytes"}  # fmt: skip
+              "aux_loss", "load_cv_max", "topk_share_max", "collapse_max", "router_entropy_0", "peak_mem_bytes"}  # fmt: skip
     assert design <= set(header)
     info = json.loads((tmp_path / "a" / "run.json").read_text())
     assert info["recipe"] == "rollout-mismatch" and info["config"]["rollout_mantissa_bits"] == 2.0 and info["versions"]["torch"]
@@ -173,7 +174,7 @@ def test_rl_cli_run_margin_and_errors(rl_model, tmp_path):
         (("rl", "run", model, "--set", "new_tokens=0", "-o", tmp_path / "b"), "at least 1"),
         (("rl", "run", model, "--set", "group=1", "-o", tmp_path / "g"), "group >= 2"),
         (("rl", "margin", model, "--recipe", "fp16-overflow", "--seeds", ""), "at least one seed"),
-        (("rl", "make-models", tmp_path / "m", "--families", "mixtral"), "qwen3_moe"),
+        (("rl", "make-models", tmp_path / "m", "--families", "olmoe"), "qwen3_moe"),
     ]:
         bad = run_cli(*args)
         assert bad.exit_code == 2 and words in bad.output, (args, bad.output)
@@ -189,3 +190,20 @@ def test_make_models_is_deterministic(tmp_path):
     report = json.loads(first.stdout)["deepseek_v3"]
     assert report["parameters"] > 0 and set(report["expert_cosine_similarity"]) >= {"p5", "p50", "p95"}
     assert run_cli(*args[:1], args[1], tmp_path / "a", *args[2:]).exit_code == 2  # exists: needs --force
+
+
+@pytest.mark.slow
+def test_router_collapse_detector_and_balance_loss_do_not_depend_on_k(rl_model, tmp_path):
+    """Both run from 0 (balanced) to 1 (collapsed) whatever E is; at K = top_k, where every token
+    uses every expert, there is nothing to balance (the loss is constant) and nothing can collapse."""
+    from planner.rl.grpo import GRPO
+    from planner.rl.recipes import recipe
+
+    model = rl_model[0]
+    assert run_cli("build", model, tmp_path / "k4", "--experts", "4", "--method", "kmeans").exit_code == 0
+    collapse = recipe("router-collapse")
+    original = GRPO(model, collapse.config(-1.0, seed=0, steps=2)).run()
+    assert all(0.0 <= r["aux_loss"] <= 1.0 and 0.0 <= r["collapse_max"] <= 1.0 for r in original)
+    dense = GRPO(tmp_path / "k4", collapse.config(2.0, seed=0, steps=2)).run()  # the strongest anti-balance push of the bracket
+    assert all(r["aux_loss"] == 0.0 and math.isnan(r["collapse_max"]) and r["topk_share_max"] == pytest.approx(1.0) for r in dense)
+    assert collapse.onset(dense) is None

@@ -70,12 +70,14 @@ def test_default_suggest_is_fast_reproducible_and_complete():
     assert [(p["experts"], p["num_cards"], p["recompute"], p["offload"]) for p in data["plans"]] == \
            [(p["experts"], p["num_cards"], p["recompute"], p["offload"]) for p in second["plans"]]  # fmt: skip
     best = data["plans"][0]
-    for key in ("experts", "num_cards", "layout", "memory_per_card_bytes", "step_time_s", "accelerator_hours_per_step", "predicted_fidelity", "reduction"):
+    for key in ("experts", "num_cards", "layout", "memory_per_card_bytes", "step_time_s", "accelerator_hours_per_step", "fidelity", "reduction"):
         assert best[key] is not None, key
-    assert set(best["predicted_fidelity"]) >= {"value", "low", "high"}
-    assert best["predicted_fidelity"]["low"] <= best["predicted_fidelity"]["value"] <= best["predicted_fidelity"]["high"]
-    assert best["predicted_fidelity"]["variant"] == "prior" and data["request"]["fidelity_source"] == "prior"
-    assert any(o.startswith("log2_experts 7 ") for o in best["predicted_fidelity"]["outside"])  # E=128 vs the calibrated 32
+    fidelity = best["fidelity"]
+    assert set(fidelity) >= {"status", "p_reproduced", "interval", "shift_log2", "shift_interval"}
+    # a 128-expert model calibrated on 8 and 32 experts: a word, never a number
+    assert fidelity["status"] == "uncalibrated" and fidelity["p_reproduced"] is None and "E=128" in fidelity["reason"]
+    assert data["request"]["fidelity_source"] == "prior"
+    assert data["request"]["fault"] == "rollout-mismatch" and data["warnings"] == []
     assert best["num_cards"] <= 8 and best["memory_per_card_bytes"] <= 0.9 * best["usable_bytes_per_card"]
     assert best["experts"] >= 4 * 8  # K/top_k >= 4 by default
     assert best["reduction"]["cards"] == data["original"]["num_cards"] / best["num_cards"]
@@ -84,7 +86,9 @@ def test_default_suggest_is_fast_reproducible_and_complete():
     assert len(set(outcomes)) == len(outcomes)  # a recompute/offload variant that changes nothing is listed once
     text = run_cli("suggest", "--budget", "8npu").output
     assert "cheapest proxies" in text and "Pareto set" in text and "kept for the fault" in text
-    assert "extrapolated beyond the calibration data: " in text
+    assert "uncalibrated" in text and "WARNING" not in text
+    fp16 = run_cli("suggest", "--budget", "8npu", "--fault", "grad-overflow", "--json")  # the default job trains in bf16
+    assert any("fp16 loss-scale overflow" in w and "bf16" in w for w in json.loads(fp16.stdout)["warnings"])
 
 
 def test_two_processes_share_one_sqlite_study(tmp_path):
@@ -105,6 +109,14 @@ def test_two_processes_share_one_sqlite_study(tmp_path):
     assert space <= summary.n_trials < 2 * space  # covered together, not each on its own
 
 
+def test_router_collapse_never_proposes_k_at_top_k():
+    """At K <= top_k every token uses every kept expert: router collapse cannot occur there."""
+    result = run_cli("suggest", "--budget", "8npu", "--fault", "router-collapse", "--min-k-ratio", "0", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["plans"] and all(p["experts"] > 8 for p in data["plans"] + data["pareto"])  # qwen3-30b-a3b: top-8 of 128
+
+
 def test_nothing_fits_says_why_and_the_smallest_budget():
     result = run_cli("suggest", "--model", "deepseek-v3", "--hardware", "atlas-a3", "--budget", "8npu")
     assert result.exit_code == 1
@@ -121,5 +133,5 @@ def test_plan_file_round_trips_into_preflight_and_build(tmp_path):
     assert run_cli("suggest", "--budget", "8npu", "-o", out).exit_code == 0
     plan = load_plan(out)
     assert plan.deferred and plan.experts >= 32 and plan.deployment["num_cards"] <= 8
-    assert plan.deployment["predicted"]["fault_reproduced"]["variant"] == "prior"
+    assert plan.deployment["predicted"]["fidelity"]["status"] == "uncalibrated"
     assert run_cli("suggest", "--budget", "8npu", "-o", out).exit_code == 2  # never overwritten silently

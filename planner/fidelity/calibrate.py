@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from planner.arch import Architecture
 from planner.errors import SpecError
 from planner.fidelity.dataset import ID_COLUMNS, architecture_features, pair_row, read_dataset, write_dataset
@@ -33,28 +35,58 @@ def _provenance(grid: Grid, storage: str, seeds: dict) -> dict[str, Any]:
     }
 
 
-def export(storage: str, grid: Grid, workdir: Path) -> list[dict]:
-    """Join the two phases' results into dataset rows (one per proxy and recipe)."""
+def noise_floor(grid: Grid, originals: dict[str, dict]) -> list[dict]:
+    """The noise floor of every (original, recipe): the critical knob per seed, its SD in log2
+    units, the bisection's resolution and whether it is at most a quarter of that SD."""
+    from planner.fidelity.labels import knob_scale
+
+    out = []
+    for unit, result in sorted(originals.items()):
+        base, _, recipe_name = unit.split("/")
+        m, scale = result["margin"], knob_scale(recipe_name)
+        sd = float(np.std(np.asarray(m["values"]) * scale, ddof=1))
+        resolution = m.get("resolution", grid.resolution(recipe_name)) * scale
+        out.append({"original": base, "recipe": recipe_name, "values": m["values"], "censored": m["censored"], "sd_log2": sd,
+                    "resolution_log2": resolution, "resolution_ok": bool(resolution <= sd / 4)})  # fmt: skip
+    return out
+
+
+def export(storage: str, grid: Grid, workdir: Path) -> tuple[list[dict], list[dict]]:
+    """Join the two phases' results into dataset rows (one per proxy and recipe) and the noise floor.
+    A (recipe, K) where the fault cannot occur gets a row labelled "not applicable" (not measured)."""
+    from planner.fidelity.labels import applicable
     from planner.rl.recipes import recipe
 
     records = json.loads((workdir / "models.json").read_text())
     originals, proxies = collect(storage, grid, "originals"), collect(storage, grid, "proxies")
-    configs = {f: json.loads((Path(r["path"]) / "config.json").read_text()) for f, r in
-               ((r["family"], r) for r in records.values() if r["model"] == "original")}  # fmt: skip
+    configs = {r["original"]: json.loads((Path(r["path"]) / "config.json").read_text()) for r in records.values() if r["model"] == "original"}
     rows = []
-    for unit, result in sorted(proxies.items()):
-        family, model, recipe_name = unit.split("/")
-        original = originals.get(f"{family}/original/{recipe_name}")
-        if original is None:
-            continue
-        record = records[f"{family}/{model}"]
-        arch = architecture_features(configs[family], record["experts"])
-        row = {"family": family, "model": model, "method": record["method"], "recipe": recipe_name,
-               "experts": record["experts"], "original_experts": records[f"{family}/original"]["experts"], "source": "grid"}  # fmt: skip
-        row.update(features_of(record["statistics"], arch, recipe_name))
-        row.update(pair_row(recipe_name, recipe(recipe_name).kind, original, result, knob_offset=grid.knob_offset))
-        rows.append(row)
-    return rows
+    for record in sorted((r for r in records.values() if r["model"] != "original"), key=lambda r: (r["original"], r["model"])):
+        base = record["original"]
+        for recipe_name in grid.recipes:
+            if not grid.measured_on(recipe_name, record["seed"]):
+                continue
+            unit = f"{base}/{record['model']}/{recipe_name}"
+            original, result = originals.get(f"{base}/original/{recipe_name}"), proxies.get(unit)
+            fits = applicable(recipe_name, record["experts"], record["top_k"])
+            if fits and (original is None or result is None):
+                continue
+            arch = architecture_features(configs[base], record["experts"])
+            row = {"family": record["family"], "original": base, "model": record["model"], "method": record["method"],
+                   "recipe": recipe_name, "experts": record["experts"], "original_experts": records[f"{base}/original"]["experts"],
+                   "top_k": record["top_k"], "source": "grid"}  # fmt: skip
+            row.update(features_of(record["statistics"], arch))
+            row.update(pair_row(recipe_name, recipe(recipe_name).kind, _sides(original or {}), _sides(result or {}),
+                                experts=record["experts"], top_k=record["top_k"]))  # fmt: skip
+            rows.append(row)
+    return rows, noise_floor(grid, originals)
+
+
+def _sides(result: dict) -> dict:
+    """A grid result in pair_row's terms (replica runs gathered into one list)."""
+    out = dict(result)
+    out["replicas"] = [result[k] for k in sorted(result) if k.startswith("replica") and not k.endswith("_onset")]
+    return out
 
 
 def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers: int, out: Path,
@@ -67,21 +99,21 @@ def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers:
     run_workers(storage, grid, grid_path, workdir, "originals", workers)
     say(f"phase 2: {len(records) - len(grid.families)} proxies x {len(grid.recipes)} recipes")
     run_workers(storage, grid, grid_path, workdir, "proxies", workers)
-    rows = export(storage, grid, workdir)
-    seeds = {"model": 0, "margin": list(grid.margin_seeds), "curve": grid.curve_seed, "replica_gen": grid.replica_gen_seed}
-    write_dataset(rows, out, _provenance(grid, storage, seeds))
+    rows, noise = export(storage, grid, workdir)
+    seeds = {"models": list(range(grid.originals)), "margin": list(grid.margin_seeds), "curve": grid.curve_seed,
+             "replica_gen": list(grid.replica_gen_seeds)}  # fmt: skip
+    write_dataset(rows, out, {**_provenance(grid, storage, seeds), "noise_floor": noise})
     say(f"wrote {len(rows)} rows to {out}")
     return rows
 
 
-def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path | None = None, recipe_name: str | None = None,
-                 knob_offset: float | None = None) -> dict:  # fmt: skip
+def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path | None = None, recipe_name: str | None = None) -> dict:
     """The dataset row of one measured (original, proxy) pair: features and labels.
 
     A run directory (`planner rl run`/`rl margin -o`/`planner check`) holds metrics.csv and run.json,
-    and margin.json when `rl margin` measured it. Labels come from what is there: the margin ratio
-    needs both margins, curve agreement needs a replica of the original (else only the grad-norm
-    Spearman)."""
+    and margin.json when `rl margin` measured it. Labels come from what is there: the shift needs
+    both margins (2 seeds at least, 4 for a decision worth having), curve agreement a replica of the
+    original (else only the grad-norm Spearman)."""
     from planner.rl.grpo import read_metrics
     from planner.rl.recipes import recipe
 
@@ -129,24 +161,24 @@ def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path
 
     original, proxy = measured("original"), measured("proxy")
     if "replica" in runs and "rows" in runs["replica"]:
-        original["replica"] = runs["replica"]["rows"]
-    offset = Grid().knob_offset if knob_offset is None else knob_offset
-    labels = pair_row(recipe_name, r.kind, original, proxy, knob_offset=offset)
+        original["replicas"] = [runs["replica"]["rows"]]
+    top_k = Architecture.from_config(config).moe.top_k
+    labels = pair_row(recipe_name, r.kind, original, proxy, experts=plan.experts, top_k=top_k)
     arch = architecture_features(config, plan.experts)
-    row = {"family": config.get("model_type", "?"), "model": str(proxy_dir), "method": plan.method, "recipe": recipe_name,
-           "experts": plan.experts, "original_experts": plan.original_experts, "source": f"add:{original_dir}|{proxy_dir}"}  # fmt: skip
-    row.update(features_of(plan.statistics or {}, arch, recipe_name))
+    row = {"family": config.get("model_type", "?"), "original": str(model_dir), "model": str(proxy_dir), "method": plan.method,
+           "recipe": recipe_name, "experts": plan.experts, "original_experts": plan.original_experts, "top_k": top_k,
+           "source": f"add:{original_dir}|{proxy_dir}"}  # fmt: skip
+    row.update(features_of(plan.statistics or {}, arch))
     row.update(labels)
     return row
 
 
 def add_pair(dataset: Path, original_dir: Path, proxy_dir: Path, plan_path: Path, *, replica_dir: Path | None = None,
-             recipe_name: str | None = None, knob_offset: float | None = None) -> dict:  # fmt: skip
+             recipe_name: str | None = None) -> dict:  # fmt: skip
     """Append the row of one measured pair (measure_pair) to the dataset; provenance records its sources."""
     from planner.plan import load_plan
 
-    row = measure_pair(original_dir, proxy_dir, load_plan(plan_path), replica_dir=replica_dir, recipe_name=recipe_name,
-                       knob_offset=knob_offset)  # fmt: skip
+    row = measure_pair(original_dir, proxy_dir, load_plan(plan_path), replica_dir=replica_dir, recipe_name=recipe_name)
     recipe_name = row["recipe"]
     rows = read_dataset(dataset) if dataset.is_file() else []
     rows.append(row)

@@ -1,10 +1,11 @@
 """The calibration dataset: one row per (proxy, recipe), features and labels, as CSV.
 
-Columns (documented in calibration/README.md): identifiers (family, model, method, recipe, experts,
-original_experts), the estimator's features (planner.fidelity.estimator), and the labels with what
-they came from: critical knobs and spreads, curve agreement and its Spearman, onsets, and whether
-the fault was reproduced. A JSON file beside it keeps the provenance: the grid, the commands,
-versions and seeds.
+Columns (documented in calibration/README.md): identifiers (family, the original it was made from,
+model, method, recipe, experts, original_experts, top_k), the estimator's features
+(planner.fidelity.estimator), and the labels with what they came from: the signed shift of the
+critical knob with its noise and equivalence outcome (planner.fidelity.labels), the per-seed means,
+curve agreement and its Spearman, onsets. A JSON file beside it keeps the provenance: the grid,
+the commands, versions, seeds and the noise floor of every (original, recipe).
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ from typing import Any
 
 from planner.arch import Architecture
 from planner.fidelity.estimator import FULL_FEATURES
-from planner.fidelity.labels import curve_agreement, fault_reproduced, knob_scale, margin_ratio, spearman
+from planner.fidelity.labels import applicable, curve_agreement, knob_scale, knob_shift, spearman
 from planner.files import write_csv_atomic, write_text_atomic
 
-__all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "architecture_features", "pair_row", "write_dataset", "read_dataset"]
+__all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "TEXT_COLUMNS", "architecture_features", "pair_row", "write_dataset", "read_dataset"]
 
-ID_COLUMNS = ("family", "model", "method", "recipe", "experts", "original_experts", "source")
+ID_COLUMNS = ("family", "original", "model", "method", "recipe", "experts", "original_experts", "top_k", "source")
 LABEL_COLUMNS = (
-    "margin_ratio", "margin_noise", "critical_original", "critical_proxy", "censored",
-    "curve_agreement", "spearman_grad_norm", "onset_original", "onset_proxy", "fault_reproduced",
+    "shift_log2", "shift_sd", "noise_log2", "shift_se", "shift_low", "shift_high", "outcome", "reproduced", "censored",
+    "critical_original", "critical_proxy", "resolution_log2", "curve_agreement", "spearman_grad_norm", "onset_original",
+    "onset_proxy",
 )  # fmt: skip
+TEXT_COLUMNS = ("family", "original", "model", "method", "recipe", "source", "outcome")
 
 
 def architecture_features(config: dict, experts: int) -> dict[str, float]:
@@ -44,29 +47,30 @@ def architecture_features(config: dict, experts: int) -> dict[str, float]:
     }
 
 
-def pair_row(recipe: str, kind: str, original: dict, proxy: dict, *, knob_offset: float) -> dict[str, Any]:
-    """Labels of one proxy under one recipe against the original's measurements.
+def pair_row(recipe: str, kind: str, original: dict, proxy: dict, *, experts: int, top_k: int) -> dict[str, Any]:
+    """Labels of one proxy under one recipe against its original's measurements.
 
-    Each side holds what was measured: "margin" (planner.rl.margin.Margin.to_json), "curve" rows
-    and "curve_onset"; the original also "replica" rows. A label whose inputs are missing is NaN;
-    `censored` flags a margin where some seed's bisection found no crossing in the bracket."""
+    Each side holds what was measured: "margin" (planner.rl.margin.Margin.to_json plus its
+    "resolution" in knob units), "curve" rows and "curve_onset"; the original also "replicas" (a
+    list of curve runs). A label whose inputs are missing is NaN. Where the fault cannot occur at
+    this K the outcome is "not applicable" and nothing else is labelled."""
     nan = float("nan")
     row: dict[str, Any] = {name: nan for name in LABEL_COLUMNS}
-    if original.get("margin") and proxy.get("margin"):
-        co, cp = original["margin"]["mean"], proxy["margin"]["mean"]
-        original_censored = any(original["margin"]["censored"])
-        row.update(margin_ratio=margin_ratio(recipe, cp, co), margin_noise=original["margin"]["spread"] * knob_scale(recipe),
-                   critical_original=co, critical_proxy=cp,
-                   censored=int(original_censored or any(proxy["margin"]["censored"])))  # fmt: skip
-        if kind == "static" and not original_censored:  # monotone probes: faults at co + offset iff cp <= co + offset
-            row["fault_reproduced"] = fault_reproduced(cp <= co + knob_offset, True)
+    if not applicable(recipe, experts, top_k):
+        row["outcome"] = "not applicable"
+        return row
+    om, pm = original.get("margin"), proxy.get("margin")
+    if om and pm:
+        resolution = max(om.get("resolution", 0.0), pm.get("resolution", 0.0))
+        shift = knob_shift(recipe, om["values"], pm["values"], original_censored=om["censored"], proxy_censored=pm["censored"],
+                           resolution=resolution)  # fmt: skip
+        row.update(shift.to_row(), critical_original=om["mean"], critical_proxy=pm["mean"], resolution_log2=resolution * knob_scale(recipe))
     if kind == "dynamic" and "curve" in proxy and "curve" in original:
-        if "replica" in original:
-            row["curve_agreement"] = curve_agreement(proxy["curve"], original["curve"], original["replica"])
+        if original.get("replicas"):
+            row["curve_agreement"] = curve_agreement(proxy["curve"], original["curve"], original["replicas"])
         row["spearman_grad_norm"] = spearman(proxy["curve"], original["curve"])
         row["onset_original"] = original.get("curve_onset")
         row["onset_proxy"] = proxy.get("curve_onset")
-        row["fault_reproduced"] = fault_reproduced(proxy.get("curve_onset") is not None, original.get("curve_onset") is not None)
     return {k: (nan if v is None else v) for k, v in row.items()}
 
 
@@ -94,7 +98,7 @@ def read_dataset(path: Path) -> list[dict]:
         for raw in csv.DictReader(fh):
             row: dict[str, Any] = {}
             for k, v in raw.items():
-                if k in ("family", "model", "method", "recipe", "source"):
+                if k in TEXT_COLUMNS:
                     row[k] = v
                 else:
                     try:

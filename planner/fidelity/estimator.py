@@ -1,13 +1,18 @@
-"""The fidelity estimator: from a plan's statistics, how faithful will the proxy be?
+"""The fidelity estimator: from a plan's statistics, how far does the proxy move the fault, and
+does it still reproduce it?
 
-Three labels (planner.fidelity.labels): margin ratio and curve agreement (regression, smaller is
-more faithful), and whether the fault is reproduced (classification). Each has a full variant,
-fed the per-plan statistics of planner.stats, and a prior variant fed only what is known without a
-checkpoint (K/E, top_k/K, experts per group, routing type, the recipe).
+Per fault recipe, a sign-constrained ridge model (planner.fidelity.learners) predicts the signed
+shift of the critical knob (planner.fidelity.labels) from a few monotone features: K/E, the routing
+mass dropped, router entropy and load after pruning, log KL(original || proxy) and the MoE-output
+reconstruction error. Its held-out residuals (leave one original out) give the conformal interval of
+the shift and its predictive distribution; P(reproduced) is the share of that distribution within
+the equivalence tolerance. Two baselines are fitted the same way: K/E alone and the recipe's mean.
 
-Fitting uses the scikit-learn learners of planner.fidelity.learners; the fitted estimator is JSON
-(never pickle) and predicts with numpy alone (LinearModel, LogisticModel), so `planner suggest`
-does not import scikit-learn.
+A skill gate, decided on held-out originals when fitting: a recipe whose full model does not beat
+K/E alone prints no P ("no-skill") and shows the measured shift by K instead. A row outside the
+calibrated range (another expert count, a K/E or statistic never measured) is "uncalibrated", and a
+fault that cannot occur at this K is "not-applicable". The fitted estimator is JSON (never pickle)
+and predicts with numpy alone, so `planner suggest` does not import scikit-learn.
 """
 
 from __future__ import annotations
@@ -21,20 +26,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from planner.errors import SpecError
-from planner.rl.recipes import RECIPES as RECIPE_TABLE
 
-__all__ = [
-    "LinearModel",
-    "LogisticModel",
-    "FidelityEstimator",
-    "FULL_FEATURES",
-    "PRIOR_FEATURES",
-    "LABELS",
-    "features_of",
-    "default_estimator_path",
-]
+__all__ = ["ShiftModel", "FidelityEstimator", "FULL_FEATURES", "SHIFT_FEATURES", "BASELINES", "SIGNS", "STATUSES", "features_of",
+           "default_estimator_path", "training_rows", "fit_shift", "knob_translation", "design"]
 
-RECIPES = tuple(RECIPE_TABLE)  # one one-hot feature per fault recipe, in the table's order
 ARCH_FEATURES = ("kept_fraction", "top_k_over_k", "experts_per_group", "log2_experts", "sigmoid_router", "grouped", "norm_topk")
 STAT_FEATURES = (
     "frequency_dropped_mean", "frequency_dropped_max", "gate_mass_dropped_mean", "saliency_dropped_mean",
@@ -42,14 +37,23 @@ STAT_FEATURES = (
     "reconstruction_error_max", "routing_agreement_mean", "routing_agreement_min", "entropy_after_mean",
     "load_cv_after_mean", "log_kl_original_proxy",
 )  # fmt: skip
-RECIPE_FEATURES = tuple(f"recipe_{r}" for r in RECIPES)
-PRIOR_FEATURES = ARCH_FEATURES + RECIPE_FEATURES
-FULL_FEATURES = ARCH_FEATURES + STAT_FEATURES + RECIPE_FEATURES
-LABELS = ("margin_ratio", "curve_agreement", "fault_reproduced")
+FULL_FEATURES = ARCH_FEATURES + STAT_FEATURES  # the dataset's feature columns
+# the estimator's features: monotone in how much of the original the plan throws away
+SHIFT_FEATURES = ("kept_fraction", "frequency_dropped_mean", "entropy_after_mean", "load_cv_after_mean", "log_kl_original_proxy",
+                  "reconstruction_error_mean")  # fmt: skip
+BASELINES = {"K/E only": ("kept_fraction",), "recipe mean": ()}
+# signs the mechanism fixes (+1: the shift grows with the feature, -1: it falls). Router collapse: a
+# plan that drops routing mass (keeps dead experts) concentrates the anti-balance pressure on few
+# live experts and collapses earlier. fp16 overflow: fewer experts carry more tokens each, their
+# gradients grow and overflow at a smaller loss scale (the pilot: -0.7 bits at K=16, -1.1 at K=8 of 32).
+SIGNS = {"router-collapse": {"frequency_dropped_mean": -1}, "fp16-overflow": {"kept_fraction": +1}}
+STATUSES = ("calibrated", "uncalibrated", "no-skill", "not-applicable")
+MIN_ROWS = 20  # a recipe with fewer labelled rows (or fewer than 2 originals) is not fitted
 
 
-def features_of(statistics: Mapping[str, Any], architecture: Mapping[str, Any], recipe: str) -> dict[str, float]:
-    """The feature row of one (plan, recipe): plan-statistics summary (planner.stats) + architecture."""
+def features_of(statistics: Mapping[str, Any], architecture: Mapping[str, Any]) -> dict[str, float]:
+    """The feature row of one plan: plan-statistics summary (planner.stats) + architecture (the
+    recipe is a column of its own; each recipe has its own model)."""
     out = {name: float(architecture[name]) for name in ARCH_FEATURES if name in architecture}
     for key in ("kept_fraction", "top_k_over_k", "experts_per_group"):
         if key in statistics:
@@ -63,83 +67,61 @@ def features_of(statistics: Mapping[str, Any], architecture: Mapping[str, Any], 
         value = statistics.get(stat)
         if isinstance(value, Mapping) and agg in value:
             out[name] = float(value[agg])
-    for r in RECIPES:
-        out[f"recipe_{r}"] = 1.0 if r == recipe else 0.0
     return out
 
 
-def _standardise(x, mean: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    return (np.asarray(x, dtype=float) - mean) / scale
+
+def _finite(value) -> bool:
+    try:
+        return value is not None and math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
-class LinearModel:
-    """A fitted ridge model: prediction, and an interval of fixed half-width clipped at a bound."""
+class ShiftModel:
+    """A fitted shift model: the prediction, its conformal interval, and the held-out residuals
+    (with the original each was held out from) that give the predictive distribution."""
 
     mean: np.ndarray
     scale: np.ndarray
     coef: np.ndarray
     intercept: float
     halfwidth: float
-    lower_bound: float | None = None
-    coverage: float = 0.8  # the share of held-out labels the interval is meant to hold
+    residuals: np.ndarray
+    residual_groups: np.ndarray
+    coverage: float = 0.8
 
     def predict(self, x) -> np.ndarray:
-        return _standardise(x, self.mean, self.scale) @ self.coef + self.intercept
+        x = np.asarray(x, dtype=float).reshape(-1, len(self.coef))
+        return ((x - self.mean) / self.scale) @ self.coef + self.intercept
 
     def predict_interval(self, x) -> tuple[np.ndarray, np.ndarray]:
         p = self.predict(x)
-        low, high = p - self.halfwidth, p + self.halfwidth
-        if self.lower_bound is not None:
-            low, high = np.maximum(low, self.lower_bound), np.maximum(high, self.lower_bound)
-        return low, high
+        return p - self.halfwidth, p + self.halfwidth
+
+    def p_within(self, x, tolerance: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """P(|shift| < tolerance) under the predictive distribution (prediction + held-out residuals),
+        and an interval: the 10th and 90th percentiles of the same share computed with each held-out
+        original's residuals alone (how much P depends on which original's errors one trusts)."""
+        pred = self.predict(x)[:, None]
+        hit = np.abs(pred + self.residuals[None, :]) < tolerance
+        p = hit.mean(1)
+        groups = np.unique(self.residual_groups)
+        per = np.array([hit[:, self.residual_groups == g].mean(1) for g in groups]).T  # rows x groups
+        low, high = (np.quantile(np.column_stack([per, p]), q, axis=1) for q in (0.1, 0.9))
+        return p, np.minimum(low, p), np.maximum(high, p)
 
     def to_json(self) -> dict:
-        return {"mean": self.mean.tolist(), "scale": self.scale.tolist(), "coef": self.coef.tolist(), "intercept": float(self.intercept),
-                "halfwidth": self.halfwidth, "lower_bound": self.lower_bound, "coverage": self.coverage}  # fmt: skip
+        return {"mean": self.mean.tolist(), "scale": self.scale.tolist(), "coef": self.coef.tolist(), "intercept": self.intercept,
+                "halfwidth": self.halfwidth, "residuals": self.residuals.tolist(), "residual_groups": self.residual_groups.tolist(),
+                "coverage": self.coverage}  # fmt: skip
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "LinearModel":
-        return cls(np.array(d["mean"]), np.array(d["scale"]), np.array(d["coef"]), d["intercept"], d["halfwidth"], d.get("lower_bound"),
-                   d.get("coverage", 0.8))  # fmt: skip
-
-
-@dataclass(frozen=True)
-class LogisticModel:
-    """A fitted logistic model: P(classes[1]), and an interval: the bootstrap refits' quantiles,
-    widened on each side by `shift`, how far a held-out group's observed rate fell from its mean
-    prediction (conformal over groups), so that the interval also covers an unseen (family, recipe)."""
-
-    mean: np.ndarray
-    scale: np.ndarray
-    coef: np.ndarray  # intercept first
-    bootstrap_coef: np.ndarray
-    coverage: float
-    classes: np.ndarray
-    shift: float = 0.0
-
-    def decision(self, x, coef: np.ndarray | None = None) -> np.ndarray:
-        w = self.coef if coef is None else coef
-        return w[0] + _standardise(x, self.mean, self.scale) @ w[1:]
-
-    def proba(self, x, coef: np.ndarray | None = None) -> np.ndarray:
-        return 1.0 / (1.0 + np.exp(-np.clip(self.decision(x, coef), -30, 30)))
-
-    def predict_interval(self, x) -> tuple[np.ndarray, np.ndarray]:
-        ps = np.array([self.proba(x, c) for c in self.bootstrap_coef])
-        tail = (1 - self.coverage) / 2
-        low, high = np.quantile(ps, tail, axis=0), np.quantile(ps, 1 - tail, axis=0)
-        return np.clip(low - self.shift, 0.0, 1.0), np.clip(high + self.shift, 0.0, 1.0)
-
-    def to_json(self) -> dict:
-        return {"mean": self.mean.tolist(), "scale": self.scale.tolist(), "coef": self.coef.tolist(),
-                "bootstrap_coef": self.bootstrap_coef.tolist(), "coverage": self.coverage, "classes": self.classes.tolist(),
-                "shift": self.shift}  # fmt: skip
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "LogisticModel":
-        return cls(np.array(d["mean"]), np.array(d["scale"]), np.array(d["coef"]), np.array(d["bootstrap_coef"]), d["coverage"],
-                   np.array(d["classes"]), float(d.get("shift", 0.0)))  # fmt: skip
+    def from_json(cls, d: Mapping[str, Any]) -> "ShiftModel":
+        return cls(np.array(d["mean"], dtype=float), np.array(d["scale"], dtype=float), np.array(d["coef"], dtype=float),
+                   float(d["intercept"]), float(d["halfwidth"]), np.array(d["residuals"], dtype=float),
+                   np.array(d["residual_groups"], dtype=str), float(d.get("coverage", 0.8)))  # fmt: skip
 
 
 def default_estimator_path() -> Path:
@@ -149,87 +131,181 @@ def default_estimator_path() -> Path:
     return Path(str(resources.files("planner._calibration"))) / "fidelity.json"
 
 
-def training_set(rows: list[dict], label: str, names: tuple[str, ...]) -> tuple[list[dict], np.ndarray, np.ndarray, list[str]]:
-    """Rows with the label and every feature finite (a censored margin is a bound, not a value:
-    left out of margin_ratio), as X, y and their (family, recipe) groups."""
-    used = [r for r in rows if _finite(r.get(label)) and all(_finite(r.get(n)) for n in names)
-            and not (label == "margin_ratio" and r.get("censored") == 1)]  # fmt: skip
-    x = np.array([[r[n] for n in names] for r in used], dtype=float).reshape(len(used), len(names))
-    y = np.array([r[label] for r in used], dtype=float)
-    return used, x, y, [f"{r.get('family')}/{r.get('recipe')}" for r in used]
+def training_rows(rows: list[dict], recipe: str, names: tuple[str, ...]) -> list[dict]:
+    """A recipe's rows with a finite, uncensored shift and every feature finite."""
+    return [r for r in rows if r.get("recipe") == recipe and _finite(r.get("shift_log2")) and r.get("censored") != 1
+            and all(_finite(r.get(n)) for n in names)]  # fmt: skip
+
+
+def design(rows: list[Mapping[str, Any]], names: tuple[str, ...]) -> np.ndarray:
+    """The feature matrix of `rows`; with no features (the recipe-mean baseline) one constant
+    column, which standardises to zero and leaves the intercept: the training mean."""
+    if not names:
+        return np.ones((len(rows), 1))
+    return np.array([[float(r[n]) for n in names] for r in rows], dtype=float).reshape(len(rows), len(names))
+
+
+def fit_shift(rows: list[dict], recipe: str, names: tuple[str, ...]) -> ShiftModel | None:
+    """The shift model of one recipe on `names` (groups: originals), or None with too few rows."""
+    from planner.fidelity.learners import ShiftRegressor
+
+    used = training_rows(rows, recipe, names)
+    groups = [str(r.get("original")) for r in used]
+    if len(used) < MIN_ROWS or len(set(groups)) < 2:
+        return None
+    x = design(used, names)
+    y = np.array([r["shift_log2"] for r in used], dtype=float)
+    signs = [SIGNS.get(recipe, {}).get(n, 0) for n in names] or [0]
+    return ShiftRegressor(signs=signs).fit(x, y, groups=groups).model_
+
+
+def _measured_by_k(rows: list[dict], recipe: str) -> list[dict]:
+    """The measured shift at each calibrated K/E: mean and SD over plans and originals, the mean
+    noise floor (originals' seed SD) and the reproduced share among decided rows."""
+    out = []
+    used = [r for r in rows if r.get("recipe") == recipe and _finite(r.get("shift_log2"))]
+    for kf in sorted({round(float(r["kept_fraction"]), 4) for r in used}):
+        at = [r for r in used if round(float(r["kept_fraction"]), 4) == kf]
+        shifts = np.array([r["shift_log2"] for r in at])
+        decided = [r["reproduced"] for r in at if _finite(r.get("reproduced"))]
+        out.append({"kept_fraction": kf, "n": len(at), "shift_mean": float(shifts.mean()), "shift_sd": float(shifts.std()),
+                    "noise_log2": float(np.nanmean([r.get("noise_log2", np.nan) for r in at])),
+                    "reproduced_share": float(np.mean(decided)) if decided else None})  # fmt: skip
+    return out
+
+
+def knob_translation(recipe: str, block: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Where the shift is systematic (its interval, or the measured spread, excludes 0): the knob
+    value at which the proxy should reproduce the original's failure, as the original's critical
+    value moved by the shift, in the knob's own units."""
+    from planner.fidelity.labels import knob_scale
+    from planner.rl.recipes import RECIPES
+
+    if recipe not in RECIPES:
+        return None
+    if block.get("shift_log2") is not None:
+        shift, (low, high), source = block["shift_log2"], block["shift_interval"], "predicted"
+    elif block.get("measured_by_k"):
+        m = block["measured_by_k"]
+        shift, low, high, source = m["shift_mean"], m["shift_mean"] - m["shift_sd"], m["shift_mean"] + m["shift_sd"], "measured at K/E " + f"{m['kept_fraction']:g}"
+    else:
+        return None
+    if low <= 0.0 <= high:
+        return None
+    scale = knob_scale(recipe)
+    knob = RECIPES[recipe].knob
+    text = (f"{source} shift {shift:+.2f} log2 units [{low:+.2f}, {high:+.2f}]: where the original fails at {knob} = X, "
+            f"run the proxy at X {shift / scale:+.2f} [{low / scale:+.2f}, {high / scale:+.2f}]")  # fmt: skip
+    return {"knob": knob, "shift_knob_units": shift / scale, "interval_knob_units": [low / scale, high / scale], "source": source, "text": text}
 
 
 @dataclass
 class FidelityEstimator:
-    """The three labels' models, full and prior variants, with their feature names and the range
-    of every feature in the calibration data (a prediction outside it is an extrapolation, and says so)."""
+    """Per recipe: the full shift model, its baselines, the skill gate, the calibrated domain and
+    the measured shift by K/E."""
 
-    models: dict[str, dict[str, LinearModel | LogisticModel]]  # variant -> label -> fitted model
-    features: dict[str, tuple[str, ...]]  # variant -> feature names
+    recipes: dict[str, dict[str, Any]]  # recipe -> {"models": {variant: ShiftModel}, "gate", "domain", "experts", "measured_by_k"}
     info: dict[str, Any]
-    domain: dict[str, tuple[float, float]] = field(default_factory=dict)  # feature -> (min, max) seen in fitting
+    tolerance: float = 1.0
 
     @classmethod
-    def fit(cls, rows: list[dict], *, info: dict | None = None) -> "FidelityEstimator":
-        from planner.fidelity.learners import new_model
+    def fit(cls, rows: list[dict], *, info: dict | None = None, validate: bool = True) -> "FidelityEstimator":
+        from planner.fidelity.labels import TOLERANCE_LOG2
 
-        models: dict[str, dict[str, Any]] = {}
-        features = {"full": FULL_FEATURES, "prior": PRIOR_FEATURES}
-        for variant, names in features.items():
-            models[variant] = {}
-            for label in LABELS:
-                _, x, y, groups = training_set(rows, label, names)
-                if len(y) >= 5 and (label != "fault_reproduced" or len(np.unique(y)) == 2):
-                    models[variant][label] = new_model(label).fit(x, y, groups=groups).model_
-        domain = {}
-        for name in FULL_FEATURES:
-            seen = [float(r[name]) for r in rows if _finite(r.get(name))]
-            if seen:
-                domain[name] = (min(seen), max(seen))
-        return cls(models, {k: tuple(v) for k, v in features.items()}, dict(info or {}, rows=len(rows)), domain)
+        recipes: dict[str, dict[str, Any]] = {}
+        for recipe in sorted({r["recipe"] for r in rows}):
+            full = fit_shift(rows, recipe, SHIFT_FEATURES)
+            if full is None:
+                continue
+            models = {"full": full}
+            for name, names in BASELINES.items():
+                models[name] = fit_shift(rows, recipe, names)
+            used = training_rows(rows, recipe, SHIFT_FEATURES)
+            domain = {n: (float(min(r[n] for r in used)), float(max(r[n] for r in used))) for n in SHIFT_FEATURES}
+            recipes[recipe] = {"models": models, "domain": domain, "experts": sorted({int(r["original_experts"]) for r in used}),
+                               "originals": sorted({str(r["original"]) for r in used}), "measured_by_k": _measured_by_k(rows, recipe),
+                               "gate": {"skill": False, "reason": "not validated"}}  # fmt: skip
+        estimator = cls(recipes, dict(info or {}, rows=len(rows)), TOLERANCE_LOG2)
+        if validate:
+            from planner.fidelity.validate import cross_validate, skill_gate
 
-    def outside(self, row: Mapping[str, float], variant: str) -> list[str]:
-        """The features of `row` outside the range the calibration data covered, as readable text."""
+            report = cross_validate(rows, schemes=("original",))
+            for recipe, entry in recipes.items():
+                entry["gate"] = skill_gate(report, recipe)
+        return estimator
+
+    def status(self, row: Mapping[str, Any], recipe: str) -> tuple[str, str]:
+        """(status, reason) of a prediction for `row` under `recipe`."""
+        from planner.fidelity.labels import applicable
+
+        experts, top_k = row.get("experts"), row.get("top_k")
+        if _finite(experts) and _finite(top_k) and not applicable(recipe, int(experts), int(top_k)):
+            return "not-applicable", f"the fault cannot occur with K={int(experts)} <= top_k={int(top_k)}: every token uses every kept expert"
+        entry = self.recipes.get(recipe)
+        if entry is None:
+            return "uncalibrated", f"{recipe} is not in the calibration data (calibrated: {', '.join(self.recipes) or 'none'})"
+        e = row.get("original_experts")
+        if _finite(e) and int(e) not in entry["experts"]:
+            return "uncalibrated", f"E={int(e)} experts; calibrated on E in {entry['experts']} only"
+        outside = self.outside(row, recipe)
+        if outside:
+            return "uncalibrated", "outside the calibrated range: " + "; ".join(outside)
+        if not all(_finite(row.get(n)) for n in SHIFT_FEATURES):
+            return "no-skill", "no plan statistics (run `planner stats` and pass --stats): K/E alone ranks no plan"
+        if not entry["gate"]["skill"]:
+            return "no-skill", entry["gate"]["reason"]
+        return "calibrated", entry["gate"]["reason"]
+
+    def outside(self, row: Mapping[str, Any], recipe: str) -> list[str]:
+        """The features of `row` outside the range the recipe's calibration data covered."""
         out = []
-        for name in self.features[variant]:
-            value, bounds = row.get(name), self.domain.get(name)
-            if bounds and _finite(value) and not bounds[0] - 1e-9 <= float(value) <= bounds[1] + 1e-9:
-                lo, hi = bounds
-                out.append(f"{name} {float(value):.4g} (calibrated {lo:.4g}" + (f" to {hi:.4g})" if hi != lo else " only)"))
+        for name, (lo, hi) in self.recipes[recipe]["domain"].items():
+            value = row.get(name)
+            if _finite(value) and not lo - 1e-9 <= float(value) <= hi + 1e-9:
+                out.append(f"{name} {float(value):.4g} (calibrated {lo:.4g} to {hi:.4g})")
         return out
 
-    def predict(self, row: Mapping[str, float], variant: str | None = None) -> dict[str, dict[str, Any]]:
-        """{label: {value, low, high, variant, outside}} for one feature row; the full variant when
-        its features are all present, else the prior one. `outside` lists the features beyond the
-        calibration data's range: there the value is an extrapolation."""
-        chosen = variant or ("full" if all(_finite(row.get(n)) for n in self.features["full"]) else "prior")
-        x = np.array([[row.get(n, np.nan) for n in self.features[chosen]]], dtype=float)
-        outside = self.outside(row, chosen)
-        out: dict[str, dict[str, Any]] = {}
-        for label, model in self.models[chosen].items():
-            value = model.proba(x)[0] if isinstance(model, LogisticModel) else model.predict(x)[0]
-            low, high = (float(v[0]) for v in model.predict_interval(x))
-            out[label] = {"value": float(value), "low": low, "high": high, "coverage": model.coverage, "variant": chosen, "outside": outside}
+    def predict(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any]:
+        """The `fidelity` block of one plan: {status, reason, p_reproduced, interval, shift_log2,
+        shift_interval, measured_by_k}. P and the shift are numbers only when calibrated; with no
+        skill the measured shift at the nearest calibrated K/E stands in for the prediction."""
+        status, reason = self.status(row, recipe)
+        out: dict[str, Any] = {"status": status, "reason": reason, "recipe": recipe, "p_reproduced": None, "interval": None,
+                               "shift_log2": None, "shift_interval": None, "tolerance_log2": self.tolerance}  # fmt: skip
+        entry = self.recipes.get(recipe)
+        if status == "calibrated":
+            model = entry["models"]["full"]
+            x = design([row], SHIFT_FEATURES)
+            p, low, high = model.p_within(x, self.tolerance)
+            shift_low, shift_high = model.predict_interval(x)
+            out.update(p_reproduced=float(p[0]), interval=[float(low[0]), float(high[0])], shift_log2=float(model.predict(x)[0]),
+                       shift_interval=[float(shift_low[0]), float(shift_high[0])])  # fmt: skip
+        elif status == "no-skill" and entry is not None and _finite(row.get("kept_fraction")) and entry["measured_by_k"]:
+            near = min(entry["measured_by_k"], key=lambda m: abs(m["kept_fraction"] - float(row["kept_fraction"])))
+            out["measured_by_k"] = near
+        translation = knob_translation(recipe, out)
+        if translation:
+            out["knob_translation"] = translation
         return out
 
     def to_json(self) -> dict:
-        kinds = {LinearModel: "ridge", LogisticModel: "logistic"}
-        return {
-            "schema": "planner.fidelity/2",
-            "features": {k: list(v) for k, v in self.features.items()},
-            "models": {v: {label: {"kind": kinds[type(m)], **m.to_json()} for label, m in ms.items()} for v, ms in self.models.items()},
-            "domain": {k: list(v) for k, v in self.domain.items()},
-            "info": self.info,
-        }
+        recipes = {}
+        for name, entry in self.recipes.items():
+            recipes[name] = {**{k: v for k, v in entry.items() if k != "models"},
+                             "models": {v: (m.to_json() if m is not None else None) for v, m in entry["models"].items()},
+                             "domain": {k: list(v) for k, v in entry["domain"].items()}}  # fmt: skip
+        return {"schema": "planner.fidelity/3", "features": list(SHIFT_FEATURES), "tolerance_log2": self.tolerance, "recipes": recipes,
+                "info": self.info}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict) -> "FidelityEstimator":
-        if data.get("schema") != "planner.fidelity/2":
-            raise ValueError(f"not a fidelity estimator file of this version (schema {data.get('schema')!r}, want planner.fidelity/2)")
-        kinds = {"ridge": LinearModel, "logistic": LogisticModel}
-        models = {v: {label: kinds[m["kind"]].from_json(m) for label, m in ms.items()} for v, ms in data["models"].items()}
-        domain = {k: (float(v[0]), float(v[1])) for k, v in data.get("domain", {}).items()}
-        return cls(models, {k: tuple(v) for k, v in data["features"].items()}, data.get("info", {}), domain)
+        if data.get("schema") != "planner.fidelity/3":
+            raise ValueError(f"not a fidelity estimator file of this version (schema {data.get('schema')!r}, want planner.fidelity/3)")
+        recipes = {}
+        for name, entry in data["recipes"].items():
+            models = {v: (ShiftModel.from_json(m) if m is not None else None) for v, m in entry["models"].items()}
+            recipes[name] = {**entry, "models": models, "domain": {k: (float(v[0]), float(v[1])) for k, v in entry["domain"].items()}}
+        return cls(recipes, data.get("info", {}), float(data.get("tolerance_log2", 1.0)))
 
     def save(self, path: str | Path) -> None:
         from planner.files import write_text_atomic
@@ -246,10 +322,3 @@ class FidelityEstimator:
             return cls.from_json(data)
         except (ValueError, KeyError, TypeError) as exc:
             raise SpecError(f"{p}: {exc}") from None
-
-
-def _finite(value) -> bool:
-    try:
-        return value is not None and math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False

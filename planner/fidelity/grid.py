@@ -1,21 +1,26 @@
 """The calibration grid: original and proxy runs of every fault recipe, as Optuna trials.
 
-families x K x plans make the proxies (the clustering variants, saliency and frequency ranking,
-several random draws; planner.stats and planner.checkpoint build them). Every (recipe, phase) is
-one Optuna study on RDB storage (SQLite by default) whose grid points are the models; a GridSampler
-hands each trial a distinct point, so several worker processes or machines share the work and
-nothing is computed twice. A run that is interrupted resumes: a worker that dies stops beating its
-heartbeat, its trial is failed after the grace period and re-queued; the next `calibrate run` picks
-up whatever is missing.
+families x originals x K x plans make the proxies. Every family has several independently trained
+originals (model seeds: initialisation and data order), so that validation can hold out a whole
+original. Plans span quality within each K: the clustering methods, saliency and frequency ranking,
+random draws, and deliberately bad plans (the least-used experts, one tight cluster). K runs from
+top_k to E/2. Every (recipe, phase) is one Optuna study on RDB storage (SQLite by default) whose grid
+points are the models; a GridSampler hands each trial a distinct point, so several worker processes
+or machines share the work and nothing is computed twice. A run that is interrupted resumes: a
+worker that dies stops beating its heartbeat, its trial is failed after the grace period and
+re-queued; the next `calibrate run` picks up whatever is missing.
 
 Studies are named by the grid's key (its settings other than the recipe list), the recipe and the
 recipe's measurement version, so adding a recipe or re-measuring one after a change to it leaves
 the others' results in place.
 
-Phase 1 measures the originals: critical knob per margin seed, and for dynamic recipes a curve run
-at the critical knob plus a fixed offset, with a replica (same prompts, other sampling seed) for the
-noise floor. Phase 2 measures every proxy the same way at the original's knob. Results live in the
-trials' user attributes; `planner.fidelity.calibrate.export` joins them into the dataset.
+Phase 1 measures the originals: the critical knob per margin seed (at least 4; their SD is the
+noise floor of that original and recipe), bisected to a stated resolution in log2 units, and for
+dynamic recipes a curve run at the critical knob plus a fixed offset with replicas (same prompts,
+other sampling seeds). Phase 2 measures every proxy the same way at its original's knob. Dynamic
+recipes are budgeted: they run on the first `dynamic_originals` originals of each family. A (recipe,
+K) where the fault cannot occur (router collapse at K <= top_k) is not measured. Results live in
+the trials' user attributes; `planner.fidelity.calibrate.export` joins them into the dataset.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import subprocess
@@ -37,7 +43,7 @@ import yaml
 
 from planner.errors import SpecError
 from planner.files import read_yaml, write_text_atomic
-from planner.rl.margin import DEFAULT_ITERS, DEFAULT_PROBE_STEPS
+from planner.rl.margin import DEFAULT_PROBE_STEPS
 
 __all__ = ["Grid", "prepare", "run_phase", "run_workers", "collect", "study_name"]
 
@@ -48,23 +54,25 @@ GRACE_S = int(os.environ.get("PLANNER_GRID_GRACE_S", 120))
 MAX_FAILURES = 3  # a grid point that raised this often is reported, not retried again
 PHASES = ("originals", "proxies")
 # what the models and proxies under a workdir depend on
-_MODEL_FIELDS = ("families", "experts", "methods", "random_draws", "calib_tokens", "dense_steps", "moe_steps")
+_MODEL_FIELDS = ("families", "originals", "kept_fractions", "methods", "random_draws", "calib_tokens", "dense_steps", "moe_steps")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Grid:
-    families: tuple[str, ...] = ("qwen3_moe", "deepseek_v3")
-    recipes: tuple[str, ...] = ("fp16-overflow", "rollout-mismatch", "entropy-collapse", "router-collapse")
-    experts: tuple[int, ...] = (16, 12, 8)
-    methods: tuple[str, ...] = ("agglomerative", "kmeans", "router", "saliency", "frequency")
+    families: tuple[str, ...] = ("qwen3_moe", "deepseek_v3", "mixtral")
+    originals: int = 3  # independently trained originals per family (model seeds 0 .. originals-1)
+    recipes: tuple[str, ...] = ("fp16-overflow", "rollout-mismatch", "router-collapse")
+    dynamic_originals: int = 1  # dynamic recipes run on this many originals per family (their compute budget)
+    kept_fractions: tuple[float, ...] = (0.125, 0.25, 0.375, 0.5)  # K/E; K is raised to the smallest legal K >= top_k
+    methods: tuple[str, ...] = ("agglomerative", "kmeans", "router", "saliency", "frequency", "least-used", "one-cluster")
     random_draws: int = 3
-    margin_seeds: tuple[int, ...] = (0, 1)
+    margin_seeds: tuple[int, ...] = (0, 1, 2, 3)
     curve_seed: int = 0
-    replica_gen_seed: int = 1000
+    replica_gen_seeds: tuple[int, ...] = (1000, 1001)
     margin_steps: int = DEFAULT_PROBE_STEPS
     curve_steps: int = 24
-    iters_static: int = DEFAULT_ITERS["static"]
-    iters_dynamic: int = DEFAULT_ITERS["dynamic"]
+    resolution_static: float = 0.05  # bisection resolution, log2 units (a quarter of the smallest seed SD seen: 0.26)
+    resolution_dynamic: float = 0.15  # (router collapse: seed SD 0.6-1.1)
     knob_offset: float = 0.25  # curve runs sit this far above the original's critical knob
     calib_tokens: int = 2048
     dense_steps: int = 300
@@ -81,9 +89,13 @@ class Grid:
                 raise SpecError(f"grid: {name} {bad or '[]'} not among {', '.join(known)}")
         if "random" in self.methods:
             raise SpecError("grid: random plans come from random_draws, not methods")
-        positive = ("margin_steps", "curve_steps", "iters_static", "iters_dynamic", "calib_tokens")
-        if any(getattr(self, n) < 1 for n in positive) or self.random_draws < 0 or not self.margin_seeds:
-            raise SpecError(f"grid: {', '.join(positive)} must be >= 1, random_draws >= 0, margin_seeds non-empty")
+        positive = ("originals", "margin_steps", "curve_steps", "calib_tokens")
+        if any(getattr(self, n) < 1 for n in positive) or self.random_draws < 0 or self.dynamic_originals < 0:
+            raise SpecError(f"grid: {', '.join(positive)} must be >= 1, random_draws and dynamic_originals >= 0")
+        if len(self.margin_seeds) < 2 or len(set(self.margin_seeds)) != len(self.margin_seeds):
+            raise SpecError(f"grid: margin_seeds {list(self.margin_seeds)}: at least 2 distinct seeds (4 or more for the labels)")
+        if not (self.resolution_static > 0 and self.resolution_dynamic > 0) or not all(0 < f < 1 for f in self.kept_fractions):
+            raise SpecError("grid: resolutions must be > 0 and kept_fractions inside (0, 1)")
 
     @classmethod
     def load(cls, path: str | Path | None) -> "Grid":
@@ -117,6 +129,45 @@ class Grid:
         settings = {k: v for k, v in asdict(self).items() if k != "recipes"}
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
+    def experts(self, family: str) -> list[int]:
+        """The K of a family: each kept fraction of E, raised to the smallest K the routing allows
+        (K >= top_k, whole groups), below E."""
+        from planner.errors import ConfigError
+        from planner.rl.models import family_architecture
+
+        arch = family_architecture(family)
+        e, legal = arch.original_num_experts, []
+        for k in range(1, e):
+            try:
+                arch.with_experts(k)
+                legal.append(k)
+            except ConfigError:
+                pass
+        chosen = {min((k for k in legal if k >= f * e), default=legal[-1]) for f in self.kept_fractions}
+        return sorted(chosen)
+
+    def iters(self, recipe_name: str) -> int:
+        """Bisection steps for the recipe's bracket to reach the grid's resolution (log2 units)."""
+        from planner.fidelity.labels import knob_scale
+        from planner.rl.recipes import recipe
+
+        r = recipe(recipe_name)
+        target = self.resolution_static if r.kind == "static" else self.resolution_dynamic
+        return max(1, math.ceil(math.log2((r.hi - r.lo) * knob_scale(recipe_name) / target)) - 1)
+
+    def resolution(self, recipe_name: str) -> float:
+        """The bisection's resolution in knob units: half the final bracket."""
+        from planner.rl.recipes import recipe
+
+        r = recipe(recipe_name)
+        return (r.hi - r.lo) / 2 ** (self.iters(recipe_name) + 1)
+
+    def measured_on(self, recipe_name: str, seed: int) -> bool:
+        """Does the recipe run on the family's original of this model seed (the dynamic budget)?"""
+        from planner.rl.recipes import recipe
+
+        return recipe(recipe_name).kind == "static" or seed < self.dynamic_originals
+
 
 def study_name(grid: Grid, recipe_name: str, phase: str) -> str:
     from planner.rl.recipes import recipe
@@ -125,7 +176,8 @@ def study_name(grid: Grid, recipe_name: str, phase: str) -> str:
 
 
 def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
-    """Make the original models and every proxy (idempotent); return model records by id."""
+    """Make the originals and every proxy (idempotent); return model records by id (ORIGINAL/MODEL,
+    ORIGINAL = FAMILY-sSEED)."""
     from planner.checkpoint import Checkpoint, build
     from planner.rl.models import ModelRecipe, make_model
     from planner.stats.compute import compute_stats, plan_from_stats
@@ -139,36 +191,41 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
     stamp.write_text(json.dumps(settings, indent=1))
     records: dict[str, dict] = {}
     for family in grid.families:
-        root = workdir / "models" / family
-        original = root / "original"
-        if not (original / "config.json").is_file():
-            make_model(family, original, ModelRecipe(dense_steps=grid.dense_steps, moe_steps=grid.moe_steps))
-        ckpt = Checkpoint(original)
-        records[f"{family}/original"] = {"family": family, "model": "original", "path": str(original), "experts": ckpt.arch.original_num_experts,
-                                         "method": "original", "statistics": {}}  # fmt: skip
-        stats_path = root / "stats.json"
-        if not stats_path.is_file():
-            stats = compute_stats(ckpt, experts=list(grid.experts), methods=tuple(grid.methods), calib_tokens=grid.calib_tokens, seq_len=64)
-            for draw in range(grid.random_draws):
-                extra = compute_stats(ckpt, experts=list(grid.experts), methods=("random",), calib_tokens=grid.calib_tokens,
-                                      seq_len=64, seed=draw)  # fmt: skip
-                for key, plan in extra["plans"].items():
-                    stats["plans"][f"{key}-{draw}"] = {**plan, "seed": draw}
-            save_stats(stats, stats_path, force=True)
-        stats = load_stats(stats_path, fingerprint=ckpt.fingerprint())
-        for key, plan in stats["plans"].items():
-            k, method = int(key.split("/")[0][2:]), key.split("/")[1]
-            model = f"K{k}-{method}"
-            path = root / model
-            if not (path / "expert_map.json").is_file():
-                base = method.split("-")[0]
-                stored = {**stats, "seed": int(plan.get("seed", 0)), "plans": {f"K={k}/{base}": plan}}
-                p = plan_from_stats(stored, k, base, model=str(original), seed=int(plan.get("seed", 0)))
-                build(ckpt, p, path, verify="never", force=True)
-            records[f"{family}/{model}"] = {"family": family, "model": model, "path": str(path), "experts": k,
-                                            "method": method, "statistics": plan["summary"]}  # fmt: skip
-        if progress:
-            progress(family)
+        experts = grid.experts(family)
+        for seed in range(grid.originals):
+            base = f"{family}-s{seed}"
+            root = workdir / "models" / base
+            original = root / "original"
+            if not (original / "config.json").is_file():
+                make_model(family, original, ModelRecipe(dense_steps=grid.dense_steps, moe_steps=grid.moe_steps, seed=seed))
+            ckpt = Checkpoint(original)
+            top_k = ckpt.arch.moe.top_k
+            records[f"{base}/original"] = {"family": family, "original": base, "seed": seed, "model": "original", "path": str(original),
+                                           "experts": ckpt.arch.original_num_experts, "top_k": top_k, "method": "original",
+                                           "statistics": {}}  # fmt: skip
+            stats_path = root / "stats.json"
+            if not stats_path.is_file():
+                stats = compute_stats(ckpt, experts=experts, methods=tuple(grid.methods), calib_tokens=grid.calib_tokens, seq_len=64)
+                for draw in range(grid.random_draws):
+                    extra = compute_stats(ckpt, experts=experts, methods=("random",), calib_tokens=grid.calib_tokens,
+                                          seq_len=64, seed=draw)  # fmt: skip
+                    for key, plan in extra["plans"].items():
+                        stats["plans"][f"{key}-{draw}"] = {**plan, "seed": draw}
+                save_stats(stats, stats_path, force=True)
+            stats = load_stats(stats_path, fingerprint=ckpt.fingerprint())
+            for key, plan in stats["plans"].items():
+                k, method = int(key.split("/")[0][2:]), key.split("/", 1)[1]
+                model = f"K{k}-{method}"
+                path = root / model
+                if not (path / "expert_map.json").is_file():
+                    kind = method.rsplit("-", 1)[0] if method.startswith("random-") else method
+                    stored = {**stats, "seed": int(plan.get("seed", 0)), "plans": {f"K={k}/{kind}": plan}}
+                    p = plan_from_stats(stored, k, kind, model=str(original), seed=int(plan.get("seed", 0)))
+                    build(ckpt, p, path, verify="never", force=True)
+                records[f"{base}/{model}"] = {"family": family, "original": base, "seed": seed, "model": model, "path": str(path),
+                                              "experts": k, "top_k": top_k, "method": method, "statistics": plan["summary"]}  # fmt: skip
+            if progress:
+                progress(base)
     write_text_atomic(workdir / "models.json", json.dumps(records, indent=1))
     return records
 
@@ -197,8 +254,13 @@ def _study(storage: str, grid: Grid, recipe_name: str, phase: str, units: list[s
 
 
 def _units(grid: Grid, records: dict[str, dict], recipe_name: str, phase: str) -> list[str]:
+    """ORIGINAL/MODEL/RECIPE of every model the phase measures under the recipe (not where the
+    fault cannot occur, nor beyond the dynamic budget)."""
+    from planner.fidelity.labels import applicable
+
     models = [r for r in records.values() if (r["model"] == "original") == (phase == "originals")]
-    return sorted(f"{r['family']}/{r['model']}/{recipe_name}" for r in models)
+    return sorted(f"{r['original']}/{r['model']}/{recipe_name}" for r in models
+                  if grid.measured_on(recipe_name, r["seed"]) and applicable(recipe_name, r["experts"], r["top_k"]))  # fmt: skip
 
 
 def _measure(grid: Grid, record: dict, recipe_name: str, original: dict | None) -> dict[str, Any]:
@@ -209,16 +271,15 @@ def _measure(grid: Grid, record: dict, recipe_name: str, original: dict | None) 
 
     r = recipe(recipe_name)
     models = Models(record["path"])
-    iters = grid.iters_static if r.kind == "static" else grid.iters_dynamic
-    margin = critical_knob(models, r, list(grid.margin_seeds), iters=iters, steps=grid.margin_steps)
-    out: dict[str, Any] = {"margin": margin.to_json()}
+    margin = critical_knob(models, r, list(grid.margin_seeds), iters=grid.iters(recipe_name), steps=grid.margin_steps)
+    out: dict[str, Any] = {"margin": {**margin.to_json(), "resolution": grid.resolution(recipe_name)}}
     if r.kind == "dynamic":
         knob = original["knob"] if original else margin.mean + grid.knob_offset
         out["knob"] = knob
         runs = {"curve": GRPO(models, r.config(knob, seed=grid.curve_seed, steps=grid.curve_steps)).run()}
         if original is None:
-            runs["replica"] = GRPO(models, r.config(knob, seed=grid.curve_seed, steps=grid.curve_steps,
-                                                    gen_seed=grid.replica_gen_seed)).run()  # fmt: skip
+            for i, gen_seed in enumerate(grid.replica_gen_seeds):
+                runs[f"replica{i}"] = GRPO(models, r.config(knob, seed=grid.curve_seed, steps=grid.curve_steps, gen_seed=gen_seed)).run()
         for name, rows in runs.items():
             out[name] = [{k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()} for row in rows]
             out[f"{name}_onset"] = r.onset(rows)
@@ -291,8 +352,8 @@ def run_phase(storage: str, grid: Grid, workdir: Path, phase: str) -> None:
             raise SpecError(f"the originals phase is not complete ({len(missing)} missing, e.g. {missing[0]}); run it first")
 
         def measure(unit: str, recipe_name=recipe_name, originals=originals) -> dict:
-            family, model, _ = unit.split("/")
-            return _measure(grid, records[f"{family}/{model}"], recipe_name, originals.get(f"{family}/original/{recipe_name}"))
+            base, model, _ = unit.split("/")
+            return _measure(grid, records[f"{base}/{model}"], recipe_name, originals.get(f"{base}/original/{recipe_name}"))
 
         _work(_study(storage, grid, recipe_name, phase, units), units, measure)
 

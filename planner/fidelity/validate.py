@@ -1,17 +1,21 @@
-"""Grouped cross-validation of the fidelity estimator.
+"""Validation of the fidelity estimator on held-out originals and held-out families.
 
-Folds leave out one whole (family, recipe) group: the estimator must predict a recipe on a family
-it was not fitted on for that recipe. Every label is scored for three feature sets: the full
-variant (plan statistics + architecture + recipe), the prior variant (architecture + recipe, no
-checkpoint) and a baseline that sees K/E alone. Scores:
+For each recipe and each scheme (leave one original out; leave one family out) every fold refits
+the full shift model and both baselines (K/E alone; the recipe's mean shift) on the other groups and
+predicts the held-out group's rows. Scores, per recipe and variant:
 
-regression   MAE, RMSE, Spearman over all held-out rows, the empirical coverage of the nominal
-             80% intervals and their mean width, and Spearman within fixed K: over the plans of
-             one (family, recipe, K), does the predicted order match the measured one? (A
-             prediction constant within K, like the baseline's, ranks nothing: 0.)
-classifier   AUC, Brier score (and the Brier score of the training base rate), accuracy, and the
-             coverage of the interval on P(reproduced): the share of held-out groups whose observed
-             reproduction rate lies within the group's mean interval.
+shift        MAE of the signed shift (log2 units), next to the noise floor: the MAE that measurement
+             noise alone would give, sqrt(2/pi) x the rows' standard error of the shift; RMSE;
+             Spearman within K (over the plans of one original and K: does the predicted order match
+             the measured one? a prediction constant within K ranks nothing: 0); the coverage of
+             the nominal 80% interval and its mean width.
+reproduced   AUC and Brier score of P(reproduced) on rows whose equivalence decision was made
+             (reproduced or not; undetermined rows are left out), against the Brier score of the
+             training folds' base rate.
+
+The skill gate (skill_gate) reads the leave-one-original-out scores: the full model has skill on a
+recipe when its shift MAE is at least 10% below K/E alone's overall and lower on a majority of the
+held-out originals, and its AUC is not below K/E alone's where both are defined.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ import numpy as np
 from scipy.stats import spearmanr
 from sklearn.metrics import roc_auc_score
 
-from planner.fidelity.estimator import FULL_FEATURES, LABELS, PRIOR_FEATURES, training_set
-from planner.fidelity.learners import new_model
+from planner.fidelity.estimator import BASELINES, SHIFT_FEATURES, design, fit_shift, training_rows
 
-__all__ = ["VARIANTS", "cross_validate", "render_report"]
+__all__ = ["VARIANTS", "SCHEMES", "cross_validate", "skill_gate", "render_report"]
 
-VARIANTS = {"full": FULL_FEATURES, "prior": PRIOR_FEATURES, "K/E only": ("kept_fraction",)}
+VARIANTS = {"full": SHIFT_FEATURES, **BASELINES}
+MIN_GAIN = 0.10  # the skill gate asks for a shift MAE at least 10% below K/E alone's
+SCHEMES = {"original": "original", "family": "family"}  # scheme -> the row key that names a held-out group
 
 
 def _rank_corr(x: np.ndarray, y: np.ndarray) -> float:
@@ -42,79 +47,115 @@ def _rank_corr(x: np.ndarray, y: np.ndarray) -> float:
 def _within_k(rows: list[dict], pred: np.ndarray, y: np.ndarray) -> tuple[float, int]:
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(rows):
-        groups.setdefault((r["family"], r["recipe"], r["experts"]), []).append(i)
+        groups.setdefault((r["original"], r["experts"]), []).append(i)
     values = [_rank_corr(pred[idx], y[idx]) for idx in groups.values() if len(idx) >= 3]
     values = [v for v in values if math.isfinite(v)]
     return (float(np.mean(values)) if values else float("nan")), len(values)
 
 
-def _folds(x: np.ndarray, y: np.ndarray, groups: list[str], label: str):
-    """Held-out predictions (value, low, high) for every row, one fold per (family, recipe) group;
-    each fold's model sees only the other groups' rows (and their groups, for its intervals)."""
-    n = len(y)
-    pred, low, high = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
-    base = np.full(n, np.nan)
-    keys = np.array(groups)
-    for group in sorted(set(groups)):
+def _held_out(rows: list[dict], recipe: str, names: tuple[str, ...], key: str, tolerance: float) -> dict[str, np.ndarray]:
+    """Held-out predictions for every row of the recipe (those of SHIFT_FEATURES, so that every variant
+    scores the same rows), one fold per group."""
+    used = training_rows(rows, recipe, SHIFT_FEATURES)
+    n = len(used)
+    out = {k: np.full(n, np.nan) for k in ("pred", "low", "high", "p", "base")}
+    keys = np.array([str(r[key]) for r in used])
+    for group in sorted(set(keys)):
         test = keys == group
-        train = ~test
-        if train.sum() < 5 or (label == "fault_reproduced" and len(np.unique(y[train])) < 2):
+        train = [r for r, t in zip(used, test) if not t]
+        model = fit_shift(train, recipe, names)
+        if model is None:
             continue
-        model = new_model(label).fit(x[train], y[train], groups=list(keys[train]))
-        if label == "fault_reproduced":
-            pred[test] = model.predict_proba(x[test])[:, 1]
-            base[test] = y[train].mean()
-        else:
-            pred[test] = model.predict(x[test])
-        low[test], high[test] = model.predict_interval(x[test])
-    return pred, low, high, base
+        x = design([r for r, t in zip(used, test) if t], names)
+        out["pred"][test] = model.predict(x)
+        out["low"][test], out["high"][test] = model.predict_interval(x)
+        out["p"][test] = model.p_within(x, tolerance)[0]
+        decided = [r["reproduced"] for r in train if math.isfinite(r.get("reproduced", math.nan))]
+        out["base"][test] = np.mean(decided) if decided else np.nan
+    out["rows"], out["key"] = used, key
+    return out
 
 
-def _group_coverage(groups: list[str], y: np.ndarray, low: np.ndarray, high: np.ndarray) -> float:
-    """For P(reproduced): share of held-out groups whose observed rate lies in their mean interval."""
-    keys = np.array(groups)
-    hits = [float(low[keys == g].mean() <= y[keys == g].mean() <= high[keys == g].mean()) for g in sorted(set(groups))]
-    return float(np.mean(hits)) if hits else float("nan")
+def _scores(h: dict, tolerance: float) -> dict[str, Any]:
+    rows = h["rows"]
+    ok = np.isfinite(h["pred"])
+    if ok.sum() < 5:
+        return {}
+    kept = [r for r, o in zip(rows, ok) if o]
+    y = np.array([r["shift_log2"] for r in kept])
+    se = np.array([r.get("shift_se", np.nan) for r in kept], dtype=float)
+    pred, low, high, p, base = (h[k][ok] for k in ("pred", "low", "high", "p", "base"))
+    within, n_groups = _within_k(kept, pred, y)
+    err = np.abs(pred - y)
+    groups = np.array([str(r[h["key"]]) for r in kept])
+    out: dict[str, Any] = {
+        "n": int(ok.sum()),
+        "mae": float(np.mean(err)),
+        "mae_by_group": {g: float(err[groups == g].mean()) for g in sorted(set(groups))},
+        "noise_mae": float(np.nanmean(se) * math.sqrt(2 / math.pi)),
+        "rmse": float(np.sqrt(np.mean((pred - y) ** 2))),
+        "spearman_within_k": within,
+        "within_k_groups": n_groups,
+        "coverage": float(np.mean((y >= low) & (y <= high))),
+        "interval_width": float(np.mean(high - low)),
+        "shift_mean": float(y.mean()),
+        "shift_sd": float(y.std()),
+    }
+    outcome = np.array([r.get("reproduced", np.nan) for r in kept], dtype=float)
+    decided = np.isfinite(outcome) & np.isfinite(base)
+    out.update(decided=int(decided.sum()), positive_rate=float(outcome[decided].mean()) if decided.any() else float("nan"))
+    if decided.sum() >= 5:
+        t, pd, bd = outcome[decided], p[decided], base[decided]
+        out.update(auc=float(roc_auc_score(t, pd)) if len(np.unique(t)) == 2 else float("nan"), brier=float(np.mean((pd - t) ** 2)),
+                   brier_base_rate=float(np.mean((bd - t) ** 2)))  # fmt: skip
+    return out
 
 
-def cross_validate(rows: list[dict], variants: dict[str, tuple[str, ...]] = VARIANTS) -> dict[str, Any]:
-    report: dict[str, Any] = {"rows": len(rows), "groups": sorted({f"{r['family']}/{r['recipe']}" for r in rows}), "labels": {}}
-    for label in LABELS:
-        report["labels"][label] = {}
-        for variant, names in variants.items():
-            used, x, y, groups = training_set(rows, label, names)
-            if len(y) < 10:
+def cross_validate(rows: list[dict], schemes: tuple[str, ...] = tuple(SCHEMES), tolerance: float | None = None) -> dict[str, Any]:
+    """{rows, recipes: {recipe: {scheme: {variant: scores}}}} (see the module's docstring)."""
+    from planner.fidelity.labels import TOLERANCE_LOG2
+
+    tolerance = TOLERANCE_LOG2 if tolerance is None else tolerance
+    report: dict[str, Any] = {"rows": len(rows), "tolerance_log2": tolerance, "recipes": {}}
+    for recipe in sorted({r["recipe"] for r in rows}):
+        entry: dict[str, Any] = {}
+        used = training_rows(rows, recipe, SHIFT_FEATURES)
+        for scheme in schemes:
+            key = SCHEMES[scheme]
+            groups = {str(r[key]) for r in used}
+            if len(groups) < 2:
+                entry[scheme] = {"groups": len(groups)}
                 continue
-            pred, low, high, base = _folds(x, y, groups, label)
-            ok = np.isfinite(pred)
-            if ok.sum() < 5:
-                continue
-            kept = [r for r, o in zip(used, ok) if o]
-            kept_groups = [g for g, o in zip(groups, ok) if o]
-            y, pred, low, high, base = y[ok], pred[ok], low[ok], high[ok], base[ok]
-            within, n_groups = _within_k(kept, pred, y)
-            scores: dict[str, Any] = {"n": int(ok.sum()), "spearman_within_k": within, "within_k_groups": n_groups,
-                                      "interval_width": float(np.mean(high - low))}  # fmt: skip
-            if label == "fault_reproduced":
-                scores.update(
-                    auc=float(roc_auc_score(y, pred)) if len(np.unique(y)) == 2 else float("nan"),
-                    brier=float(np.mean((pred - y) ** 2)),
-                    brier_base_rate=float(np.mean((base - y) ** 2)),
-                    accuracy=float(np.mean((pred >= 0.5) == (y == 1))),
-                    positive_rate=float(y.mean()),
-                    coverage=_group_coverage(kept_groups, y, low, high),
-                )
-            else:
-                scores.update(
-                    mae=float(np.mean(np.abs(pred - y))),
-                    rmse=float(np.sqrt(np.mean((pred - y) ** 2))),
-                    spearman=_rank_corr(pred, y),
-                    coverage=float(np.mean((y >= low) & (y <= high))),
-                    label_mean=float(y.mean()),
-                    label_std=float(y.std()),
-                )
-            report["labels"][label][variant] = scores
+            entry[scheme] = {"groups": len(groups), "variants": {v: _scores(_held_out(rows, recipe, names, key, tolerance), tolerance)
+                                                                 for v, names in VARIANTS.items()}}  # fmt: skip
+        outcomes = [r.get("outcome") for r in rows if r["recipe"] == recipe]
+        entry["outcomes"] = {o: outcomes.count(o) for o in sorted({str(o) for o in outcomes})}
+        report["recipes"][recipe] = entry
     return report
+
+
+def skill_gate(report: dict[str, Any], recipe: str) -> dict[str, Any]:
+    """Does the full model beat K/E alone on held-out originals? Its shift MAE must be at least
+    MIN_GAIN lower overall and lower on a majority of the held-out originals (so that one original
+    does not carry it), and its AUC not lower where both are defined."""
+    scores = report["recipes"].get(recipe, {}).get("original", {}).get("variants")
+    if not scores or not scores.get("full") or not scores.get("K/E only"):
+        return {"skill": False, "reason": f"{recipe}: too few originals or rows to validate on held-out originals"}
+    full, ke = scores["full"], scores["K/E only"]
+    auc_full, auc_ke = full.get("auc", math.nan), ke.get("auc", math.nan)
+    wins = sum(full["mae_by_group"][g] < ke["mae_by_group"][g] for g in full["mae_by_group"])
+    better_mae = full["mae"] < (1 - MIN_GAIN) * ke["mae"] and wins > len(full["mae_by_group"]) / 2
+    auc_ok = not (math.isfinite(auc_full) and math.isfinite(auc_ke)) or auc_full >= auc_ke
+    figures = (f"held-out originals: shift MAE {full['mae']:.3f} vs K/E alone {ke['mae']:.3f} (noise floor {full['noise_mae']:.3f}; "
+               f"lower on {wins} of {len(full['mae_by_group'])} originals), AUC {_fmt(auc_full)} vs {_fmt(auc_ke)}")  # fmt: skip
+    skill = bool(better_mae and auc_ok)
+    return {"skill": skill, "reason": ("plan-level skill: " if skill else "no plan-level skill: ") + figures,
+            "mae": full["mae"], "mae_ke": ke["mae"], "noise_mae": full["noise_mae"], "auc": _finite_or_none(auc_full),
+            "auc_ke": _finite_or_none(auc_ke)}  # fmt: skip
+
+
+def _finite_or_none(v: float) -> float | None:
+    return v if math.isfinite(v) else None  # JSON has no NaN
 
 
 def _fmt(v: Any) -> str:
@@ -126,16 +167,22 @@ def _fmt(v: Any) -> str:
 def render_report(report: dict[str, Any]) -> str:
     from planner.render import table
 
-    lines = [f"grouped CV, leave one (family, recipe) group out: {report['rows']} rows, {len(report['groups'])} groups"]
-    for label, by_variant in report["labels"].items():
-        if not by_variant:
-            lines.append(f"\n{label}: too few labelled rows")
-            continue
-        if label == "fault_reproduced":
-            keys = ("n", "auc", "brier", "brier_base_rate", "accuracy", "positive_rate", "spearman_within_k", "coverage",
-                    "interval_width")  # fmt: skip
-        else:
-            keys = ("n", "mae", "rmse", "spearman", "spearman_within_k", "coverage", "interval_width", "label_std")
-        lines.append(f"\n{label}")
-        lines.append(table(["variant", *keys], [[v, *(_fmt(s.get(k)) for k in keys)] for v, s in by_variant.items()]))
+    keys = ("n", "mae", "noise_mae", "rmse", "spearman_within_k", "coverage", "interval_width", "decided", "positive_rate", "auc",
+            "brier", "brier_base_rate")  # fmt: skip
+    lines = [f"held-out validation of the signed shift (log2 units) and P(reproduced), tolerance +-{report['tolerance_log2']:g}: "
+             f"{report['rows']} rows"]  # fmt: skip
+    for recipe, entry in report["recipes"].items():
+        counts = ", ".join(f"{k} {v}" for k, v in entry.get("outcomes", {}).items())
+        lines.append(f"\n{recipe} ({counts})")
+        for scheme, result in entry.items():
+            if scheme == "outcomes":
+                continue
+            if "variants" not in result:
+                lines.append(f"  leave one {scheme} out: {result['groups']} group(s), nothing to hold out")
+                continue
+            lines.append(f"  leave one {scheme} out ({result['groups']} groups)")
+            body = [[v, *(_fmt(s.get(k, math.nan)) for k in keys)] for v, s in result["variants"].items() if s]
+            lines.append(table(["variant", *keys], body))
+        gate = skill_gate(report, recipe)
+        lines.append(f"  gate: {gate['reason']}")
     return "\n".join(lines)

@@ -256,8 +256,10 @@ class GRPO:
         return logp, entropy, logits.detach().abs().max()
 
     def _balance(self):
-        """Switch-transformer balance loss E * sum_e f_e P_e averaged over MoE layers, and the
-        per-layer load CV and normalised router entropy."""
+        """Switch-transformer balance loss E * sum_e f_e P_e averaged over MoE layers, rescaled from
+        its range [1 (balanced), E/k (all tokens on k experts)] to [0, 1] so that one coefficient
+        means the same pressure for any E; the per-layer load CV, normalised router entropy and
+        top-k share (the share of routed tokens on the k most loaded experts)."""
         torch = self.torch
         losses, cvs, ents, shares = [], [], [], []
         for logits, ids in self.routers.calls:
@@ -269,10 +271,13 @@ class GRPO:
             e, k = probs.shape[-1], ids.shape[-1]
             counts = torch.bincount(ids.reshape(-1), minlength=e).float()
             frac = counts / counts.sum()
-            losses.append(e * (frac * probs.mean(0)).sum())
+            # with E <= k every token uses every expert: the loss is constant, there is nothing to balance
+            losses.append((e * (frac * probs.mean(0)).sum() - 1.0) / (e / k - 1.0) if e > k else probs.sum() * 0.0)
             cvs.append(float((counts.std() / counts.mean().clamp_min(1e-9)).detach()))
             ents.append(float((-(probs * probs.clamp_min(1e-12).log()).sum(-1)).mean().detach() / math.log(e)))
-            shares.append(float(frac.sort(descending=True).values[:k].sum()))  # k/E when balanced, 1 when collapsed
+            share = float(frac.sort(descending=True).values[:k].sum())  # k/E when balanced, 1 when collapsed
+            # the same from 0 (balanced) to 1 (collapsed) for any E; NaN where E <= k (nothing can collapse)
+            shares.append((share, (share - k / e) / (1.0 - k / e) if e > k else float("nan")))
         loss = torch.stack(losses).mean() if losses else torch.zeros(())
         return loss, cvs, ents, shares
 
@@ -390,7 +395,9 @@ class GRPO:
             row[f"load_cv_{i}"] = float(cv)
             row[f"router_entropy_{i}"] = float(ent)
         row["load_cv_max"] = float(max(layer_cv)) if len(layer_cv) else float("nan")
-        row["topk_share_max"] = float(np.max(np.mean(np.array(shares), axis=0))) if shares and shares[0] else float("nan")
+        share = np.mean(np.array(shares), axis=0) if shares and shares[0] else np.full((1, 2), np.nan)  # (layer, raw|normalised)
+        row["topk_share_max"] = float(np.max(share[:, 0]))
+        row["collapse_max"] = float(np.max(share[:, 1]))  # normalised top-k share of the most collapsed layer
         self.rows.append(row)
         return row
 

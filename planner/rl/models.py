@@ -1,7 +1,7 @@
 """The small real MoE models calibration runs on, made deterministically by one command.
 
-Two families: qwen3_moe (softmax top-k, renormalised) and deepseek_v3 (grouped sigmoid routing
-with a correction bias, a shared expert and a dense first layer). Each is made the way production
+Three families: qwen3_moe (softmax top-4 of 32, renormalised), deepseek_v3 (grouped sigmoid routing
+with a correction bias, a shared expert and a dense first layer) and mixtral (softmax top-2 of 8). Each is made the way production
 MoEs often are (sparse upcycling, Komatsuzaki et al. 2022): a dense model of the same backbone is
 pretrained briefly on Python standard-library source (bytes), every expert starts as a copy of its
 dense MLP plus small noise, and the MoE then trains further. Experts end up partly redundant, as in
@@ -23,7 +23,7 @@ import numpy as np
 from planner.hf import require_torch
 from planner.rl.corpus import split_bytes
 
-__all__ = ["FAMILY_CONFIGS", "ModelRecipe", "make_model", "expert_similarity"]
+__all__ = ["FAMILY_CONFIGS", "ModelRecipe", "make_model", "expert_similarity", "family_architecture"]
 
 BACKBONE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
@@ -35,8 +35,18 @@ FAMILY_CONFIGS = {
                         n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
                         n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                         v_head_dim=16, routed_scaling_factor=1.0, num_nextn_predict_layers=0),  # fmt: skip
+    # Mixtral-style: softmax top-2 of 8, always renormalised; fewer, wider experts
+    "mixtral": dict(BACKBONE, model_type="mixtral", head_dim=16, intermediate_size=96, num_local_experts=8, num_experts_per_tok=2),
 }
-_EXPERTS_KEY = {"qwen3_moe": ("num_experts", "num_experts_per_tok"), "deepseek_v3": ("n_routed_experts", "num_experts_per_tok")}
+_EXPERTS_KEY = {"qwen3_moe": ("num_experts", "num_experts_per_tok"), "deepseek_v3": ("n_routed_experts", "num_experts_per_tok"),
+                "mixtral": ("num_local_experts", "num_experts_per_tok")}  # fmt: skip
+
+
+def family_architecture(family: str):
+    """The planner Architecture of a family's small model (no weights needed)."""
+    from planner.arch import Architecture
+
+    return Architecture.from_config(FAMILY_CONFIGS[family])
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class Recipe:
             hits = [r["step"] for r in rows[5:] if not np.isfinite(r["grad_norm"]) or r["grad_norm"] > self.threshold * base]
             hits += [r["step"] for r in rows if r["nonfinite"] > 0]
         elif self.name == "router-collapse":
-            hits = [r["step"] for r in rows if r["topk_share_max"] > self.threshold]
+            hits = [r["step"] for r in rows if r.get("collapse_max", float("nan")) > self.threshold]
         else:  # pragma: no cover - the table below is closed
             raise AssertionError(self.name)
         return int(min(hits)) if hits else None
@@ -112,13 +112,14 @@ RECIPES: dict[str, Recipe] = {
         ),
         Recipe(
             name="router-collapse",
-            fault="in some MoE layer, the top-k most loaded experts take over 90% of the routed tokens (k/E when balanced)",
+            fault="in some MoE layer, the top-k share of routed tokens is over 90% of the way from balanced (k/E) to collapsed (1)",
             knob="log10 of a negative balance-loss coefficient (anti-balance strength)",
             lo=-4.0,
             hi=2.0,
             kind="dynamic",
             base={"lr": 1e-3, "kl_coef": 0.05, "grad_clip": None},  # at 3e-3 routers collapsed unprovoked on some seeds
             threshold=0.9,
+            version=2,  # v2: detector on the normalised top-k share, balance loss normalised to [0, 1] for any E
         ),
     )
 }

@@ -10,18 +10,22 @@ from planner.render import table
 from planner.search.suggest import OFFLOADS, Option, Suggestion, figures, reduction
 from planner.units import gib
 
-__all__ = ["render_suggestion", "suggestion_json", "plan_of"]
+__all__ = ["render_suggestion", "suggestion_json", "plan_of", "fidelity_text"]
 
 
-def _fidelity(o: Option, headline: str) -> str:
-    f = o.fidelity["fault_reproduced"]
-    if f.get("variant") == "original":
+def fidelity_text(f: dict) -> str:
+    """One table cell for a fidelity block: P with its interval only where it is calibrated."""
+    if f["status"] == "original":
         return "1 (original)"
-    marker = f" ({f['variant']})" if f.get("variant") != headline else ""  # a K the stats file lacks falls back to the prior
-    return f"{f['value']:.2f} [{f['low']:.2f}, {f['high']:.2f}]{marker}"
+    if f["status"] == "calibrated":
+        return f"{f['p_reproduced']:.2f} [{f['interval'][0]:.2f}, {f['interval'][1]:.2f}], shift {f['shift_log2']:+.2f}"
+    if f["status"] == "no-skill" and f.get("measured_by_k"):
+        m = f["measured_by_k"]
+        return f"no skill; measured shift {m['shift_mean']:+.2f} +- {m['shift_sd']:.2f} (noise {m['noise_log2']:.2f})"
+    return {"no-skill": "no skill", "uncalibrated": "uncalibrated", "not-applicable": "not applicable"}[f["status"]]
 
 
-def _row(o: Option, baseline, headline: str) -> list[Any]:
+def _row(o: Option, baseline) -> list[Any]:
     c = o.cost
     peak = c.peak_memory_bytes
     r = reduction(c, baseline)
@@ -36,13 +40,8 @@ def _row(o: Option, baseline, headline: str) -> list[Any]:
         f"{c.device_hours_per_step:,.2f}",
         f"{r['cards']:.1f}x" if r["cards"] else "-",
         f"{r['accelerator_hours']:.2f}x" if r["accelerator_hours"] else "-",
-        _fidelity(o, headline),
+        fidelity_text(o.fidelity),
     ]
-
-
-def _coverage(s: Suggestion) -> str:
-    f = next((o.fidelity["fault_reproduced"] for o in s.options if o.fidelity["fault_reproduced"].get("variant") != "original"), None)
-    return f"{round(100 * f['coverage'])}%" if f and f.get("coverage") else "interval"
 
 
 def _settings(c) -> str:
@@ -52,10 +51,10 @@ def _settings(c) -> str:
 
 def render_suggestion(s: Suggestion, top: int = 5) -> str:
     req, unit = s.request, s.accelerator.device_unit
-    headline = "full" if s.fidelity_source == "stats" else "prior"
     head = (f"{req.model} on {s.accelerator.id}, budget {s.budget.describe(s.accelerator)}, fault {req.fault} "
-            f"(recipe {s.recipe}), fidelity >= {req.min_fidelity} ({'plan statistics' if s.fidelity_source == 'stats' else 'prior estimator: K/E and architecture only, wider intervals'})")  # fmt: skip
+            f"(recipe {s.recipe}), calibrated P >= {req.min_fidelity} ({'plan statistics' if s.fidelity_source == 'stats' else 'no plan statistics: K/E only'})")  # fmt: skip
     lines = [head]
+    lines.extend(f"WARNING: {w}" for w in s.warnings)
     if s.baseline is not None:
         m, c = s.baseline.minimum, s.baseline.cheapest
         lines.append(f"original, with the same {req.memory_margin:.0%} memory margin: {m.num_devices} {unit}s minimum "
@@ -65,17 +64,19 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
         lines.append(f"note: {s.budget.max_devices} {unit}s is not an allocation size of {s.accelerator.id} (whole cards below a node of "
                      f"{s.accelerator.devices_per_node}, whole nodes above); searched up to {s.device_counts[-1]}")  # fmt: skip
     headers = ["K", "method", unit + "s", "layout train / rollout", "recompute, offload", f"peak GiB/{unit} (headroom)", "step s",
-               f"{unit}-h/step", f"fewer {unit}s", "fewer hours", f"P(fault reproduced) [{_coverage(s)}]"]  # fmt: skip
+               f"{unit}-h/step", f"fewer {unit}s", "fewer hours", "fidelity: P(reproduced) [interval] or status"]  # fmt: skip
     if s.ranked:
         lines.append("")
-        lines.append(table(headers, [_row(o, s.baseline, headline) for o in s.ranked[:top]], title="cheapest proxies that clear the threshold"))
+        lines.append(table(headers, [_row(o, s.baseline) for o in s.ranked[:top]], title="cheapest proxies that clear the threshold"))
         best = s.best
         lines.append("")
-        m = best.fidelity.get("margin_ratio")
-        if m and m.get("variant") != "original":
-            lines.append(f"predicted margin ratio of the best: {m['value']:.2f} [{m['low']:.2f}, {m['high']:.2f}] log2 units of the fault's knob")
-        if best.fidelity["fault_reproduced"].get("outside"):
-            lines.append("fidelity is extrapolated beyond the calibration data: " + "; ".join(best.fidelity["fault_reproduced"]["outside"]))
+        f = best.fidelity
+        if f["status"] != "original":
+            lines.append(f"fidelity of the best: {f['status']}: {f['reason']}")
+            if f["status"] != "calibrated":
+                lines.append("  no calibrated P: ranked by cost among plans that pass the hard rules (see `planner calibrate report`)")
+        if f.get("knob_translation"):
+            lines.append("knob: " + f["knob_translation"]["text"])
         lines.append("kept for the fault: " + "; ".join(s.factors))
         lines.extend(f"note: {n}" for n in best.cost.notes)
     else:
@@ -85,8 +86,8 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
     if s.pareto:
         lines.append("")
         front = [["original" if o.experts == o.cost.original_experts else o.experts, o.method if o.experts != o.cost.original_experts else "-",
-                  o.cost.num_devices, f"{o.cost.device_hours_per_step:,.2f}", _fidelity(o, headline)] for o in s.pareto]  # fmt: skip
-        lines.append(table(["K", "method", unit + "s", f"{unit}-h/step", "P(fault reproduced)"], front, title="Pareto set: cost vs predicted fidelity"))
+                  o.cost.num_devices, f"{o.cost.device_hours_per_step:,.2f}", fidelity_text(o.fidelity)] for o in s.pareto]  # fmt: skip
+        lines.append(table(["K", "method", unit + "s", f"{unit}-h/step", "fidelity"], front, title="Pareto set: cost vs predicted fidelity"))
     lines.append("")
     lines.append(f"{s.trials} trials, {len(s.options)} distinct points evaluated, {s.seconds:.1f} s"
                  + (f"; the best first appeared at trial {s.best_trial}" if s.best_trial is not None else ""))  # fmt: skip
@@ -104,6 +105,7 @@ def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
         "plans": [o.to_json(b) for o in s.ranked[:top]],
         "pareto": [o.to_json(b) for o in s.pareto],
         "diagnosis": s.diagnosis,
+        "warnings": s.warnings,
         "fault_relevant_factors": s.factors,
         "device_counts": s.device_counts,
         "trials": s.trials,
@@ -138,8 +140,7 @@ def plan_of(s: Suggestion, o: Option) -> Plan:
             "usable_bytes_per_card": c.usable_bytes_per_device,
             "step_time_s": c.step_time_s,
             "accelerator_hours_per_step": c.device_hours_per_step,
-            "fault_reproduced": dict(o.fidelity["fault_reproduced"]),
-            "margin_ratio": dict(o.fidelity.get("margin_ratio", {})),
+            "fidelity": dict(o.fidelity),
         },
     }
     deployment = json.loads(json.dumps(deployment, default=lambda v: v.item()))  # numpy scalars -> YAML-safe numbers

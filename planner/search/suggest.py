@@ -14,9 +14,15 @@ brute-force sampler that visits each point once (the result is then exhaustive e
 Pareto set (cost vs fidelity) is computed from them. `enumerate_all` evaluates the whole space, the
 reference the search is checked against.
 
-Predicted fidelity is P(fault reproduced) from planner.fidelity's estimator, with its interval;
-the predicted margin ratio (how far the fault's critical knob moves) is reported beside it. The
-original (K = E) reproduces its own fault by definition: fidelity 1.
+Fidelity comes from planner.fidelity's estimator as a block with a status: "calibrated" (P(fault
+reproduced) with its interval, the predicted shift of the fault's critical knob with its interval),
+"no-skill" (the estimator does not beat K/E alone on held-out originals for this fault: no P, the
+measured shift at the nearest calibrated K instead), "uncalibrated" (the model or plan lies outside
+the calibration data) or "not-applicable" (the fault cannot occur at this K). Only a calibrated P is
+held to --min-fidelity; plans without one are ranked by cost among those that pass the hard rules:
+the fault can occur at K, the plan is not a deliberately bad one, and (with a stats file) it drops no
+more routing mass than a random plan of the same K would (1 - K/E: more means it keeps rarely used
+experts). The original (K = E) reproduces its own fault by definition: fidelity 1.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from planner.cost.hardware import Accelerator
 from planner.errors import PlannerError, SpecError
 from planner.search.budget import Budget, parse_budget
 from planner.specs import Job, Offload
+from planner.plan import BAD_METHODS
 
-__all__ = ["FAULTS", "OFFLOADS", "RECOMPUTES", "Request", "Option", "Suggestion", "Suggester", "suggest"]
+__all__ = ["FAULTS", "OFFLOADS", "RECOMPUTES", "Request", "Option", "Suggestion", "Suggester", "suggest", "fault_conflicts"]
 
 # user-facing fault names -> the calibration recipe that provokes them
 FAULTS = {
@@ -63,7 +70,7 @@ class Request:
     hardware: str = "ascend-910b2"
     job: Job = field(default_factory=Job)
     budget: str = "8npu"
-    fault: str = "grad-overflow"
+    fault: str = "rollout-mismatch"  # the default job trains in bf16: an fp16 overflow cannot show there
     stats: dict | None = None  # a `planner stats` file of the checkpoint, parsed
     min_fidelity: float = 0.8
     trials: int = 300
@@ -89,7 +96,7 @@ class Option:
     recompute: str
     offload: str
     cost: CostResult
-    fidelity: dict[str, dict[str, Any]]  # label -> {value, low, high, variant}
+    fidelity: dict[str, Any]  # {status, reason, p_reproduced, interval, shift_log2, shift_interval, ...}
     within_budget: bool
     budget_note: str = ""
 
@@ -98,19 +105,28 @@ class Option:
         return self.cost.feasible
 
     @property
-    def p_reproduced(self) -> float:
-        return self.fidelity["fault_reproduced"]["value"]
+    def p_reproduced(self) -> float | None:
+        """P(fault reproduced) where it is calibrated (1 for the original), else None."""
+        return self.fidelity["p_reproduced"]
+
+    @property
+    def score(self) -> float:
+        """The search's fidelity objective: P where calibrated, 0 where there is none."""
+        return self.p_reproduced if self.p_reproduced is not None else 0.0
+
+    def passes_fidelity(self, min_fidelity: float) -> bool:
+        return fidelity_passes(self.fidelity, min_fidelity)
 
     @property
     def hours(self) -> float:
         return self.cost.device_hours_per_step if self.fits else math.inf
 
     def acceptable(self, min_fidelity: float) -> bool:
-        return self.fits and self.within_budget and self.p_reproduced >= min_fidelity
+        return self.fits and self.within_budget and self.passes_fidelity(min_fidelity)
 
     def rank_key(self) -> tuple:
         # ties go to the larger K, then the least intrusive recompute and offload (their table order)
-        return (self.hours, self.cost.num_devices, -self.p_reproduced, -self.experts, self.method,
+        return (self.hours, self.cost.num_devices, -self.score, -self.experts, self.method,
                 RECOMPUTES.index(self.recompute), list(OFFLOADS).index(self.offload))  # fmt: skip
 
     def dominates(self, other: "Option") -> bool:
@@ -126,8 +142,7 @@ class Option:
             "recompute": self.recompute,
             "offload": self.offload,
             **figures(self.cost),
-            "predicted_fidelity": dict(self.fidelity["fault_reproduced"]),
-            "predicted_margin_ratio": self.fidelity.get("margin_ratio"),
+            "fidelity": dict(self.fidelity),
             "reduction": reduction(self.cost, baseline),
             "within_budget": self.within_budget,
             "reasons": self.cost.reasons,
@@ -187,10 +202,27 @@ class Suggestion:
     fidelity_source: str  # "stats" or "prior"
     factors: list[str]  # fault-relevant factors a proxy keeps
     seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)  # the request cannot show the fault as asked
 
     @property
     def best(self) -> Option | None:
         return self.ranked[0] if self.ranked else None
+
+
+def fidelity_passes(block: dict[str, Any], min_fidelity: float) -> bool:
+    """A calibrated P (or the original's 1) clears the threshold; without one, the plan passes the
+    hard rules: the fault can occur at its K and the plan was not rejected."""
+    if block["status"] == "not-applicable" or block.get("rejected"):
+        return False
+    return block["p_reproduced"] >= min_fidelity if block["p_reproduced"] is not None else True
+
+
+def fault_conflicts(recipe: str, precision: str) -> list[str]:
+    """Why a job in `precision` cannot show the recipe's fault (empty when it can)."""
+    if recipe == "fp16-overflow" and precision != "fp16":
+        return [f"the fault is an fp16 loss-scale overflow but the job trains in {precision}: it cannot overflow that way; "
+                "set precision: fp16 in the job, or name the fault the run actually shows"]  # fmt: skip
+    return []
 
 
 class Suggester:
@@ -265,8 +297,14 @@ class Suggester:
         fp = stats.get("checkpoint", {})
         if fp.get("num_experts") != self.arch.original_num_experts:
             raise SpecError(f"the stats file is of a model with {fp.get('num_experts')} experts per layer; {self.name} has {self.arch.original_num_experts}")
-        methods = sorted({key.split("/")[1] for key in stats.get("plans", {})})
+        # deliberately bad plans (calibration baselines) are never proposed
+        methods = sorted({key.split("/")[1] for key in stats.get("plans", {})} - set(BAD_METHODS))
         return methods or [DEFAULT_METHOD]
+
+    @cached_property
+    def warnings(self) -> list[str]:
+        """Faults the job as given cannot show (a proxy then reproduces nothing, however faithful)."""
+        return fault_conflicts(self.recipe, self.request.job.precision)
 
     @cached_property
     def factors(self) -> list[str]:
@@ -297,15 +335,21 @@ class Suggester:
                 )  # fmt: skip
         return self._costs[key]
 
-    def fidelity(self, experts: int, method: str) -> dict[str, dict[str, Any]]:
+    def fidelity(self, experts: int, method: str) -> dict[str, Any]:
         key = (experts, method)
         if key not in self._fidelity:
             e = self.arch.original_num_experts
             if experts == e:
-                exact = {"value": 1.0, "low": 1.0, "high": 1.0, "variant": "original", "outside": []}
-                self._fidelity[key] = {"fault_reproduced": exact, "margin_ratio": {**exact, "value": 0.0, "low": 0.0, "high": 0.0}}
+                self._fidelity[key] = {"status": "original", "reason": "the original reproduces its own fault", "recipe": self.recipe,
+                                       "p_reproduced": 1.0, "interval": [1.0, 1.0], "shift_log2": 0.0, "shift_interval": [0.0, 0.0]}  # fmt: skip
             else:
-                self._fidelity[key] = self.estimator.predict(self.features(experts, method))
+                row = self.features(experts, method)
+                block = self.estimator.predict(row, self.recipe)
+                dropped = row.get("frequency_dropped_mean")
+                if dropped is not None and math.isfinite(dropped) and dropped > 1 - experts / e + 1e-9:
+                    block["rejected"] = (f"drops {dropped:.2f} of the routing mass, more than a random plan of K={experts} would "
+                                         f"({1 - experts / e:.2f}): it keeps rarely used experts")  # fmt: skip
+                self._fidelity[key] = block
         return self._fidelity[key]
 
     def features(self, experts: int, method: str) -> dict[str, float]:
@@ -313,7 +357,8 @@ class Suggester:
         from planner.fidelity.estimator import features_of
 
         plan = (self.request.stats or {}).get("plans", {}).get(f"K={experts}/{method}")
-        return features_of(plan["summary"] if plan else {}, architecture_features(self.config, experts), self.recipe)
+        row = features_of(plan["summary"] if plan else {}, architecture_features(self.config, experts))
+        return {**row, "experts": experts, "top_k": self.arch.moe.top_k, "original_experts": self.arch.original_num_experts}
 
     def option(self, experts: int, method: str, devices: int, recompute: str, offload: str) -> Option:
         cost = self.cost(experts, devices, recompute, offload)
@@ -380,11 +425,11 @@ class Suggester:
             budget = 0.0 if opt.within_budget else 1.0
             trial.set_constraint("memory", memory)
             trial.set_constraint("budget", budget)
-            trial.set_constraint("fidelity", min_fid - opt.p_reproduced)
+            trial.set_constraint("fidelity", 0.0 if opt.passes_fidelity(min_fid) else 1.0)
             if progress:
                 progress(trial.number + 1, req.trials)
             hours = opt.hours if opt.fits else 1e12
-            return hours, opt.p_reproduced
+            return hours, opt.score
 
         done = len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE])
         if done < req.trials:
@@ -408,7 +453,7 @@ class Suggester:
 
 
 def _pareto(options: list[Option]) -> list[Option]:
-    pool = sorted({(o.hours, -o.p_reproduced): o for o in options if o.fits and o.within_budget}.items())
+    pool = sorted({(o.hours, -o.score): o for o in options if o.fits and o.within_budget and o.fidelity["status"] != "not-applicable"}.items())
     front, best_p = [], -math.inf
     for (hours, neg_p), o in pool:
         if -neg_p > best_p:
@@ -433,9 +478,13 @@ def _diagnose(s: Suggester, options: list[Option]) -> list[str]:
         cheapest = min(fitting, key=lambda o: o.hours)
         out.append(f"every fitting point is over the budget ({s.budget.describe(s.accel)}); the cheapest: K={cheapest.experts} on "
                    f"{cheapest.cost.num_devices} {unit}s, {cheapest.budget_note}")  # fmt: skip
-    if in_budget and not [o for o in in_budget if o.p_reproduced >= req.min_fidelity]:
-        top = max(in_budget, key=lambda o: o.p_reproduced)
-        out.append(f"within the budget the highest predicted fidelity is {top.p_reproduced:.4g} (K={top.experts}), below --min-fidelity {req.min_fidelity}")
+    if in_budget and not [o for o in in_budget if o.passes_fidelity(req.min_fidelity)]:
+        calibrated = [o for o in in_budget if o.p_reproduced is not None]
+        if calibrated:
+            top = max(calibrated, key=lambda o: o.p_reproduced)
+            out.append(f"within the budget the highest predicted fidelity is {top.p_reproduced:.4g} (K={top.experts}), below --min-fidelity {req.min_fidelity}")
+        why = sorted({o.fidelity.get("rejected") or o.fidelity["reason"] for o in in_budget if o.p_reproduced is None})
+        out.extend(f"no proxy passes the hard rules: {w}" for w in why[:3])
     smallest = _smallest_budget(s, fitting)
     if smallest:
         out.append(smallest)
@@ -448,10 +497,10 @@ def _smallest_budget(s: Suggester, fitting: list[Option]) -> str:
     accelerator-hours of the points evaluated or of each K's minimum count."""
     req, unit = s.request, s.accel.device_unit
     kind = "npu" if s.accel.family == "ascend" else "gpu"
-    good = [k for k in s.experts if s.fidelity(k, s.methods[0])["fault_reproduced"]["value"] >= req.min_fidelity]
+    good = [k for k in s.experts if any(fidelity_passes(s.fidelity(k, m), req.min_fidelity) for m in s.methods)]
     minima = [(m, k) for k in good if (m := s.minimum(k)) is not None]
     if s.budget.device_hours is not None:
-        points = [(o.hours, o.experts, o.cost.num_devices) for o in fitting if o.p_reproduced >= req.min_fidelity]
+        points = [(o.hours, o.experts, o.cost.num_devices) for o in fitting if o.passes_fidelity(req.min_fidelity)]
         points += [(m.device_hours_per_step, k, m.num_devices) for m, k in minima]
         if not points:
             return ""
@@ -481,5 +530,5 @@ def suggest(request: Request, *, progress: Callable[[int, int], None] | None = N
         request=request, accelerator=s.accel, budget=s.budget, recipe=s.recipe, baseline=s.baseline(), options=options, ranked=ranked,
         pareto=_pareto(options), trials=trials, device_counts=s.devices, best_trial=best_trial,
         diagnosis=[] if ranked else _diagnose(s, options), fidelity_source="stats" if request.stats else "prior", factors=s.factors,
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - start, warnings=s.warnings,
     )  # fmt: skip

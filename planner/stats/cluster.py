@@ -10,6 +10,9 @@ Methods (per MoE layer, and within each routing group when routing is grouped):
   saliency       keep the K most salient experts (REAP: router-weighted output norm)
   frequency      keep the K most often routed experts
   random         K experts drawn with the seed (a baseline)
+  least-used     the K least often routed experts (deliberately bad: keeps the dead experts)
+  one-cluster    one tight cluster: the expert whose K-1 nearest neighbours are closest, and those
+                 neighbours (deliberately bad: K near-copies of one expert)
 Representative of a cluster: a "super expert" (extreme max activation, which pruning breaks; arXiv
 2507.23279) if the cluster has one, else the most salient member, else (no calibration) the medoid.
 Ranking methods label every dropped expert with its nearest kept one.
@@ -174,6 +177,14 @@ def select(
         else:
             if method == "random":
                 chosen = sorted(int(i) for i in rng.choice(per_group, size=k_group, replace=False))
+            elif method == "one-cluster":
+                near = np.sort(dg, axis=1)[:, :k_group].sum(1)  # itself (0) and its k-1 nearest
+                centre = int(np.argmin(near))
+                chosen = sorted(int(i) for i in np.argsort(dg[centre], kind="stable")[:k_group])
+            elif method == "least-used":
+                if frequency is None:
+                    raise SpecError("method 'least-used' ranks experts by routing frequency; run planner stats with calibration text")
+                chosen = sorted(int(i) for i in np.argsort(frequency[idx], kind="stable")[:k_group])
             else:
                 score = sal if method == "saliency" else (None if frequency is None else frequency[idx])
                 if score is None:

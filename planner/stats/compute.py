@@ -251,7 +251,7 @@ def compute_stats(
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SpecError(f"unknown method(s) {unknown}; one of {', '.join(METHODS)}")
-    ranking = [m for m in methods if m in ("saliency", "frequency")]
+    ranking = [m for m in methods if m in ("saliency", "frequency", "least-used")]
     if weights_only and ranking:
         raise SpecError(f"{ranking} rank experts by calibration statistics; drop --weights-only to compute them")
     quantised = sorted({t.dtype for t in ckpt.tensors.values() if t.dtype.startswith(("F8", "F4")) or t.dtype == "U8"})

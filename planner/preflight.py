@@ -398,7 +398,7 @@ def check_stats(c: _Context) -> Check:
     if stats is None:
         if plan.statistics:
             return Check("stats", "PASS", "the plan carries its own statistics")
-        return Check("stats", "WARN", "no stats file: fidelity comes from the prior estimator (K/E and architecture only)")
+        return Check("stats", "WARN", "no stats file: fidelity has no plan statistics to go on (K/E only: no plan-level P)")
     have = stats["checkpoint"]["fingerprint"]
     if ckpt is not None and have != ckpt.fingerprint():
         return Check("stats", "FAIL", f"the stats are of checkpoint {have[:12]}, not this one ({ckpt.fingerprint()[:12]}): recompute them")

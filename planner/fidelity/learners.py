@@ -49,7 +49,9 @@ class ShiftRegressor(RegressorMixin, BaseEstimator):
         signs = np.zeros(d) if self.signs is None else np.asarray(self.signs, dtype=float)
         if signs.shape != (d,):
             raise ValueError(f"signs has {signs.size} entries for {d} features")
-        return np.where(signs < 0, -np.inf, np.where(signs > 0, 0.0, -np.inf)), np.where(signs > 0, np.inf, np.where(signs < 0, 0.0, np.inf))
+        low = np.where(signs > 0, 0.0, -np.inf)  # +1: coefficient >= 0
+        high = np.where(signs < 0, 0.0, np.inf)  # -1: coefficient <= 0
+        return low, high
 
     def _solve(self, x: np.ndarray, y: np.ndarray, alpha: float):
         from scipy.optimize import lsq_linear

@@ -1,10 +1,10 @@
 """`planner suggest`: the cheapest proxy within a budget whose predicted fidelity clears a threshold.
 
 The space: K (legal values that are powers of two with K/top_k >= 4 by default, and E itself: the
-original), the expert selection method (those a stats file holds; without one the prior estimator,
-which does not see the method), the device count (whole cards below a node, whole nodes above;
-within the budget, focused on each K's own minimum count, see `Suggester._focus`), activation
-recomputation and what colocated mode offloads. Inside every point the parallel layouts
+original), the expert selection method (those a stats file holds, never the deliberately bad
+calibration plans; without one the method is deferred to build time), the device count (whole
+cards below a node, whole nodes above; within the budget, focused on each K's own minimum count,
+see `Suggester._focus`), activation recomputation and what colocated mode offloads. Inside every point the parallel layouts
 are enumerated exactly by the vectorised cost model (planner.cost), which returns the best one.
 
 Optuna searches the space (two objectives: accelerator-hours per step down, predicted fidelity up;

@@ -74,9 +74,13 @@ def test_committed_dataset_meets_the_grid_spec_and_reports():
     # regenerable: the same fit on another machine may differ in the last digits (BLAS summation
     # order), so every fitted number must agree to 1e-9 relative, far below any printed figure
     assert_same_numbers(refit["recipes"], json.loads((ROOT / "calibration" / "fidelity.json").read_text())["recipes"], "recipes")
-    for recipe in estimator.recipes:
-        row = next(r for r in labelled if r["recipe"] == recipe)
+    for recipe, entry in estimator.recipes.items():
+        row = next(r for r in labelled if r["recipe"] == recipe and not estimator.outside(r, recipe))
         assert estimator.predict({**row, "original_experts": 128}, recipe)["status"] == "uncalibrated"
+        f = estimator.predict(row, recipe)  # a calibrated model and plan: P only where the gate found skill
+        assert f["status"] == ("calibrated" if entry["gate"]["skill"] else "no-skill")
+        assert (f["p_reproduced"] is None) == (not entry["gate"]["skill"])
+    assert not estimator.recipes["router-collapse"]["gate"]["skill"]  # calibration/README.md says why
 
 
 @pytest.mark.slow

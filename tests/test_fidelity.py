@@ -297,3 +297,19 @@ def test_the_cli_offers_every_recipe_of_the_table():
     from planner.rl.recipes import RECIPES
 
     assert RECIPE_NAMES == tuple(RECIPES) and LOG10_KNOBS <= set(RECIPES)
+
+
+def test_a_study_made_for_other_grid_points_stops_with_a_message(tmp_path):
+    """A study's grid points are fixed when it is made; a grid with more points under the same name
+    must stop at once with a message, not retry forever."""
+    import optuna
+
+    from planner.fidelity.grid import _work
+
+    storage = f"sqlite:///{tmp_path / 'c.db'}"
+    study = optuna.create_study(study_name="s", storage=storage, sampler=optuna.samplers.GridSampler({"unit": ["a"]}))
+    _work(study, ["a"], lambda unit: {"unit": unit})
+    grown = optuna.load_study(study_name="s", storage=storage, sampler=optuna.samplers.GridSampler({"unit": ["a", "b"]}))
+    with pytest.raises(SpecError, match="grid points differ"):
+        _work(grown, ["a", "b"], lambda unit: {"unit": unit})
+    assert len(grown.trials) <= 3

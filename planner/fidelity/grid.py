@@ -296,7 +296,11 @@ def _work(study, units: list[str], measure) -> None:
         return [t for t in study.get_trials(deepcopy=False, states=states) if t.params.get("unit") == unit and t.number != number]
 
     def objective(trial: optuna.Trial) -> float:
-        unit = trial.suggest_categorical("unit", units)
+        try:
+            unit = trial.suggest_categorical("unit", units)
+        except ValueError as exc:  # the study was made with another set of grid points
+            trial.set_user_attr("error", f"{type(exc).__name__}: {exc}")
+            raise
         # two workers can land on one point (a re-queued retry, a race at the end): the lower
         # trial number keeps it, the other is pruned unrun; checked again before recording
         taken = [t.number for t in others(unit, trial.number, (state.COMPLETE, state.RUNNING))
@@ -338,6 +342,11 @@ def _work(study, units: list[str], measure) -> None:
             study.optimize(objective, n_trials=1, catch=(Exception,))
         except optuna.exceptions.StorageInternalError:  # a concurrent write lost a SQLite lock: retry
             time.sleep(rng.uniform(0.1, 1.0))
+            continue
+        last = study.get_trials(deepcopy=False)[-1]
+        if last.state == state.FAIL and "unit" not in last.params:  # no grid point could even be drawn: retrying cannot help
+            raise SpecError(f"study {study.study_name}: {last.user_attrs.get('error', 'a trial failed before drawing a grid point')}; "
+                            "its grid points differ from this grid's (another grid under the same settings?): use another --storage")  # fmt: skip
 
 
 def run_phase(storage: str, grid: Grid, workdir: Path, phase: str) -> None:

@@ -185,12 +185,12 @@ def _ints(text: str | None) -> list[int]:
 @click.argument("checkpoint", type=click.Path(file_okay=False))
 @click.option("--calib-text", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Calibration text file (default: Python standard-library docstrings).")
-@click.option("--calib-tokens", type=int, default=4096, show_default=True)
-@click.option("--seq-len", type=int, default=256, show_default=True, help="Tokens per calibration sequence.")
+@click.option("--calib-tokens", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=2), default=256, show_default=True, help="Tokens per calibration sequence.")
 @click.option("--experts", default=None, help="Comma-separated K values to cluster for (default: E/2, E/4, E/8 where legal).")
 @click.option("--methods", default="agglomerative", show_default=True, help="Comma-separated clustering methods.")
 @click.option("--weights-only", is_flag=True, help="Data-free features only (router rows, weight sketches).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True)
 @click.option("--force", is_flag=True, help="Overwrite an existing stats file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-plan summaries as JSON.")
@@ -206,6 +206,8 @@ def stats(checkpoint, calib_text, calib_tokens, seq_len, experts, methods, weigh
         ckpt = Checkpoint(checkpoint)
         ks = _ints(experts) or default_experts(ckpt.arch)
         text = Path(calib_text).read_text(errors="replace") if calib_text else None
+        if text is not None and not text.strip():
+            raise SpecError(f"--calib-text {calib_text}: the file is empty; give a text file, or leave the option out for the default text")
         bars = {}
 
         def progress(stage, done, total):
@@ -233,7 +235,7 @@ def stats(checkpoint, calib_text, calib_tokens, seq_len, experts, methods, weigh
               help="Stats file of this checkpoint (default: data-free features computed now).")
 @click.option("--mtp", type=click.Choice(["drop", "prune"]), default="drop", show_default=True)
 @click.option("--target-ep", default=None, help="Comma-separated EP sizes the proxy must run with.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True)
 @click.option("--force", is_flag=True)
 def plan(checkpoint, experts, method, stats_path, mtp, target_ep, seed, output, force) -> None:

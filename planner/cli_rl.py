@@ -124,7 +124,7 @@ def _recipe_config(recipe_name, knob, seed, steps, gen_seed, device, settings):
 @click.option("--knob", type=float, default=None, help="The recipe's knob value (default: its settings without the knob).")
 @click.option("--steps", type=int, default=60, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--gen-seed", type=int, default=None, help="Sampling seed (same prompts, other samples: a replica).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override an RLConfig field (repeatable).")
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True)

@@ -22,11 +22,11 @@ _SEARCH_OPTIONS = (
     click.option("--stats", "stats_path", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="`planner stats` of the checkpoint: fidelity from plan statistics (without it, no plan-level P)."),
     click.option("--min-fidelity", type=float, default=0.8, show_default=True, help="Least calibrated P(fault reproduced); plans without a calibrated P are ranked by cost."),
-    click.option("--trials", type=int, default=300, show_default=True),
+    click.option("--trials", type=click.IntRange(min=1), default=300, show_default=True),
     click.option("--storage", default=None, help="Optuna storage URL (sqlite:///study.db, postgresql://...) shared by several processes."),
-    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
     click.option("--steps", type=int, default=20, show_default=True, help="Steps of the reproduction (for hours budgets and totals)."),
-    click.option("--min-k-ratio", type=float, default=4.0, show_default=True, help="Keep K/top_k at least this (0: any legal K)."),
+    click.option("--min-k-ratio", type=click.FloatRange(min=0.0), default=4.0, show_default=True, help="Keep K/top_k at least this (0: any legal K)."),
     click.option("--memory-margin", type=float, default=0.1, show_default=True, help="Share of usable device memory to keep free."),
 )  # fmt: skip
 
@@ -103,7 +103,7 @@ def preflight(request, as_json) -> None:
 @click.option("--steps", type=int, default=20, show_default=True)
 @click.option("--recipe", "recipe_name", default=None, help="Fault recipe to run (without --reference-metrics).")
 @click.option("--knob", type=float, default=None)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--stats", "stats_path", type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("-o", "--output", type=click.Path(file_okay=False), default="check", show_default=True, help="Proxy and run go here.")
 @click.option("--add-to", "add_to", type=click.Path(dir_okay=False), default=None, help="Append the labels to this calibration dataset.")

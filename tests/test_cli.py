@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -222,8 +223,34 @@ def test_plan_errors_exit_2(tmp_path):
 
     source = save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False)
     result = CliRunner().invoke(main, ["plan", str(source), "--experts", "4", "--method", "saliency", "-o", str(tmp_path / "p.yaml")])
-    assert result.exit_code == 2 and "rank experts by calibration statistics" in result.output
+    assert result.exit_code == 2 and "ranks experts by calibration statistics" in result.output
     result = CliRunner().invoke(main, ["build", str(source), str(tmp_path / "out"), "--experts", "1"])
     assert result.exit_code == 2 and "top_k" in result.output and not (tmp_path / "out").exists()
     result = CliRunner().invoke(main, ["build", str(tmp_path / "nowhere"), str(tmp_path / "out"), "--experts", "4"])
     assert result.exit_code == 2 and "not a checkpoint directory" in result.output
+    result = CliRunner().invoke(main, ["build", str(source), str(tmp_path / "out"), "--experts", "4", "--method", "saliency"])
+    assert result.exit_code == 2 and "planner stats" in result.output and "--weights-only" not in result.output  # an option build lacks
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_of_range_numbers_are_usage_errors(tmp_path):
+    """Values no run can use stop before any work with the option's name and its range (exit 2)."""
+    pytest.importorskip("torch")
+    from checkpoints import family_config, save_tiny
+
+    source = str(save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    out = str(tmp_path / "s.json")
+    for args, words in [
+        (["stats", source, "--seq-len", "0", "-o", out], "--seq-len"),
+        (["stats", source, "--calib-tokens", "-5", "-o", out], "--calib-tokens"),
+        (["stats", source, "--seed", "-1", "-o", out], "--seed"),
+        (["stats", source, "--calib-text", str(empty), "-o", out], "is empty"),
+        (["suggest", "--budget", "8npu", "--min-k-ratio", "-1"], "--min-k-ratio"),
+        (["suggest", "--budget", "8npu", "--seed", "-1"], "--seed"),
+        (["suggest", "--budget", "8npu", "--trials", "0"], "--trials"),
+    ]:
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and words in result.output, (args, result.output)
+        assert not Path(out).exists()

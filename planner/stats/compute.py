@@ -230,6 +230,9 @@ def _proxy_pass(ckpt, runner, ids, selections: dict[int, tuple[list[int], np.nda
     return {"per_layer": per_layer, "kl_original_proxy": kl}
 
 
+CALIBRATED_METHODS = ("saliency", "frequency", "least-used")  # need routing statistics from calibration text
+
+
 def compute_stats(
     ckpt: Checkpoint,
     *,
@@ -251,7 +254,7 @@ def compute_stats(
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SpecError(f"unknown method(s) {unknown}; one of {', '.join(METHODS)}")
-    ranking = [m for m in methods if m in ("saliency", "frequency", "least-used")]
+    ranking = [m for m in methods if m in CALIBRATED_METHODS]
     if weights_only and ranking:
         raise SpecError(f"{ranking} rank experts by calibration statistics; drop --weights-only to compute them")
     quantised = sorted({t.dtype for t in ckpt.tensors.values() if t.dtype.startswith(("F8", "F4")) or t.dtype == "U8"})
@@ -400,10 +403,15 @@ def plan_from_stats(stats: dict, experts: int, method: str, *, model: str, mtp: 
 def choose_plan(ckpt, experts: int, method: str, *, stats_path=None, mtp: str = "drop", target_ep: tuple[int, ...] = (),
                 seed: int = 0) -> Plan:  # fmt: skip
     """A plan for the checkpoint: from a stats file when given, else from data-free features computed now."""
+    from planner.errors import SpecError
     from planner.stats.store import load_stats
 
     if stats_path:
         data = load_stats(stats_path, fingerprint=ckpt.fingerprint())
+    elif method in CALIBRATED_METHODS:
+        raise SpecError(f"method {method!r} ranks experts by calibration statistics: run `planner stats {ckpt.path} --methods {method} "
+                        f"-o stats.json`, then `planner plan {ckpt.path} --experts {experts} --method {method} --stats stats.json -o plan.yaml` "
+                        "and build with --plan plan.yaml")  # fmt: skip
     else:
         data = compute_stats(ckpt, experts=[experts], methods=(method,), weights_only=True, seed=seed)
     return plan_from_stats(data, experts, method, model=str(ckpt.path), mtp=mtp, target_ep=tuple(target_ep), seed=seed)

@@ -91,11 +91,11 @@ def inspect(model: str, experts: int | None, as_json: bool) -> None:
 @main.command()
 @click.argument("model")
 @click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True, help="Accelerator id or YAML profile.")
-@click.option("--cards", type=int, default=None, help="Devices as the framework counts them (A3: dies).")
+@click.option("--cards", type=click.IntRange(1, 65_536), default=None, help="Devices as the framework counts them (A3: dies).")
 @click.option("--min-cards", is_flag=True, help="Find the smallest feasible device count and the best layout there.")
 @click.option("--job", "job_path", type=click.Path(dir_okay=False), default=None, help="RL job YAML (default: GRPO 512x16).")
 @click.option("--experts", type=int, default=None, help="Cost the proxy keeping K experts per MoE layer.")
-@click.option("--max-cards", type=int, default=4096, show_default=True, help="Search bound for --min-cards.")
+@click.option("--max-cards", type=click.IntRange(1, 65_536), default=4096, show_default=True, help="Search bound for --min-cards.")
 @click.option("--json", "as_json", is_flag=True)
 def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, as_json) -> None:
     """Memory per device, step time by RL phase and accelerator-hours of MODEL."""

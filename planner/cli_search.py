@@ -144,5 +144,8 @@ def report(output, force, **search) -> None:
         result = build_report(_request(**search), progress=lambda s: click.echo(s, err=True))
         out = write_report(result, output, force=force)
         click.echo(f"wrote {out}/report.md, {out}/report.html and {len(list((out / 'figures').glob('*.png')))} figures")
+        if not result.suggestion.best:  # as suggest: the report says why, and the exit code says it too
+            click.echo("no proxy clears every constraint within the budget; report.md says why and the smallest budget that would do", err=True)
+            raise SystemExit(1)
 
     _run(body)

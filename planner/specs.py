@@ -30,7 +30,7 @@ def check_keys(data: Mapping[str, Any], allowed: list[str], where: str, required
 
 
 def _int(value: Any, where: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or int(value) != value:
         raise SpecError(f"{where}: expected an integer, got {value!r}")
     if value < minimum:
         raise SpecError(f"{where}: must be >= {minimum}, got {value}")
@@ -40,6 +40,8 @@ def _int(value: Any, where: str, minimum: int = 1) -> int:
 def _num(value: Any, where: str, minimum: float = 0.0, maximum: float = math.inf) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SpecError(f"{where}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise SpecError(f"{where}: must be a finite number, got {value}")
     if not minimum <= value <= maximum:
         raise SpecError(f"{where}: must lie in [{minimum}, {maximum}], got {value}")
     return float(value)

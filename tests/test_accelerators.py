@@ -64,4 +64,4 @@ def test_user_profile_rejects_zero_rates(tmp_path):
     }))
     with pytest.raises(ConfigError) as err:
         load_accelerator(str(path))
-    assert "hbm_tb_per_s must be a positive number, got 0" in str(err.value)
+    assert "hbm_tb_per_s must be a finite positive number, got 0" in str(err.value)

@@ -241,6 +241,10 @@ def test_out_of_range_numbers_are_usage_errors(tmp_path):
     source = str(save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False))
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
+    (tmp_path / "inf.yaml").write_text("prompts_per_step: .inf\n")
+    (tmp_path / "nan.yaml").write_text("response_tokens: {mean: .nan, max: 3072}\n")
+    accel = yaml.safe_load((Path(__file__).resolve().parents[1] / "models" / "accelerators.yaml").read_text())["accelerators"]["ascend-910b2"]
+    (tmp_path / "hw.yaml").write_text(yaml.safe_dump({**accel, "hbm_gib": float("inf")}))
     out = str(tmp_path / "s.json")
     for args, words in [
         (["stats", source, "--seq-len", "0", "-o", out], "--seq-len"),
@@ -250,6 +254,12 @@ def test_out_of_range_numbers_are_usage_errors(tmp_path):
         (["suggest", "--budget", "8npu", "--min-k-ratio", "-1"], "--min-k-ratio"),
         (["suggest", "--budget", "8npu", "--seed", "-1"], "--seed"),
         (["suggest", "--budget", "8npu", "--trials", "0"], "--trials"),
+        (["suggest", "--budget", "1000000000000npu"], "beyond the largest allocation"),
+        (["cost", "qwen3-30b-a3b", "--cards", "1000000000000"], "--cards"),
+        (["cost", "qwen3-30b-a3b", "--min-cards", "--max-cards", "1000000000000"], "--max-cards"),
+        (["cost", "qwen3-30b-a3b", "--cards", "16", "--job", str(tmp_path / "inf.yaml")], "expected an integer, got inf"),
+        (["cost", "qwen3-30b-a3b", "--cards", "16", "--job", str(tmp_path / "nan.yaml")], "must be a finite number, got nan"),
+        (["cost", "qwen3-30b-a3b", "--cards", "16", "--hardware", str(tmp_path / "hw.yaml")], "hbm_gib must be a finite"),
     ]:
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2 and words in result.output, (args, result.output)

@@ -313,3 +313,18 @@ def test_a_study_made_for_other_grid_points_stops_with_a_message(tmp_path):
     with pytest.raises(SpecError, match="grid points differ"):
         _work(grown, ["a", "b"], lambda unit: {"unit": unit})
     assert len(grown.trials) <= 3
+
+
+def test_calibrate_fit_refuses_data_it_cannot_fit(tmp_path):
+    """One unlabelled row fits nothing: exit 2 with the counts, and no estimator file."""
+    import csv
+
+    header = DATASET.read_text().splitlines()[0].split(",")
+    row = dict(next(csv.DictReader(DATASET.open())), shift_log2="", outcome="undetermined")
+    path = tmp_path / "one.csv"
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=header)
+        writer.writeheader()
+        writer.writerow(row)
+    result = run_cli("calibrate", "fit", "--dataset", path, "-o", tmp_path / "est.json")
+    assert result.exit_code == 2 and "no recipe has 20 labelled rows" in result.output and not (tmp_path / "est.json").exists()

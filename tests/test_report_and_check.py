@@ -41,6 +41,9 @@ def test_report_writes_markdown_html_and_figures(tmp_path):
     assert data["costs"]["original"]["num_cards"] == 16 and data["suggestion"]["plans"]
     assert run_cli("report", "--budget", "8npu", "-o", out).exit_code == 2  # exists: needs --force
     assert not (tmp_path / "report.tmp").exists()
+    none = run_cli("report", "--budget", "1npu", "--trials", "20", "-o", tmp_path / "none")
+    assert none.exit_code == 1 and "no proxy clears every constraint" in none.output  # as suggest, though the report is written
+    assert "smallest budget that would do" in (tmp_path / "none" / "report.md").read_text()
 
 
 @pytest.mark.slow

@@ -33,8 +33,10 @@ def test_budget_grammar():
     hours = parse_budget("40npu-h", b2)
     assert hours.max_devices is None and hours.device_hours == 40
     assert parse_budget("10card-h", a3).device_hours == 20  # card-hours -> die-hours
+    assert parse_budget("64die", a3).max_devices == 64 and parse_budget("40die-h", a3).device_hours == 40  # A3's outputs are in dies
     for text, accel, words in [("8gpu", b2, "ascend"), ("8npu", h100, "nvidia"), ("eight", b2, "expected"), ("2x16npu", b2, "node holds 8"),
-                               ("1.5npu", b2, "positive integer"), ("2x4npu-h", b2, "no node count")]:  # fmt: skip
+                               ("1.5npu", b2, "positive integer"), ("2x4npu-h", b2, "no node count"), ("8die", b2, "write '8npu'"),
+                               ("1000000000000npu", b2, "beyond the largest allocation"), ("65537npu", b2, "65,536")]:  # fmt: skip
         with pytest.raises(SpecError, match=words):
             parse_budget(text, accel)
 

@@ -6,6 +6,8 @@ die; `devices_per_card` converts to physical cards for reports.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -113,8 +115,8 @@ class Accelerator:
 
         def num(key: str, default: float | None = None, *, positive: bool = True) -> float:
             value = data.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (positive and value == 0):
-                raise ConfigError(f"{where}: {key} must be a {'positive' if positive else 'non-negative'} number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (positive and value == 0):
+                raise ConfigError(f"{where}: {key} must be a finite {'positive' if positive else 'non-negative'} number, got {value!r}")
             return float(value)
 
         if "peak_from_cube" in data:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -180,6 +181,10 @@ def add_pair(dataset: Path, original_dir: Path, proxy_dir: Path, plan_path: Path
 
     row = measure_pair(original_dir, proxy_dir, load_plan(plan_path), replica_dir=replica_dir, recipe_name=recipe_name)
     recipe_name = row["recipe"]
+    labels = ("shift_log2", "curve_agreement", "spearman_grad_norm")
+    if not any(isinstance(row.get(k), float) and math.isfinite(row[k]) for k in labels) and row.get("outcome") != "not applicable":
+        raise SpecError(f"{original_dir} and {proxy_dir} give no label ({', '.join(labels)} all empty): measure both with "
+                        "`planner rl margin -o` (the shift) or runs of the same recipe with a replica (curves); nothing was added")  # fmt: skip
     rows = read_dataset(dataset) if dataset.is_file() else []
     rows.append(row)
     meta_path = dataset.with_suffix(".json")
@@ -218,5 +223,11 @@ def fit(dataset: Path, out: Path) -> FidelityEstimator:
     if missing:
         raise SpecError(f"{dataset}: missing column(s) {', '.join(missing)}; not a planner calibration dataset")
     estimator = FidelityEstimator.fit(rows, info={"dataset": str(dataset)})
+    if not estimator.recipes:
+        from planner.fidelity.estimator import MIN_ROWS, SHIFT_FEATURES, training_rows
+
+        counts = {r: len(training_rows(rows, r, SHIFT_FEATURES)) for r in sorted({row["recipe"] for row in rows})}
+        raise SpecError(f"{dataset}: no recipe has {MIN_ROWS} labelled rows from 2 originals or more (labelled rows with every feature: "
+                        f"{counts}); nothing was written")  # fmt: skip
     estimator.save(out)
     return estimator

@@ -4,6 +4,7 @@
     16gpu     16 GPUs
     2x8npu    2 nodes x 8 devices per node
     64card    64 physical cards (an A3 card holds two dies)
+    64die     64 dies, on Atlas A3 (its devices; the same as 64npu there)
     40npu-h   40 accelerator-hours for a reproduction of --steps steps (devices unbounded)
 
 The accelerator kind must match the hardware: npu for Ascend, gpu for NVIDIA; `card` fits either.
@@ -17,10 +18,14 @@ from dataclasses import dataclass
 from planner.cost.hardware import Accelerator
 from planner.errors import SpecError
 
-__all__ = ["Budget", "parse_budget"]
+__all__ = ["Budget", "parse_budget", "MAX_DEVICES"]
+
+# the largest allocation a budget may name: 64 Ki devices, far beyond any published RL run (the
+# largest in calibration/published_runs.yaml uses 256); the search enumerates every count below it
+MAX_DEVICES = 65_536
 
 _KIND_OF_FAMILY = {"ascend": "npu", "nvidia": "gpu"}
-_PATTERN = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+(?:\.\d+)?)\s*(npu|gpu|card)s?(-h|-hours?|h)?\s*$", re.IGNORECASE)
+_PATTERN = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+(?:\.\d+)?)\s*(npu|gpu|card|die)s?(-h|-hours?|h)?\s*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,12 @@ def parse_budget(text: str, accel: Accelerator) -> Budget:
         raise SpecError(f"--budget {text!r}: expected e.g. 8npu, 16gpu, 2x8npu, 64card or 40npu-h")
     nodes, amount, kind, hours = m.group(1), float(m.group(2)), m.group(3).lower(), m.group(4)
     expected = _KIND_OF_FAMILY.get(accel.family)
-    if kind != "card" and expected and kind != expected:
+    if kind == "die":
+        if accel.device_unit != "die":
+            raise SpecError(f"--budget {text!r} counts dies, but {accel.id}'s devices are {accel.device_unit}s; write "
+                            f"{text.lower().replace('die', expected or 'card')!r}")  # fmt: skip
+        kind = expected or "card"  # a die is the framework's device there
+    elif kind != "card" and expected and kind != expected:
         fixed = f"{text[: m.start(3)]}{expected}{text[m.end(3) :]}".strip()
         raise SpecError(f"--budget {text!r} counts {kind.upper()}s but {accel.id} is an {accel.family} {expected.upper()}; "
                         f"write {fixed!r}")  # fmt: skip
@@ -65,6 +75,9 @@ def parse_budget(text: str, accel: Accelerator) -> Budget:
             raise SpecError(f"--budget {text!r}: {count} per node, but a {accel.id} node holds {accel.devices_per_node} {accel.device_unit}s")
         count *= int(nodes)
     devices = count * accel.devices_per_card if kind == "card" else count
+    if devices > MAX_DEVICES:
+        raise SpecError(f"--budget {text!r}: {devices:,} {accel.device_unit}s is beyond the largest allocation planner searches "
+                        f"({MAX_DEVICES:,}); an hours budget (e.g. 40{expected or 'card'}-h) leaves the device count open")  # fmt: skip
     if devices % accel.devices_per_card:
         raise SpecError(f"--budget {text!r}: {accel.id} has {accel.devices_per_card} {accel.device_unit}s per card, and {devices} is not "
                         f"a whole number of cards; write {devices - devices % accel.devices_per_card or accel.devices_per_card}{kind} "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,13 +42,31 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(_clean(data), indent=2, default=_json_default))
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what Slurm and Kubernetes send) raised like Ctrl-C, so the same cleanup runs."""
+
+    signum = signal.SIGTERM
+
+
+def _terminated(signum, frame):
+    raise Terminated()
+
+
 def _run(fn):
-    """Run a command body; planner errors print their message and exit with their code."""
+    """Run a command body; planner errors print their message and exit with their code. Ctrl-C and
+    SIGTERM unwind the body (outputs in progress are removed) and exit with 128 + the signal."""
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return fn()
     except PlannerError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        click.echo(f"interrupted ({signal.Signals(signum).name}): nothing half-written was kept; run the command again", err=True)
+        sys.exit(128 + signum)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

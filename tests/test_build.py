@@ -218,6 +218,51 @@ def test_a_foreign_tmp_directory_is_not_deleted(tmp_path):
     assert (tmp_path / "out.tmp" / "notes.txt").is_file()
 
 
+def test_a_second_build_into_the_same_directory_is_refused_while_the_first_runs(tmp_path):
+    """The running build holds a lock on OUT.tmp's marker; a second one is refused and deletes
+    nothing; once the lock is gone (the first died), the leftovers are cleared and the build runs."""
+    import fcntl
+    import os
+
+    from planner.checkpoint.build import TMP_MARKER
+
+    ckpt = Checkpoint(save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False))
+    (tmp_path / "out.tmp").mkdir()
+    marker = tmp_path / "out.tmp" / TMP_MARKER
+    marker.write_text("planner build in progress\n")
+    (tmp_path / "out.tmp" / "model.safetensors").write_bytes(b"half")
+    fd = os.open(marker, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what the first build holds
+    with pytest.raises(SpecError, match="another planner build is writing"):
+        build(ckpt, even_plan(ckpt, 4), tmp_path / "out", verify="never")
+    assert (tmp_path / "out.tmp" / "model.safetensors").read_bytes() == b"half"
+    os.close(fd)  # the first build died
+    build(ckpt, even_plan(ckpt, 4), tmp_path / "out", verify="never")
+    assert Checkpoint(tmp_path / "out").arch.moe.num_experts == 4 and not (tmp_path / "out.tmp").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_during_build_leaves_nothing_behind(tmp_path):
+    """SIGTERM (Slurm, Kubernetes) is handled as Ctrl-C is: OUT.tmp is removed, exit 128 + 15."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    source = save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "build", str(source), str(out), "--experts", "4", "--method", "kmeans",
+                             "--verify", "always"], stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 120
+    while not (out.with_name("out.tmp")).exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, "the build finished before it could be interrupted"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "interrupted (SIGTERM)" in err, err
+    assert not out.exists() and not out.with_name("out.tmp").exists()
+
+
 def test_side_files_carry_over_but_never_other_weights(tmp_path):
     source = save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False)
     (source / "pytorch_model.bin").write_bytes(b"stale pickled weights")

@@ -11,10 +11,12 @@ when it is an earlier planner build.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -203,22 +205,47 @@ def _side_files(src: Path) -> list[Path]:
     return out
 
 
-def _prepare_output(out_dir: Path, src: Path, force: bool) -> Path:
-    """Check OUT_DIR can be (re)placed and make OUT_DIR.tmp, marked as ours."""
+def _lock(marker: Path) -> int | None:
+    """An exclusive lock on a build's marker file, held by the building process until it ends
+    (the OS releases it when the process dies); None when another process holds it."""
+    fd = os.open(marker, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _prepare_output(out_dir: Path, src: Path, force: bool) -> tuple[Path, int]:
+    """Check OUT_DIR can be (re)placed and make OUT_DIR.tmp, marked as ours and locked: a second
+    build into the same OUT_DIR is refused while the first runs, and clears its leftovers if it died."""
     if out_dir == src or src.is_relative_to(out_dir) or out_dir.is_relative_to(src):
         raise SpecError(f"{out_dir} overlaps the source checkpoint {src}; choose a directory outside it")
     if refuse_existing(out_dir, force).exists():
         if not (out_dir / EXPERT_MAP_NAME).is_file():
             raise SpecError(f"{out_dir} exists and is not a planner build (no {EXPERT_MAP_NAME}); not replacing it, even with --force")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
+    busy = SpecError(f"another planner build is writing {out_dir} now ({tmp} is locked); wait for it, or build into another directory")
     if tmp.exists():
-        if not (tmp / TMP_MARKER).is_file():
+        marker = tmp / TMP_MARKER
+        if not marker.is_file():
             raise SpecError(f"{tmp} exists and is not an unfinished planner build; move it away first")
+        fd = _lock(marker)
+        if fd is None:
+            raise busy
+        os.close(fd)
         shutil.rmtree(tmp)  # a build that died before finishing
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except FileExistsError:  # another build made it a moment ago
+        raise busy from None
     (tmp / TMP_MARKER).write_text("planner build in progress\n")
-    return tmp
+    fd = _lock(tmp / TMP_MARKER)
+    if fd is None:
+        raise busy
+    return tmp, fd
 
 
 def _swap_in(tmp: Path, out_dir: Path) -> None:
@@ -260,7 +287,7 @@ def build(
             f"the plan was made for checkpoint {plan.checkpoint_fingerprint[:12]}..., this one is "
             f"{ckpt.fingerprint()[:12]}...; make the plan again from this checkpoint"
         )
-    tmp = _prepare_output(out_dir, ckpt.path.resolve(), force)
+    tmp, lock = _prepare_output(out_dir, ckpt.path.resolve(), force)
     try:
         per_shard, skipped = _plan_tensors(ckpt, plan)
         non_empty = [(name, ts) for name, ts in per_shard.items() if ts]
@@ -299,9 +326,11 @@ def build(
         emap["verification"] = verification
         _write_atomic_json(tmp / EXPERT_MAP_NAME, emap)
         _swap_in(tmp, out_dir)
-    except BaseException:
+    except BaseException:  # an error, Ctrl-C or SIGTERM (the CLI turns it into KeyboardInterrupt): nothing half-written stays
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)
     return BuildReport(
         out_dir=out_dir,
         experts=plan.experts,

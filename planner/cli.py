@@ -61,6 +61,10 @@ def _run(fn):
     except PlannerError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except OSError as exc:  # an unwritable output, a parent that is a file, a full disk: the OS's words and the path
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(f"error: {where}{exc.strerror or exc}", err=True)
+        sys.exit(2)
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
         click.echo(f"interrupted ({signal.Signals(signum).name}): nothing half-written was kept; run the command again", err=True)

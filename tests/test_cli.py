@@ -228,6 +228,9 @@ def test_plan_errors_exit_2(tmp_path):
     assert result.exit_code == 2 and "top_k" in result.output and not (tmp_path / "out").exists()
     result = CliRunner().invoke(main, ["build", str(tmp_path / "nowhere"), str(tmp_path / "out"), "--experts", "4"])
     assert result.exit_code == 2 and "not a checkpoint directory" in result.output
+    (tmp_path / "afile").write_text("not a folder")
+    result = CliRunner().invoke(main, ["build", str(source), str(tmp_path / "afile" / "sub"), "--experts", "4"])
+    assert result.exit_code == 2 and f"{tmp_path / 'afile'} is a file, not a folder" in result.output
     result = CliRunner().invoke(main, ["build", str(source), str(tmp_path / "out"), "--experts", "4", "--method", "saliency"])
     assert result.exit_code == 2 and "planner stats" in result.output and "--weights-only" not in result.output  # an option build lacks
     assert not (tmp_path / "out").exists()
@@ -255,6 +258,7 @@ def test_out_of_range_numbers_are_usage_errors(tmp_path):
         (["suggest", "--budget", "8npu", "--seed", "-1"], "--seed"),
         (["suggest", "--budget", "8npu", "--trials", "0"], "--trials"),
         (["suggest", "--budget", "1000000000000npu"], "beyond the largest allocation"),
+        (["suggest", "--budget", "8npu", "-o", str(tmp_path / ("x" * 300))], "File name too long"),  # the OS's words, no traceback
         (["cost", "qwen3-30b-a3b", "--cards", "1000000000000"], "--cards"),
         (["cost", "qwen3-30b-a3b", "--min-cards", "--max-cards", "1000000000000"], "--max-cards"),
         (["cost", "qwen3-30b-a3b", "--cards", "16", "--job", str(tmp_path / "inf.yaml")], "expected an integer, got inf"),

@@ -225,6 +225,9 @@ def _prepare_output(out_dir: Path, src: Path, force: bool) -> tuple[Path, int]:
     if refuse_existing(out_dir, force).exists():
         if not (out_dir / EXPERT_MAP_NAME).is_file():
             raise SpecError(f"{out_dir} exists and is not a planner build (no {EXPERT_MAP_NAME}); not replacing it, even with --force")
+    blocking = next((p for p in out_dir.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise SpecError(f"{out_dir}: {blocking} is a file, not a folder; choose an output directory elsewhere")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     busy = SpecError(f"another planner build is writing {out_dir} now ({tmp} is locked); wait for it, or build into another directory")
     if tmp.exists():

@@ -137,3 +137,13 @@ def test_plan_file_round_trips_into_preflight_and_build(tmp_path):
     assert plan.deferred and plan.experts >= 32 and plan.deployment["num_cards"] <= 8
     assert plan.deployment["predicted"]["fidelity"]["status"] == "uncalibrated"
     assert run_cli("suggest", "--budget", "8npu", "-o", out).exit_code == 2  # never overwritten silently
+
+
+def test_progress_reaches_the_end_when_the_space_is_smaller_than_the_trials():
+    calls = []
+    request = Request(budget="8npu")
+    space = Suggester(request).space_size()
+    assert space < request.trials  # the brute-force sampler covers it and stops early
+    suggest(request, progress=lambda done, total: calls.append((done, total)))
+    assert calls[-1] == (space, space) and {total for _, total in calls} == {space}
+    assert [done for done, _ in calls] == sorted(done for done, _ in calls)

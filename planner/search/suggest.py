@@ -411,6 +411,11 @@ class Suggester:
                     for offload in OFFLOADS:
                         study.enqueue_trial({"experts": k, "method": self.methods[0], "devices": devices, "recompute": recompute, "offload": offload})
 
+        done = len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE])
+        # the brute-force sampler stops once the space is covered: that is 100%, not trials/asked
+        target = min(req.trials, self.space_size()) if isinstance(sampler, optuna.samplers.BruteForceSampler) else req.trials
+        counted = {"trials": done}
+
         def objective(trial: optuna.Trial):
             params = (
                 trial.suggest_categorical("experts", self.experts),
@@ -426,14 +431,16 @@ class Suggester:
             trial.set_constraint("memory", memory)
             trial.set_constraint("budget", budget)
             trial.set_constraint("fidelity", 0.0 if opt.passes_fidelity(min_fid) else 1.0)
+            counted["trials"] += 1
             if progress:
-                progress(trial.number + 1, req.trials)
+                progress(min(counted["trials"], target), target)
             hours = opt.hours if opt.fits else 1e12
             return hours, opt.score
 
-        done = len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE])
         if done < req.trials:
             study.optimize(objective, n_trials=req.trials - done)
+        if progress:
+            progress(target, target)  # the space is covered (or the trials are spent), here or by other workers
         completed = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         for t in completed:
             key = tuple(t.params[n] for n in ("experts", "method", "devices", "recompute", "offload"))

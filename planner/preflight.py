@@ -386,8 +386,9 @@ def check_factors(c: _Context) -> Check:
                          "(make it with `planner plan` or `planner suggest --stats`)")  # fmt: skip
         else:
             kept.append("routing replay (masks remap through the plan's cluster labels)")
-    if fails:
-        return Check("fault factors", "FAIL", "not kept: " + "; ".join(fails) + ("; kept: " + "; ".join(kept) if kept else ""))
+    if fails:  # the warnings stay in the reason: fixing the FAIL should not hide them
+        return Check("fault factors", "FAIL", "not kept: " + "; ".join(fails) + ("; also: " + "; ".join(warns) if warns else "")
+                     + ("; kept: " + "; ".join(kept) if kept else ""))  # fmt: skip
     if warns:
         return Check("fault factors", "WARN", "; ".join(warns) + ("; kept: " + "; ".join(kept) if kept else ""))
     return Check("fault factors", "PASS", "kept: " + ("; ".join(kept) if kept else "no settings of the failing run given to compare"))

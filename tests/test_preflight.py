@@ -72,7 +72,8 @@ BAD = {
     "budget": (lambda p: (base_request(budget="2npu"), p), "budget is 2 npus"),
     "fidelity": (lambda p: (base_request(fault={"type": "grad-overflow", "settings": dict(GOOD_SETTINGS)}), p),
                  "fp16 loss-scale overflow but the job trains in bf16"),
-    "fault factors": (lambda p: (base_request(fault={"type": "rollout-mismatch", "settings": {**GOOD_SETTINGS, "precision": "fp16"}}), p),
+    "fault factors": (lambda p: (base_request(fault={"type": "rollout-mismatch", "settings": {**GOOD_SETTINGS, "precision": "fp16",
+                                                                                            "router_dtype": "fp16"}}), p),
                       "precision fp16 (job: bf16)"),
 }
 
@@ -84,6 +85,8 @@ def test_each_bad_request_fails_its_check(suggested, tmp_path, check):
     code, checks = verdict(write(tmp_path, request, plan))
     assert code == 1
     assert checks[check]["status"] == "FAIL" and words in checks[check]["reason"], checks[check]
+    if check == "fault factors":  # a FAIL keeps the check's warnings
+        assert "also: router dtype fp16" in checks[check]["reason"], checks[check]
 
 
 def test_host_memory_routing_replay_and_metrics_fail(suggested, tmp_path):

@@ -316,8 +316,8 @@ def check_budget(c: _Context) -> Check:
 
 
 def check_fidelity(c: _Context) -> Check:
-    from planner.fidelity.dataset import architecture_features
-    from planner.fidelity.estimator import FidelityEstimator, default_estimator_path, features_of
+    from planner.fidelity.dataset import plan_row
+    from planner.fidelity.estimator import FidelityEstimator, default_estimator_path
     from planner.search.suggest import FAULTS, fault_conflicts
 
     plan, threshold = c.plan, float(c.data.get("min_fidelity", 0.8))
@@ -333,10 +333,7 @@ def check_fidelity(c: _Context) -> Check:
     stats = c.stats
     if not statistics and stats and f"K={plan.experts}/{plan.method}" in stats.get("plans", {}):
         statistics = stats["plans"][f"K={plan.experts}/{plan.method}"]["summary"]
-    arch = c.arch
-    row = {**features_of(statistics or {}, architecture_features(c.config[1], plan.experts)), "experts": plan.experts,
-           "top_k": arch.moe.top_k, "original_experts": arch.original_num_experts}  # fmt: skip
-    f = FidelityEstimator.load(default_estimator_path()).predict(row, recipe)
+    f = FidelityEstimator.load(default_estimator_path()).predict(plan_row(c.config[1], plan.experts, statistics), recipe)
     knob = f"; knob: {f['knob_translation']['text']}" if f.get("knob_translation") else ""
     if f["status"] == "not-applicable":
         return Check("fidelity", "FAIL", f"not applicable: {f['reason']}")

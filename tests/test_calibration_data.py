@@ -139,8 +139,8 @@ def test_a_dead_expert_plan_is_predicted_worse_and_never_suggested(rl_model, tmp
     clustered plan (it collapses earlier; the sign is fixed by the mechanism, though the gate finds
     no plan-level skill on held-out families, so suggest prints no P for it), and suggest never
     proposes it: the method is not in its space, and the routing mass it drops breaks the hard rule."""
-    from planner.fidelity.dataset import architecture_features
-    from planner.fidelity.estimator import default_estimator_path, features_of
+    from planner.fidelity.dataset import plan_row
+    from planner.fidelity.estimator import default_estimator_path
     from planner.search.suggest import Request, Suggester
     from planner.stats.store import load_stats
 
@@ -155,7 +155,7 @@ def test_a_dead_expert_plan_is_predicted_worse_and_never_suggested(rl_model, tmp
     assert summaries["least-used"]["frequency_dropped"]["mean"] > 1 - 8 / 32 > summaries["agglomerative"]["frequency_dropped"]["mean"]
 
     estimator = FidelityEstimator.load(default_estimator_path())
-    rows = {m: {**features_of(s, architecture_features(config, 8)), "experts": 8, "top_k": 4, "original_experts": 32} for m, s in summaries.items()}
+    rows = {m: plan_row(config, 8, s) for m, s in summaries.items()}
     model_of = estimator.recipes["router-collapse"]["models"]["full"]
     x = {m: np.array([[r[n] for n in SHIFT_FEATURES]]) for m, r in rows.items()}
     assert model_of.predict(x["least-used"])[0] < model_of.predict(x["agglomerative"])[0]

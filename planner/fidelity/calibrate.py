@@ -140,7 +140,8 @@ def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path
     _check_same_settings(runs)
     model_dir = Path(runs["original"]["info"]["model"])
     config = read_json(model_dir / "config.json", "model config", " (the original run's model)")
-    experts = Architecture.from_config(config).original_num_experts
+    original_arch = Architecture.from_config(config)
+    experts = original_arch.original_num_experts
     if experts != plan.original_experts:
         raise SpecError(f"the plan is for {plan.original_experts} experts; the original run's model has {experts}")
     proxy_config = Path(runs["proxy"]["info"]["model"]) / "config.json"
@@ -163,7 +164,7 @@ def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path
     original, proxy = measured("original"), measured("proxy")
     if "replica" in runs and "rows" in runs["replica"]:
         original["replicas"] = [runs["replica"]["rows"]]
-    top_k = Architecture.from_config(config).moe.top_k
+    top_k = original_arch.moe.top_k
     labels = pair_row(recipe_name, r.kind, original, proxy, experts=plan.experts, top_k=top_k)
     arch = architecture_features(config, plan.experts)
     row = {"family": config.get("model_type", "?"), "original": str(model_dir), "model": str(proxy_dir), "method": plan.method,

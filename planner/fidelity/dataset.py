@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from planner.arch import Architecture
-from planner.fidelity.estimator import FULL_FEATURES
+from planner.fidelity.estimator import FULL_FEATURES, features_of
 from planner.fidelity.labels import applicable, curve_agreement, knob_scale, knob_shift, spearman
 from planner.files import write_csv_atomic, write_text_atomic
 
-__all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "TEXT_COLUMNS", "architecture_features", "pair_row", "write_dataset", "read_dataset"]
+__all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "TEXT_COLUMNS", "architecture_features", "plan_row", "pair_row", "write_dataset", "read_dataset"]
 
 ID_COLUMNS = ("family", "original", "model", "method", "recipe", "experts", "original_experts", "top_k", "source")
 LABEL_COLUMNS = (
@@ -45,6 +45,14 @@ def architecture_features(config: dict, experts: int) -> dict[str, float]:
         "grouped": float(moe.grouped),
         "norm_topk": float(moe.norm_topk_prob),
     }
+
+
+def plan_row(config: dict, experts: int, statistics: dict | None) -> dict[str, Any]:
+    """What the estimator predicts from for one plan: its features (planner.stats summary, when there
+    is one, and the architecture at K) and the counts its status needs (K, top_k, E)."""
+    arch = Architecture.from_config(config)
+    row = features_of(statistics or {}, architecture_features(config, experts))
+    return {**row, "experts": experts, "top_k": arch.moe.top_k, "original_experts": arch.original_num_experts}
 
 
 def pair_row(recipe: str, kind: str, original: dict, proxy: dict, *, experts: int, top_k: int) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from planner.errors import SpecError
 
-__all__ = ["ShiftModel", "FidelityEstimator", "FULL_FEATURES", "SHIFT_FEATURES", "BASELINES", "SIGNS", "STATUSES", "features_of",
+__all__ = ["ShiftModel", "FidelityEstimator", "FULL_FEATURES", "SHIFT_FEATURES", "BASELINES", "SIGNS", "features_of",
            "default_estimator_path", "training_rows", "fit_shift", "knob_translation", "design"]
 
 ARCH_FEATURES = ("kept_fraction", "top_k_over_k", "experts_per_group", "log2_experts", "sigmoid_router", "grouped", "norm_topk")
@@ -47,7 +47,6 @@ BASELINES = {"K/E only": ("kept_fraction",), "recipe mean": ()}
 # live experts and collapses earlier. fp16 overflow: fewer experts carry more tokens each, their
 # gradients grow and overflow at a smaller loss scale (the pilot: -0.7 bits at K=16, -1.1 at K=8 of 32).
 SIGNS = {"router-collapse": {"frequency_dropped_mean": -1}, "fp16-overflow": {"kept_fraction": +1}}
-STATUSES = ("calibrated", "uncalibrated", "no-skill", "not-applicable")
 MIN_ROWS = 20  # a recipe with fewer labelled rows (or fewer than 2 originals) is not fitted
 
 

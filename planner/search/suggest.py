@@ -353,12 +353,10 @@ class Suggester:
         return self._fidelity[key]
 
     def features(self, experts: int, method: str) -> dict[str, float]:
-        from planner.fidelity.dataset import architecture_features
-        from planner.fidelity.estimator import features_of
+        from planner.fidelity.dataset import plan_row
 
         plan = (self.request.stats or {}).get("plans", {}).get(f"K={experts}/{method}")
-        row = features_of(plan["summary"] if plan else {}, architecture_features(self.config, experts))
-        return {**row, "experts": experts, "top_k": self.arch.moe.top_k, "original_experts": self.arch.original_num_experts}
+        return plan_row(self.config, experts, plan["summary"] if plan else None)
 
     def option(self, experts: int, method: str, devices: int, recompute: str, offload: str) -> Option:
         cost = self.cost(experts, devices, recompute, offload)

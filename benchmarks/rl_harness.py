@@ -80,9 +80,12 @@ def grid_wall(storage: str) -> None:
     except Exception as exc:  # noqa: BLE001 - a missing or foreign database: say so and go on
         print(f"\ngrid: no calibration storage at {storage} ({type(exc).__name__}); run `planner calibrate run` first")
         return
-    rows, starts, ends, busy_total = [], [], [], 0.0
+    groups: dict[tuple[str, str], list] = {}  # (phase, recipe) -> trials of its studies (one per original)
     for summary in summaries:
-        trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+        key = (summary.user_attrs.get("phase", "?"), summary.user_attrs.get("recipe", summary.study_name))
+        groups.setdefault(key, []).extend(optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False))
+    rows, starts, ends, busy_total = [], [], [], 0.0
+    for (phase, recipe), trials in sorted(groups.items()):
         done = [t for t in trials if t.state.name == "COMPLETE" and t.datetime_complete]
         if not done:
             continue
@@ -91,7 +94,6 @@ def grid_wall(storage: str) -> None:
         busy = sum((t.datetime_complete - t.datetime_start).total_seconds() for t in done)
         starts.append(start), ends.append(end)
         busy_total += busy
-        recipe, phase = summary.study_name.split("-", 2)[2].rsplit("-", 1)  # calibration-KEY-RECIPE-vN-PHASE
         rows.append([phase, recipe, len(done), len(trials) - len(done), f"{wall / 60:.1f}",
                      f"{busy / 60:.1f}", f"{busy / len(done):.0f}", f"{busy / wall:.2f}"])  # fmt: skip
     if not rows:

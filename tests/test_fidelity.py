@@ -195,17 +195,19 @@ def test_held_out_validation_never_fits_on_the_held_out_original():
 # ---- the grid on Optuna storage -------------------------------------------------------------------
 
 def _trials(storage: str, grid, phase: str):
-    """Every trial of the phase's studies (one per recipe)."""
+    """Every trial of the phase's studies (one per recipe and original)."""
     import optuna
 
     from planner.fidelity.grid import _storage, study_name
 
     out = []
     for recipe in grid.recipes:
-        try:
-            out += optuna.load_study(study_name=study_name(grid, recipe, phase), storage=_storage(storage)).get_trials(deepcopy=False)
-        except KeyError:  # not made yet
-            pass
+        for base in (f"{family}-s{seed}" for family in grid.families for seed in range(grid.originals)):
+            try:
+                study = optuna.load_study(study_name=study_name(grid, recipe, phase, base), storage=_storage(storage))
+            except KeyError:  # not made yet
+                continue
+            out += study.get_trials(deepcopy=False)
     return out
 
 
@@ -213,7 +215,7 @@ def _units(grid, work, phase):
     from planner.fidelity.grid import _units as units_of
 
     records = json.loads((work / "models.json").read_text())
-    return [u for recipe in grid.recipes for u in units_of(grid, records, recipe, phase)]
+    return [u for recipe in grid.recipes for units in units_of(grid, records, recipe, phase).values() for u in units]
 
 
 def _completed_once(trials, units):
@@ -328,3 +330,22 @@ def test_calibrate_fit_refuses_data_it_cannot_fit(tmp_path):
         writer.writerow(row)
     result = run_cli("calibrate", "fit", "--dataset", path, "-o", tmp_path / "est.json")
     assert result.exit_code == 2 and "no recipe has 20 labelled rows" in result.output and not (tmp_path / "est.json").exists()
+
+
+def test_running_a_dynamic_recipe_on_more_originals_keeps_the_measured_studies():
+    """Each (recipe, phase, original) is its own study and the dynamic budget is not part of the grid's
+    key: raising dynamic_originals adds studies for the new originals and leaves the old ones as they
+    were (their grid points unchanged, so their trials still count)."""
+    from planner.fidelity.grid import Grid, _units, study_name
+
+    records = {f"{f}-s{s}/{m}": {"family": f, "original": f"{f}-s{s}", "seed": s, "model": m, "experts": k, "top_k": 4}
+               for f in ("qwen3_moe", "deepseek_v3") for s in range(3) for m, k in (("original", 32), ("K4-kmeans", 4), ("K8-kmeans", 8))}
+    one, three = Grid(dynamic_originals=1), Grid(dynamic_originals=3)
+    assert one.key() == three.key() and one.key() != Grid(margin_seeds=(0, 1, 2)).key()
+    few, more = _units(one, records, "router-collapse", "proxies"), _units(three, records, "router-collapse", "proxies")
+    assert set(few) == {"qwen3_moe-s0", "deepseek_v3-s0"} and len(more) == 6
+    assert all(more[base] == units for base, units in few.items())
+    assert few["qwen3_moe-s0"] == ["qwen3_moe-s0/K8-kmeans/router-collapse"]  # K = top_k: not applicable, not measured
+    assert list(more)[:2] == ["deepseek_v3-s0", "qwen3_moe-s0"]  # seed first: a budget cut short keeps whole seeds
+    assert study_name(one, "router-collapse", "proxies", "qwen3_moe-s0") == study_name(three, "router-collapse", "proxies", "qwen3_moe-s0")
+    assert len(_units(one, records, "fp16-overflow", "originals")) == 6  # static recipes run on every original

@@ -4,15 +4,16 @@ families x originals x K x plans make the proxies. Every family has several inde
 originals (model seeds: initialisation and data order), so that validation can hold out a whole
 original. Plans span quality within each K: the clustering methods, saliency and frequency ranking,
 random draws, and deliberately bad plans (the least-used experts, one tight cluster). K runs from
-top_k to E/2. Every (recipe, phase) is one Optuna study on RDB storage (SQLite by default) whose grid
-points are the models; a GridSampler hands each trial a distinct point, so several worker processes
+top_k to E/2. Every (recipe, phase, original) is one Optuna study on RDB storage (SQLite by default)
+whose grid points are that original's models; a GridSampler hands each trial a distinct point, so several worker processes
 or machines share the work and nothing is computed twice. A run that is interrupted resumes: a
 worker that dies stops beating its heartbeat, its trial is failed after the grace period and
 re-queued; the next `calibrate run` picks up whatever is missing.
 
-Studies are named by the grid's key (its settings other than the recipe list), the recipe and the
-recipe's measurement version, so adding a recipe or re-measuring one after a change to it leaves
-the others' results in place.
+Studies are named by the grid's key (the settings measurements depend on: not the recipe list nor
+the dynamic budget), the recipe and its measurement version, and the original, so adding a recipe,
+re-measuring one after a change to it, or running a dynamic recipe on more originals leaves the
+results already measured in place.
 
 Phase 1 measures the originals: the critical knob per margin seed (at least 4; their SD is the
 noise floor of that original and recipe), bisected to a stated resolution in log2 units, and for
@@ -125,8 +126,9 @@ class Grid:
         return yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}, sort_keys=False)
 
     def key(self) -> str:
-        """The settings every measurement depends on (the recipe list only selects studies)."""
-        settings = {k: v for k, v in asdict(self).items() if k != "recipes"}
+        """The settings every measurement depends on (the recipe list and the dynamic budget only
+        select studies)."""
+        settings = {k: v for k, v in asdict(self).items() if k not in ("recipes", "dynamic_originals")}
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
     def experts(self, family: str) -> list[int]:
@@ -169,10 +171,10 @@ class Grid:
         return recipe(recipe_name).kind == "static" or seed < self.dynamic_originals
 
 
-def study_name(grid: Grid, recipe_name: str, phase: str) -> str:
+def study_name(grid: Grid, recipe_name: str, phase: str, original: str) -> str:
     from planner.rl.recipes import recipe
 
-    return f"calibration-{grid.key()}-{recipe_name}-v{recipe(recipe_name).version}-{phase}"
+    return f"calibration-{grid.key()}-{recipe_name}-v{recipe(recipe_name).version}-{original}-{phase}"
 
 
 def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
@@ -241,26 +243,33 @@ def _storage(url: str):
     return rdb_storage(url, **kwargs)
 
 
-def _study(storage: str, grid: Grid, recipe_name: str, phase: str, units: list[str]):
+def _study(storage: str, grid: Grid, recipe_name: str, phase: str, original: str, units: list[str]):
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.create_study(
-        study_name=study_name(grid, recipe_name, phase),
+    study = optuna.create_study(
+        study_name=study_name(grid, recipe_name, phase, original),
         storage=_storage(storage),
         sampler=optuna.samplers.GridSampler({"unit": units}),
         load_if_exists=True,
     )
+    if not study.user_attrs:
+        for key, value in (("recipe", recipe_name), ("phase", phase), ("original", original)):
+            study.set_user_attr(key, value)
+    return study
 
 
-def _units(grid: Grid, records: dict[str, dict], recipe_name: str, phase: str) -> list[str]:
+def _units(grid: Grid, records: dict[str, dict], recipe_name: str, phase: str) -> dict[str, list[str]]:
     """ORIGINAL/MODEL/RECIPE of every model the phase measures under the recipe (not where the
-    fault cannot occur, nor beyond the dynamic budget)."""
+    fault cannot occur, nor beyond the dynamic budget), by original: one study each."""
     from planner.fidelity.labels import applicable
 
-    models = [r for r in records.values() if (r["model"] == "original") == (phase == "originals")]
-    return sorted(f"{r['original']}/{r['model']}/{recipe_name}" for r in models
-                  if grid.measured_on(recipe_name, r["seed"]) and applicable(recipe_name, r["experts"], r["top_k"]))  # fmt: skip
+    out: dict[str, list[str]] = {}
+    for r in sorted(records.values(), key=lambda r: (r["seed"], r["original"], r["model"])):  # seed first: a budget cut short keeps whole seeds
+        if (r["model"] == "original") == (phase == "originals") and grid.measured_on(recipe_name, r["seed"]) \
+                and applicable(recipe_name, r["experts"], r["top_k"]):  # fmt: skip
+            out.setdefault(r["original"], []).append(f"{r['original']}/{r['model']}/{recipe_name}")
+    return out
 
 
 def _measure(grid: Grid, record: dict, recipe_name: str, original: dict | None) -> dict[str, Any]:
@@ -286,8 +295,9 @@ def _measure(grid: Grid, record: dict, recipe_name: str, original: dict | None) 
     return out
 
 
-def _work(study, units: list[str], measure) -> None:
-    """One worker's loop over one study until every unit is complete (or failed too often)."""
+def _work(study, units: list[str], measure) -> bool:
+    """One worker's loop over one study until every unit is complete (True) or the only ones left
+    are running in other workers (False: come back later; a dead worker's trial goes stale)."""
     import optuna
 
     state = optuna.trial.TrialState
@@ -326,14 +336,13 @@ def _work(study, units: list[str], measure) -> None:
         gave_up = [u for u in missing if failures[u] >= MAX_FAILURES]
         todo = [u for u in missing if u not in gave_up]
         if not todo and not by_state[state.WAITING]:
-            if by_state[state.RUNNING]:  # others hold the last points; a dead worker's trial goes stale
+            if by_state[state.RUNNING]:  # others hold the last points
                 optuna.storages.fail_stale_trials(study)
-                time.sleep(min(HEARTBEAT_S, 5))
-                continue
+                return False
             if gave_up:
                 errors = {t.params.get("unit"): t.user_attrs.get("error", "?") for t in trials if t.state == state.FAIL}
                 raise SpecError(f"{len(gave_up)} grid point(s) failed {MAX_FAILURES} times, e.g. {gave_up[0]}: {errors.get(gave_up[0])}")
-            return
+            return True
         # a point that failed or was pruned counts as visited to the GridSampler: queue it again
         visited = set(by_state[state.FAIL]) | set(by_state[state.PRUNED])
         if not by_state[state.WAITING] and todo and set(todo) <= visited:
@@ -350,13 +359,15 @@ def _work(study, units: list[str], measure) -> None:
 
 
 def run_phase(storage: str, grid: Grid, workdir: Path, phase: str) -> None:
-    """Work through the phase's studies (one per recipe) until none has a point left (one worker)."""
+    """Work through the phase's studies (one per recipe and original) until none has a point left
+    (one worker). A study whose last points run in other workers is left for later, not waited on."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     records = json.loads((workdir / "models.json").read_text())
+    pending = []
     for recipe_name in grid.recipes:
-        units = _units(grid, records, recipe_name, phase)
         originals = collect(storage, grid, "originals", recipes=(recipe_name,)) if phase == "proxies" else {}
-        missing = [u for u in _units(grid, records, recipe_name, "originals") if u not in originals] if phase == "proxies" else []
+        needed = [u for units in _units(grid, records, recipe_name, "originals").values() for u in units]
+        missing = [u for u in needed if u not in originals] if phase == "proxies" else []
         if missing:
             raise SpecError(f"the originals phase is not complete ({len(missing)} missing, e.g. {missing[0]}); run it first")
 
@@ -364,7 +375,12 @@ def run_phase(storage: str, grid: Grid, workdir: Path, phase: str) -> None:
             base, model, _ = unit.split("/")
             return _measure(grid, records[f"{base}/{model}"], recipe_name, originals.get(f"{base}/original/{recipe_name}"))
 
-        _work(_study(storage, grid, recipe_name, phase, units), units, measure)
+        for base, units in _units(grid, records, recipe_name, phase).items():
+            pending.append((_study(storage, grid, recipe_name, phase, base, units), units, measure))
+    while pending:
+        pending = [p for p in pending if not _work(*p)]
+        if pending:
+            time.sleep(min(HEARTBEAT_S, 5))
 
 
 def run_workers(storage: str, grid: Grid, grid_path: str | None, workdir: Path, phase: str, workers: int) -> None:
@@ -374,7 +390,8 @@ def run_workers(storage: str, grid: Grid, grid_path: str | None, workdir: Path, 
     the same moment race each other. Workers start a second apart."""
     records = json.loads((workdir / "models.json").read_text())
     for recipe_name in grid.recipes:
-        _study(storage, grid, recipe_name, phase, _units(grid, records, recipe_name, phase))
+        for base, units in _units(grid, records, recipe_name, phase).items():
+            _study(storage, grid, recipe_name, phase, base, units)
     cmd = [sys.executable, "-m", "planner.fidelity.grid", storage, str(workdir), phase] + ([grid_path] if grid_path else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = []
@@ -388,13 +405,16 @@ def run_workers(storage: str, grid: Grid, grid_path: str | None, workdir: Path, 
 
 
 def collect(storage: str, grid: Grid, phase: str, recipes: tuple[str, ...] | None = None) -> dict[str, dict]:
-    """Completed results of a phase by unit id (family/model/recipe)."""
+    """Completed results of a phase by unit id (ORIGINAL/MODEL/RECIPE), from the studies of every
+    original of the grid (those beyond the dynamic budget have none)."""
     import optuna
 
     out = {}
-    for recipe_name in recipes or grid.recipes:
+    studies = [(r, f"{family}-s{seed}") for r in recipes or grid.recipes for family in grid.families for seed in range(grid.originals)
+               if grid.measured_on(r, seed)]  # fmt: skip
+    for recipe_name, base in studies:
         try:
-            study = optuna.load_study(study_name=study_name(grid, recipe_name, phase), storage=_storage(storage))
+            study = optuna.load_study(study_name=study_name(grid, recipe_name, phase, base), storage=_storage(storage))
         except KeyError:
             continue
         for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):

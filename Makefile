@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# verl's own shipped trainer config checks `planner export --to verl` (tests/test_trainers.py); only its
+# YAML is read, so it is installed without its dependencies (ray, vllm, ...)
+VERL   := verl==0.9.1
 
 .PHONY: demo test venv bench reports clean
 
@@ -11,6 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps $(VERL)
 	touch $(STAMP)
 
 venv: $(STAMP)

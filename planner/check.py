@@ -8,7 +8,10 @@
    activation accounting) and measured on the device; step time measured. The plan's own
    predictions for its target cluster are shown beside them.
 4. With the original's run (`--reference-metrics`, a `planner rl run` directory), the fidelity
-   labels of DESIGN.md section 7; `--add-to DATASET` appends them to the calibration data.
+   labels of DESIGN.md section 7; `--add-to DATASET` appends them to the calibration data. A
+   reference run in a trainer's format (verl, MindSpeed-RL, NeMo RL, wandb, TensorBoard) carries no
+   settings for the harness to repeat: the labels then compare it with the proxy's run in the same
+   trainer (`--proxy-metrics`), and the harness run measures memory and time only.
 """
 
 from __future__ import annotations
@@ -106,7 +109,8 @@ def _reference_config(reference: Path, device: str, recipe_name: str | None, kno
 
 
 def run_check(plan_path: str | Path, checkpoint: str | Path, out_dir: str | Path, *, device: str = "cpu", steps: int = 20,
-              reference: str | Path | None = None, replica: str | Path | None = None, recipe_name: str | None = None,
+              reference: str | Path | None = None, proxy_metrics: str | Path | None = None, replica: str | Path | None = None,
+              recipe_name: str | None = None,
               knob: float | None = None, seed: int = 0, stats_path=None, force: bool = False,
               progress: Callable[[str, int, int], None] | None = None) -> CheckReport:  # fmt: skip
     from planner.checkpoint import Checkpoint
@@ -124,7 +128,19 @@ def run_check(plan_path: str | Path, checkpoint: str | Path, out_dir: str | Path
     if steps < 2:
         raise SpecError(f"--steps must be at least 2 (one warm-up step, one measured), got {steps}")
     info: dict[str, Any] = {}
-    if reference is not None:  # read and checked before anything is built or written
+    harness_reference = reference is not None and Path(reference).is_dir() and (Path(reference) / "run.json").is_file()
+    if reference is not None and not harness_reference and proxy_metrics is None:
+        raise SpecError(f"{reference} is not a `planner rl run` directory, so it has no settings for the harness to repeat: pass the "
+                        "proxy's run in the same trainer with --proxy-metrics (the labels compare the two runs)")  # fmt: skip
+    if proxy_metrics is not None:
+        if reference is None:
+            raise SpecError("--proxy-metrics needs --reference-metrics: the original's run in the same trainer")
+        from planner.runs.read import read_run
+
+        for path in (reference, proxy_metrics, replica):  # unreadable logs are refused before anything is built
+            if path is not None and not (Path(path) / "run.json").is_file():
+                read_run(path)
+    if harness_reference:  # read and checked before anything is built or written
         config, ref = _reference_config(Path(reference), device, recipe_name, knob)
         info.update(ref)
     else:
@@ -159,8 +175,8 @@ def run_check(plan_path: str | Path, checkpoint: str | Path, out_dir: str | Path
 
     labels = None
     if reference is not None:
-        labels = measure_pair(Path(reference), run_dir, plan, replica_dir=Path(replica) if replica else None,
-                              recipe_name=info.get("recipe"))  # fmt: skip
+        labels = measure_pair(Path(reference), Path(proxy_metrics) if proxy_metrics else run_dir, plan,
+                              replica_dir=Path(replica) if replica else None, recipe_name=info.get("recipe"))  # fmt: skip
     return CheckReport(
         proxy_dir=str(proxy_dir), built=built, device=device, steps=config.steps, config=asdict(config), measured_peak_bytes=peak,
         predicted_peak=predict_peak(Checkpoint(proxy_dir).arch, config), step_time_s=statistics.median(timed),

@@ -348,7 +348,7 @@ def fit_knobs(runs_path, output, force) -> None:
     _run(body)
 
 
-from planner import cli_rl, cli_search  # noqa: E402,F401  (register `rl`, `calibrate`, `suggest`, `preflight`, `report`, `check`)
+from planner import cli_rl, cli_runs, cli_search  # noqa: E402,F401  (register `rl`, `calibrate`, `detect`, `suggest`, `preflight`, `report`, `check`)
 
 if __name__ == "__main__":  # pragma: no cover  (python -m planner.cli: run the registered copy)
     from planner.cli import main as registered

@@ -248,10 +248,11 @@ def calibrate_fit(dataset, output, force) -> None:
 
 
 @calibrate.command("add")
-@click.option("--original", "original_dir", type=click.Path(exists=True, file_okay=False), required=True)
-@click.option("--proxy", "proxy_dir", type=click.Path(exists=True, file_okay=False), required=True)
+@click.option("--original", "original_dir", type=click.Path(exists=True), required=True,
+              help="The original's run: a planner run directory or a trainer's log in any format `planner detect` reads.")
+@click.option("--proxy", "proxy_dir", type=click.Path(exists=True), required=True, help="The proxy's run, likewise.")
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), required=True)
-@click.option("--replica", "replica_dir", type=click.Path(exists=True, file_okay=False), default=None,
+@click.option("--replica", "replica_dir", type=click.Path(exists=True), default=None,
               help="A replica of the original run (other sampling seed): the curve-agreement noise floor.")
 @click.option("--recipe", "recipe_name", type=click.Choice(RECIPE_NAMES), default=None)
 @click.option("--dataset", type=click.Path(dir_okay=False), default=DATASET, show_default=True)
@@ -265,7 +266,8 @@ def calibrate_add(original_dir, proxy_dir, plan_path, replica_dir, recipe_name, 
                        recipe_name=recipe_name)  # fmt: skip
         if as_json:
             return _emit_json(row)
-        keys = ("recipe", "experts", "shift_log2", "shift_sd", "outcome", "curve_agreement", "spearman_grad_norm")
+        keys = ("recipe", "experts", "shift_log2", "shift_sd", "outcome", "curve_agreement", "spearman_grad_norm", "onset_original",
+                "onset_proxy", "run_reproduced")
         click.echo(table(list(keys), [[label_text(row.get(k)) for k in keys]]))
         click.echo(f"added to {dataset}; run `planner calibrate fit` to refit")
 

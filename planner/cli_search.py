@@ -96,9 +96,12 @@ def preflight(request, as_json) -> None:
 @main.command()
 @click.argument("plan_path", metavar="PLAN", type=click.Path(exists=True, dir_okay=False))
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), required=True, help="The original checkpoint (or the built proxy).")
-@click.option("--reference-metrics", "reference", type=click.Path(exists=True, file_okay=False), default=None,
-              help="The original's `planner rl run` directory: its settings are reused and fidelity labels computed against it.")
-@click.option("--replica", type=click.Path(exists=True, file_okay=False), default=None, help="A replica of the reference run (curve-agreement noise floor).")
+@click.option("--reference-metrics", "reference", type=click.Path(exists=True), default=None,
+              help="The original's run: a `planner rl run` directory (its settings are reused and fidelity labels computed against it) "
+                   "or a trainer's log in any format `planner detect` reads (then give --proxy-metrics).")
+@click.option("--proxy-metrics", "proxy_metrics", type=click.Path(exists=True), default=None,
+              help="The proxy's run in the same trainer as --reference-metrics: the labels compare these two runs.")
+@click.option("--replica", type=click.Path(exists=True), default=None, help="A replica of the reference run (curve-agreement noise floor).")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
 @click.option("--steps", type=int, default=20, show_default=True)
 @click.option("--recipe", "recipe_name", default=None, help="Fault recipe to run (without --reference-metrics).")
@@ -109,7 +112,8 @@ def preflight(request, as_json) -> None:
 @click.option("--add-to", "add_to", type=click.Path(dir_okay=False), default=None, help="Append the labels to this calibration dataset.")
 @click.option("--force", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
-def check(plan_path, checkpoint, reference, replica, device, steps, recipe_name, knob, seed, stats_path, output, add_to, force, as_json) -> None:
+def check(plan_path, checkpoint, reference, proxy_metrics, replica, device, steps, recipe_name, knob, seed, stats_path, output, add_to, force,
+          as_json) -> None:  # fmt: skip
     """Build the proxy if needed, run the RL harness on the device, print predicted vs measured."""
     from planner.check import render_check, run_check
 
@@ -117,13 +121,14 @@ def check(plan_path, checkpoint, reference, replica, device, steps, recipe_name,
         if add_to and not reference:
             raise SpecError("--add-to needs --reference-metrics: labels compare the proxy with the original's run")
         bars: dict = {}
-        report = run_check(plan_path, checkpoint, output, device=device, steps=steps, reference=reference, replica=replica,
-                           recipe_name=recipe_name, knob=knob, seed=seed, stats_path=stats_path, force=force,
+        report = run_check(plan_path, checkpoint, output, device=device, steps=steps, reference=reference, proxy_metrics=proxy_metrics,
+                           replica=replica, recipe_name=recipe_name, knob=knob, seed=seed, stats_path=stats_path, force=force,
                            progress=None if as_json else (lambda stage, d, t: bars.setdefault(stage, _progress(stage))(d, t)))  # fmt: skip
         if add_to:
             from planner.fidelity.calibrate import add_pair
 
-            add_pair(Path(add_to), Path(reference), Path(report.run_dir), Path(plan_path), replica_dir=Path(replica) if replica else None)
+            add_pair(Path(add_to), Path(reference), Path(proxy_metrics or report.run_dir), Path(plan_path),
+                     replica_dir=Path(replica) if replica else None, recipe_name=report.labels["recipe"])  # fmt: skip
         _emit_json(report.to_json()) if as_json else click.echo(render_check(report))
         if add_to and not as_json:
             click.echo(f"added the pair to {add_to}; refit with `planner calibrate fit --dataset {add_to}`")

@@ -23,7 +23,10 @@ A request (schema planner.request/1):
         router_dtype: fp32
         balance_coef: 0.001
         routing_replay: true
-      metrics: runs/failing/        # optional: the failing run's metrics (metrics.csv)
+      metrics: runs/failing/        # optional: the failing run's metrics in any format `planner detect`
+                                    # reads (metrics.csv, TensorBoard, verl / MindSpeed-RL logs, wandb
+                                    # export); its fault signature is checked against type, and fills
+                                    # type when the request leaves it out
 
 Every check says PASS, WARN or FAIL with its reason and numbers; the exit code is 0 when nothing
 fails, 1 otherwise (2 when the request file itself cannot be read).
@@ -84,6 +87,11 @@ class _Context:
         value = loader(self)
         setattr(self, name, value)
         return value
+
+    def _load_signature(self):
+        from planner.runs.signature import signature
+
+        return signature(_metrics_path(self))
 
     def _load_plan(self):
         from planner.plan import load_plan
@@ -178,8 +186,9 @@ def check_schema(c: _Context) -> Check:
         problems.append(f"missing {', '.join(missing)}")
     fault = d.get("fault")
     if fault is not None:
-        if not isinstance(fault, dict) or "type" not in fault:
-            problems.append(f"fault must be a mapping with a type (e.g. fault: {{type: grad-overflow}}), got {fault!r}")
+        if not isinstance(fault, dict) or ("type" not in fault and not fault.get("metrics")):
+            problems.append(f"fault must be a mapping with a type (e.g. fault: {{type: grad-overflow}}) or the failing run's "
+                            f"metrics to read it from, got {fault!r}")
         else:
             problems += _fault_problems(fault)
     for key, lo, hi in (("min_fidelity", 0.0, 1.0), ("memory_margin", 0.0, 0.9)):
@@ -211,7 +220,7 @@ def _fault_problems(fault: dict) -> list[str]:
     bad = [k for k in fault if k not in FAULT_KEYS] + [k for k in settings if k not in SETTING_KEYS]
     if bad:
         problems.append(f"unknown fault key(s) {bad}; fault: {', '.join(FAULT_KEYS)}; settings: {', '.join(SETTING_KEYS)}")
-    if not isinstance(fault["type"], str) or fault["type"] not in FAULTS:
+    if "type" in fault and (not isinstance(fault["type"], str) or fault["type"] not in FAULTS):
         problems.append(f"fault type {fault['type']!r} is not one of {', '.join(sorted(FAULTS))}")
     for key, kind in _SETTING_TYPES.items():
         v = settings.get(key)
@@ -407,30 +416,86 @@ def check_stats(c: _Context) -> Check:
     return Check("stats", "PASS", f"stats of checkpoint {have[:12]}" + (", which is this checkpoint" if ckpt is not None else ""))
 
 
-def check_metrics(c: _Context) -> Check | None:
+def _metrics_path(c: _Context) -> Path | None:
     metrics = (c.data.get("fault") or {}).get("metrics")
     if not metrics:
         return None
-    p = Path(str(metrics))
-    p = p if p.is_absolute() else c.base / p
-    if not (p / "metrics.csv").is_file():
-        return Check("failing run metrics", "FAIL", f"{p}/metrics.csv not found: `planner check --reference-metrics` needs it")
-    from planner.rl.grpo import read_metrics
+    p = Path(str(metrics)).expanduser()
+    return p if p.is_absolute() else c.base / p
 
-    rows = read_metrics(p)
-    if not rows:
-        return Check("failing run metrics", "FAIL", f"{p}/metrics.csv holds no steps")
-    return Check("failing run metrics", "PASS", f"{len(rows)} steps of the failing run to compare the proxy against")
+
+def _finding(f: dict) -> str:
+    values = {e["step"]: e["value"] for e in f["evidence"]}
+    value = values.get(f["onset_step"])
+    shown = f"{value:.4g}" if isinstance(value, float) else value
+    return f"{f['fault']} from step {f['onset_step']} ({f['source_key'] or f['metric']} = {shown}: {f['rule']})"
+
+
+def _compatible(found: str, stated: str) -> bool:
+    """A logged fault that is the stated one (a non-finite step ends an overflow or a blow-up)."""
+    return found == stated or (found == "non-finite" and stated in ("fp16-overflow", "grad-blowup"))
+
+
+def fill_fault_type(c: _Context) -> Check | None:
+    """A request that gives the failing run's metrics but no fault type takes the logged one."""
+    fault = c.data.get("fault") or {}
+    if "type" in fault:
+        return None
+    from planner.search.suggest import FAULTS
+
+    found = c.signature["fault"]
+    if found is None:
+        return Check("fault type", "FAIL", f"no fault type given and none found in the failing run ({_metrics_path(c)}); state fault.type")
+    name = found["fault"]
+    if name == "non-finite":
+        name = "fp16-overflow" if c.settings.get("precision") == "fp16" else "grad-blowup"
+    if name not in FAULTS:
+        return Check("fault type", "FAIL", f"the failing run shows {_finding(found)}: no fault recipe reproduces it "
+                                           f"(one of {', '.join(sorted(set(FAULTS.values())))}); state fault.type")  # fmt: skip
+    fault["type"] = name
+    return Check("fault type", "PASS", f"{name}, read from the failing run: {_finding(found)}")
+
+
+def check_metrics(c: _Context) -> Check | None:
+    p = _metrics_path(c)
+    if p is None:
+        return None
+    from planner.search.suggest import FAULTS
+
+    sig = c.signature
+    where = f"{sig['steps']} steps of the failing run ({sig['format']}, {sig['trainer']})"
+    stated_type = c.data["fault"].get("type")
+    if stated_type is None:  # filled from this log or reported by fill_fault_type
+        return Check("failing run metrics", "PASS", f"{where}")
+    stated = FAULTS[stated_type]
+    found = sig["fault"]
+    by = {d["fault"]: d for d in sig["detectors"]}
+    own = by.get(stated)
+    if found is None:
+        if own is not None and not own["logged"]:
+            return Check("failing run metrics", "WARN", f"{where}: no fault found, and the log cannot show {stated_type} ({own['rule']})")
+        return Check("failing run metrics", "WARN", f"{where}: no detector finds a fault in it; is this the failing run?")
+    if _compatible(found["fault"], stated):
+        return Check("failing run metrics", "PASS", f"{where}: {_finding(found)}, as stated")
+    if own is not None and own["onset_step"] is not None:
+        return Check("failing run metrics", "WARN", f"{where}: {_finding(found)} comes first; the stated {stated_type} shows later, "
+                                                    f"{_finding(own)}")  # fmt: skip
+    if own is not None and not own["logged"]:
+        return Check("failing run metrics", "WARN", f"{where}: it shows {_finding(found)}; the stated {stated_type} cannot be "
+                                                    f"checked ({own['rule']})")  # fmt: skip
+    return Check("failing run metrics", "FAIL", f"{where}: the request states {stated_type}, but the log shows {_finding(found)} and no "
+                                                f"{stated}" + (f" ({own['rule']})" if own else ""))  # fmt: skip
 
 
 CHECKS: list[tuple[str, Callable[[_Context], Check | None], tuple[str, ...]]] = [
+    ("fault type", fill_fault_type, ()),
     ("model", check_model, ()),
     ("plan", check_plan, ("model",)),
     ("memory", check_memory, ("plan",)),
     ("host memory", check_host_memory, ("plan",)),
     ("budget", check_budget, ("plan",)),
-    ("fidelity", check_fidelity, ("plan",)),
-    ("fault factors", check_factors, ("plan",)),
+    ("fidelity", check_fidelity, ("plan", "fault type")),
+    ("fault factors", check_factors, ("plan", "fault type")),
     ("stats", check_stats, ("plan",)),
     ("failing run metrics", check_metrics, ()),
 ]

@@ -128,7 +128,7 @@ def test_calibrate_add_updates_the_dataset_and_a_refit_changes_predictions(rl_mo
 
     bad = run_cli("calibrate", "add", "--original", tmp_path / "a", "--proxy", tmp_path / "b", "--plan", tmp_path / "plan.yaml",
                   "--recipe", "entropy-collapse", "--dataset", dataset)  # fmt: skip
-    assert bad.exit_code == 2 and "measured rollout-mismatch" in bad.output
+    assert bad.exit_code == 2 and "--recipe entropy-collapse, but the runs' records name ['rollout-mismatch']" in bad.output
     assert len(read_dataset(dataset)) == n + 1  # nothing half-written
 
 

@@ -168,12 +168,12 @@ def test_pair_row_labels_censoring_and_not_applicable():
         censored = censored or [False] * len(values)
         return {"margin": {"values": values, "mean": float(np.mean(values)), "censored": censored, "resolution": 0.035}}
 
-    row = pair_row("fp16-overflow", "static", margin([19.0, 19.5, 19.2, 19.3]), margin([18.0, 18.5, 18.2, 18.3]), experts=8, top_k=4)
+    row = pair_row("fp16-overflow", margin([19.0, 19.5, 19.2, 19.3]), margin([18.0, 18.5, 18.2, 18.3]), experts=8, top_k=4)
     assert row["shift_log2"] == pytest.approx(-1.0) and row["censored"] == 0 and row["outcome"] in ("not reproduced", "undetermined")
     assert row["noise_log2"] == pytest.approx(np.std([19.0, 19.5, 19.2, 19.3], ddof=1)) and row["resolution_log2"] == 0.035
-    na = pair_row("router-collapse", "dynamic", margin([-1.0, -1.1]), margin([-1.0, -1.2]), experts=4, top_k=4)
+    na = pair_row("router-collapse", margin([-1.0, -1.1]), margin([-1.0, -1.2]), experts=4, top_k=4)
     assert na["outcome"] == "not applicable" and math.isnan(na["shift_log2"])
-    assert math.isnan(pair_row("fp16-overflow", "static", {"margin": None}, margin([1.0, 2.0]), experts=8, top_k=4)["shift_log2"])
+    assert math.isnan(pair_row("fp16-overflow", {"margin": None}, margin([1.0, 2.0]), experts=8, top_k=4)["shift_log2"])
 
 
 def test_held_out_validation_never_fits_on_the_held_out_original():

@@ -180,3 +180,36 @@ def test_a_plan_suggested_with_a_wide_margin_passes_preflight_with_it(tmp_path):
     request = base_request(plan="wide.yaml", memory_margin=0.2)
     code, checks = verdict(write(tmp_path, request, name="wide-request.yaml"))
     assert checks["memory"]["status"] in ("PASS", "WARN"), checks["memory"]
+
+
+def _verl_log(path: Path, entropy: list[float]) -> Path:
+    """A verl console log (its `step:N - key:value` lines, numpy scalars printed by pprint)."""
+    lines = ["(TaskRunner pid=7) Training Progress: 0%|"]
+    for step, e in enumerate(entropy):
+        lines.append(f"(TaskRunner pid=7) step:{step} - actor/grad_norm:np.float64(0.5) - actor/entropy:np.float64({e!r}) - "
+                     f"actor/kl_loss:np.float64(0.002) - critic/score/mean:np.float64(0.5) - rollout_corr/k3_kl:np.float64(0.0004)")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_failing_runs_log_fills_and_cross_checks_the_fault(suggested, tmp_path):
+    plan = yaml.safe_load(suggested.read_text())
+    _verl_log(tmp_path / "failing.log", [1.2, 1.1, 1.0, 0.9, 0.5, 0.2, 0.1, 0.05])  # below 0.2 x 1.2 from step 5
+    stated = {"settings": dict(GOOD_SETTINGS), "metrics": "failing.log"}
+    _, checks = verdict(write(tmp_path, base_request(fault={"type": "entropy-collapse", **stated}), plan))
+    assert checks["failing run metrics"]["status"] == "PASS" and "entropy-collapse from step 5" in checks["failing run metrics"]["reason"]
+    assert "actor/entropy = 0.2" in checks["failing run metrics"]["reason"]
+
+    code, checks = verdict(write(tmp_path, base_request(fault={"type": "rollout-mismatch", **stated}), plan))
+    reason = checks["failing run metrics"]["reason"]
+    assert code == 1 and checks["failing run metrics"]["status"] == "FAIL"
+    assert "states rollout-mismatch" in reason and "entropy-collapse from step 5" in reason and "above 0.01" in reason
+
+    _, checks = verdict(write(tmp_path, base_request(fault=stated), plan))  # no type: read from the log
+    assert checks["fault type"]["status"] == "PASS" and checks["fault type"]["reason"].startswith("entropy-collapse, read from")
+    assert checks["fidelity"]["status"] in ("PASS", "WARN")  # it ran, with the filled type
+
+    _verl_log(tmp_path / "healthy.log", [1.2, 1.1, 1.2, 1.15, 1.1, 1.12, 1.1, 1.05])
+    code, checks = verdict(write(tmp_path, base_request(fault={"settings": dict(GOOD_SETTINGS), "metrics": "healthy.log"}), plan))
+    assert code == 1 and checks["fault type"]["status"] == "FAIL" and "none found" in checks["fault type"]["reason"]
+    assert checks["fidelity"]["reason"] == "not checked: fault type failed"

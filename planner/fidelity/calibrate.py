@@ -56,7 +56,6 @@ def export(storage: str, grid: Grid, workdir: Path) -> tuple[list[dict], list[di
     """Join the two phases' results into dataset rows (one per proxy and recipe) and the noise floor.
     A (recipe, K) where the fault cannot occur gets a row labelled "not applicable" (not measured)."""
     from planner.fidelity.labels import applicable
-    from planner.rl.recipes import recipe
 
     records = json.loads((workdir / "models.json").read_text())
     originals, proxies = collect(storage, grid, "originals"), collect(storage, grid, "proxies")
@@ -77,7 +76,7 @@ def export(storage: str, grid: Grid, workdir: Path) -> tuple[list[dict], list[di
                    "recipe": recipe_name, "experts": record["experts"], "original_experts": records[f"{base}/original"]["experts"],
                    "top_k": record["top_k"], "source": "grid"}  # fmt: skip
             row.update(features_of(record["statistics"], arch))
-            row.update(pair_row(recipe_name, recipe(recipe_name).kind, _sides(original or {}), _sides(result or {}),
+            row.update(pair_row(recipe_name, _sides(original or {}), _sides(result or {}),
                                 experts=record["experts"], top_k=record["top_k"]))  # fmt: skip
             rows.append(row)
     return rows, noise_floor(grid, originals)
@@ -108,44 +107,78 @@ def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers:
     return rows
 
 
+def _load_run(d: Path) -> dict:
+    """One side of a pair: a planner run directory (run.json with its settings, metrics.csv, and
+    margin.json when `rl margin` measured it) or a trainer's run in any format planner.runs reads."""
+    d = Path(d)
+    if d.is_dir() and (d / "run.json").is_file():
+        from planner.rl.grpo import read_metrics
+
+        out: dict[str, Any] = {"info": read_json(d / "run.json", "run record"), "dir": d}
+        if (d / "metrics.csv").is_file():
+            out["rows"] = read_metrics(d)
+        if (d / "margin.json").is_file():
+            out["margin"] = read_json(d / "margin.json", "margin record")
+        return out
+    from planner.runs.read import read_run
+
+    run = read_run(d)
+    return {"info": {}, "dir": d, "rows": run.rows(), "trainer": run.trainer}
+
+
+def _pair_recipe(runs: dict, recipe_name: str | None) -> str:
+    """The recipe the pair ran: --recipe, the runs' records, or the fault the original's log shows."""
+    from planner.rl.recipes import RECIPES
+
+    names = {runs[n]["info"].get("recipe") for n in ("original", "proxy")} - {None}
+    if recipe_name is not None:
+        if names and names != {recipe_name}:
+            raise SpecError(f"--recipe {recipe_name}, but the runs' records name {sorted(names)}")
+        return recipe_name
+    if len(names) > 1:
+        raise SpecError(f"the two runs name recipes {sorted(names)}; pass --recipe")
+    if names:
+        return names.pop()
+    from planner.runs.detect import detect, first_fault, _signals
+
+    rows = runs["original"].get("rows") or []
+    found = first_fault(detect(*_signals(rows))) if rows else None
+    if found is None or found.fault not in RECIPES:
+        what = f"shows {found.fault} from step {found.onset}" if found else "shows no fault"
+        raise SpecError(f"the original run {runs['original']['dir']} names no recipe and {what}; pass --recipe ({', '.join(RECIPES)})")
+    return found.fault
+
+
 def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path | None = None, recipe_name: str | None = None) -> dict:
     """The dataset row of one measured (original, proxy) pair: features and labels.
 
-    A run directory (`planner rl run`/`rl margin -o`/`planner check`) holds metrics.csv and run.json,
-    and margin.json when `rl margin` measured it. Labels come from what is there: the shift needs
-    both margins (2 seeds at least, 4 for a decision worth having), curve agreement a replica of the
-    original (else only the grad-norm Spearman)."""
-    from planner.rl.grpo import read_metrics
+    Each run is a planner run directory (`planner rl run`/`rl margin -o`/`planner check`: metrics.csv,
+    run.json, and margin.json when `rl margin` measured it) or a trainer's run in any format
+    `planner detect` reads (verl, MindSpeed-RL, NeMo RL, wandb, TensorBoard). Labels come from what
+    is there: the shift needs both margins (2 seeds at least, 4 for a decision worth having), curve
+    agreement a replica of the original (else only the grad-norm Spearman), the onsets and whether the
+    proxy's run shows the fault the recipe's detector finds in the original's. A trainer's run names
+    no model: the original's config comes from the plan's model (catalog id or path)."""
+    from planner.catalog import load_model_config
     from planner.rl.recipes import recipe
 
-    runs = {}
-    for name, d in (("original", original_dir), ("proxy", proxy_dir), ("replica", replica_dir)):
-        if d is None:
-            continue
-        info_path = Path(d) / "run.json"
-        if not info_path.is_file():
-            raise SpecError(f"{d}: not a run directory (no run.json); make one with `planner rl run -o` or `rl margin -o`")
-        info = read_json(info_path, "run record")
-        runs[name] = {"info": info, "dir": Path(d)}
-        if (Path(d) / "metrics.csv").is_file():
-            runs[name]["rows"] = read_metrics(Path(d))
-        if (Path(d) / "margin.json").is_file():
-            runs[name]["margin"] = read_json(Path(d) / "margin.json", "margin record")
-    names = {runs[n]["info"].get("recipe") for n in ("original", "proxy")}
-    if recipe_name is None:
-        if len(names) != 1 or None in names:
-            raise SpecError(f"the two runs name recipes {sorted(map(str, names))}; pass --recipe")
-        recipe_name = names.pop()
+    runs = {name: _load_run(d) for name, d in (("original", original_dir), ("proxy", proxy_dir), ("replica", replica_dir)) if d is not None}
+    recipe_name = _pair_recipe(runs, recipe_name)
     r = recipe(recipe_name)
     _check_same_settings(runs)
-    model_dir = Path(runs["original"]["info"]["model"])
-    config = read_json(model_dir / "config.json", "model config", " (the original run's model)")
+    if runs["original"]["info"].get("model"):
+        model_dir = Path(runs["original"]["info"]["model"])
+        config = read_json(model_dir / "config.json", "model config", " (the original run's model)")
+        original_ref = str(model_dir)
+    else:
+        original_ref, config = plan.model, load_model_config(plan.model)[1]
     original_arch = Architecture.from_config(config)
     experts = original_arch.original_num_experts
     if experts != plan.original_experts:
         raise SpecError(f"the plan is for {plan.original_experts} experts; the original run's model has {experts}")
-    proxy_config = Path(runs["proxy"]["info"]["model"]) / "config.json"
-    if proxy_config.is_file():
+    proxy_model = runs["proxy"]["info"].get("model")
+    proxy_config = Path(proxy_model) / "config.json" if proxy_model else None
+    if proxy_config is not None and proxy_config.is_file():
         kept = Architecture.from_config(read_json(proxy_config, "model config")).original_num_experts
         if kept != plan.experts:
             raise SpecError(f"the plan keeps {plan.experts} experts per layer; the proxy run's model has {kept}")
@@ -165,9 +198,9 @@ def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path
     if "replica" in runs and "rows" in runs["replica"]:
         original["replicas"] = [runs["replica"]["rows"]]
     top_k = original_arch.moe.top_k
-    labels = pair_row(recipe_name, r.kind, original, proxy, experts=plan.experts, top_k=top_k)
+    labels = pair_row(recipe_name, original, proxy, experts=plan.experts, top_k=top_k)
     arch = architecture_features(config, plan.experts)
-    row = {"family": config.get("model_type", "?"), "original": str(model_dir), "model": str(proxy_dir), "method": plan.method,
+    row = {"family": config.get("model_type", "?"), "original": original_ref, "model": str(proxy_dir), "method": plan.method,
            "recipe": recipe_name, "experts": plan.experts, "original_experts": plan.original_experts, "top_k": top_k,
            "source": f"add:{original_dir}|{proxy_dir}"}  # fmt: skip
     row.update(features_of(plan.statistics or {}, arch))
@@ -182,10 +215,11 @@ def add_pair(dataset: Path, original_dir: Path, proxy_dir: Path, plan_path: Path
 
     row = measure_pair(original_dir, proxy_dir, load_plan(plan_path), replica_dir=replica_dir, recipe_name=recipe_name)
     recipe_name = row["recipe"]
-    labels = ("shift_log2", "curve_agreement", "spearman_grad_norm")
+    labels = ("shift_log2", "curve_agreement", "spearman_grad_norm", "run_reproduced")
     if not any(isinstance(row.get(k), float) and math.isfinite(row[k]) for k in labels) and row.get("outcome") != "not applicable":
         raise SpecError(f"{original_dir} and {proxy_dir} give no label ({', '.join(labels)} all empty): measure both with "
-                        "`planner rl margin -o` (the shift) or runs of the same recipe with a replica (curves); nothing was added")  # fmt: skip
+                        "`planner rl margin -o` (the shift) or runs of the same recipe, the original's showing its fault, with a "
+                        "replica (curves); nothing was added")  # fmt: skip
     rows = read_dataset(dataset) if dataset.is_file() else []
     rows.append(row)
     meta_path = dataset.with_suffix(".json")

@@ -28,7 +28,7 @@ ID_COLUMNS = ("family", "original", "model", "method", "recipe", "experts", "ori
 LABEL_COLUMNS = (
     "shift_log2", "shift_sd", "noise_log2", "shift_se", "shift_low", "shift_high", "outcome", "reproduced", "censored",
     "critical_original", "critical_proxy", "resolution_log2", "curve_agreement", "spearman_grad_norm", "onset_original",
-    "onset_proxy",
+    "onset_proxy", "run_reproduced",
 )  # fmt: skip
 TEXT_COLUMNS = ("family", "original", "model", "method", "recipe", "source", "outcome")
 
@@ -55,7 +55,7 @@ def plan_row(config: dict, experts: int, statistics: dict | None) -> dict[str, A
     return {**row, "experts": experts, "top_k": arch.moe.top_k, "original_experts": arch.original_num_experts}
 
 
-def pair_row(recipe: str, kind: str, original: dict, proxy: dict, *, experts: int, top_k: int) -> dict[str, Any]:
+def pair_row(recipe: str, original: dict, proxy: dict, *, experts: int, top_k: int) -> dict[str, Any]:
     """Labels of one proxy under one recipe against its original's measurements.
 
     Each side holds what was measured: "margin" (planner.rl.margin.Margin.to_json plus its
@@ -73,12 +73,14 @@ def pair_row(recipe: str, kind: str, original: dict, proxy: dict, *, experts: in
         shift = knob_shift(recipe, om["values"], pm["values"], original_censored=om["censored"], proxy_censored=pm["censored"],
                            resolution=resolution)  # fmt: skip
         row.update(shift.to_row(), critical_original=om["mean"], critical_proxy=pm["mean"], resolution_log2=resolution * knob_scale(recipe))
-    if kind == "dynamic" and "curve" in proxy and "curve" in original:
+    if "curve" in proxy and "curve" in original:  # runs of the recipe (the grid's dynamic curves, a user's trainer runs)
         if original.get("replicas"):
             row["curve_agreement"] = curve_agreement(proxy["curve"], original["curve"], original["replicas"])
         row["spearman_grad_norm"] = spearman(proxy["curve"], original["curve"])
         row["onset_original"] = original.get("curve_onset")
         row["onset_proxy"] = proxy.get("curve_onset")
+        if original.get("curve_onset") is not None:  # the original's run shows the fault: does the proxy's?
+            row["run_reproduced"] = float(proxy.get("curve_onset") is not None)
     return {k: (nan if v is None else v) for k, v in row.items()}
 
 

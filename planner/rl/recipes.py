@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-import numpy as np
-
 from planner.errors import SpecError
 from planner.rl.grpo import RLConfig
+from planner.runs.detect import THRESHOLDS
 
 __all__ = ["Recipe", "RECIPES", "recipe"]
 
@@ -47,25 +46,17 @@ class Recipe:
         return RLConfig(**settings)
 
     def onset(self, rows: list[dict]) -> int | None:
-        """First step at which the fault shows in a run's metrics, or None."""
-        if not rows:
-            return None
+        """First step at which the fault shows in a run's metrics, or None: the detector of
+        planner.runs.detect that `planner detect` runs on any trainer's logs, at this recipe's threshold."""
+        from planner.runs.detect import onset_of
+
         if self.name == "fp16-overflow":
-            hits = [r["step"] for r in rows if r["overflow"] > 0]
-        elif self.name == "rollout-mismatch":
-            hits = [r["step"] for r in rows if r["mismatch_k3"] > self.threshold]
-        elif self.name == "entropy-collapse":
-            start = rows[0]["entropy"]
-            hits = [r["step"] for r in rows if r["entropy"] < self.threshold * start]
-        elif self.name == "grad-blowup":
-            base = float(np.median([r["grad_norm"] for r in rows[:5]]))
-            hits = [r["step"] for r in rows[5:] if not np.isfinite(r["grad_norm"]) or r["grad_norm"] > self.threshold * base]
-            hits += [r["step"] for r in rows if r["nonfinite"] > 0]
-        elif self.name == "router-collapse":
-            hits = [r["step"] for r in rows if r.get("collapse_max", float("nan")) > self.threshold]
-        else:  # pragma: no cover - the table below is closed
-            raise AssertionError(self.name)
-        return int(min(hits)) if hits else None
+            return onset_of("fp16-overflow", rows)
+        found = onset_of(self.name, rows, threshold=self.threshold)
+        if self.name == "grad-blowup":  # a non-finite update is where a blow-up ends
+            hits = [s for s in (found, onset_of("non-finite", rows)) if s is not None]
+            return min(hits) if hits else None
+        return found
 
 
 RECIPES: dict[str, Recipe] = {
@@ -88,7 +79,7 @@ RECIPES: dict[str, Recipe] = {
             hi=22.0,
             kind="static",
             base={"lr": 3e-5, "kl_coef": 0.05},
-            threshold=0.01,
+            threshold=THRESHOLDS["rollout-mismatch"],
         ),
         Recipe(
             name="entropy-collapse",
@@ -98,7 +89,7 @@ RECIPES: dict[str, Recipe] = {
             hi=-1.0,
             kind="dynamic",
             base={"kl_coef": 0.0, "entropy_coef": 0.0, "grad_clip": 1.0},
-            threshold=0.2,
+            threshold=THRESHOLDS["entropy-collapse"],
         ),
         Recipe(
             name="grad-blowup",
@@ -108,7 +99,7 @@ RECIPES: dict[str, Recipe] = {
             hi=-0.5,
             kind="dynamic",
             base={"kl_coef": 1.0, "grad_clip": None, "lr_schedule": "ramp"},
-            threshold=5.0,
+            threshold=THRESHOLDS["grad-blowup"],
         ),
         Recipe(
             name="router-collapse",
@@ -118,7 +109,7 @@ RECIPES: dict[str, Recipe] = {
             hi=2.0,
             kind="dynamic",
             base={"lr": 1e-3, "kl_coef": 0.05, "grad_clip": None},  # at 3e-3 routers collapsed unprovoked on some seeds
-            threshold=0.9,
+            threshold=THRESHOLDS["router-collapse"],
             version=2,  # v2: detector on the normalised top-k share, balance loss normalised to [0, 1] for any E
         ),
     )

@@ -1,0 +1,247 @@
+"""A run's step metrics from whatever the trainer wrote, mapped to canonical names.
+
+Formats (a file, or a directory holding one of them):
+
+    metrics.csv (+ run.json)   `planner rl run` / `rl margin -o` / `planner check`
+    events.out.tfevents.*      TensorBoard event files (verl, MindSpeed-RL, NeMo RL), read with the
+                               tensorboard package's own EventAccumulator
+    *.jsonl                    verl's file logger ({"step": N, "data": {...}} per line), or flat
+                               records with a step key (wandb's history stream: _step)
+    *.csv                      a wandb history export (run.history().to_csv(): _step, keys...) or
+                               any table with a step column
+    *.log, *.txt, *.out        console logs: verl's `step:N - key:value - ...` lines and
+                               MindSpeed-RL's `iteration: N / M | key : value | ...` lines
+
+Which trainer wrote it is told by its metric names; planner/runs/metrics.yaml maps each trainer's
+names to the canonical ones (data, not code). NeMo RL prints a summary block to its console, not
+metrics lines: read its TensorBoard directory (log_dir/tensorboard) or a wandb export instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from planner.errors import SpecError
+
+__all__ = ["Run", "read_run", "mapping", "TEXT_SUFFIXES"]
+
+TEXT_SUFFIXES = (".log", ".txt", ".out", ".err")
+_VERL = re.compile(r"(?:^|\s)step:(\d+) - (.*)$")
+_MINDSPEED = re.compile(r"iteration:\s*(\d+)\s*/\s*\d+\s*\|(.*)$")
+_NUMBER = re.compile(r"^(?:np\.\w+\()?\s*([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf|infinity))\s*\)?$", re.I)
+
+
+@lru_cache(maxsize=1)
+def mapping() -> dict[str, Any]:
+    return yaml.safe_load((Path(__file__).with_name("metrics.yaml")).read_text())
+
+
+@dataclass
+class Run:
+    path: Path
+    kind: str  # planner | tensorboard | jsonl | csv | verl-console | mindspeed-console
+    trainer: str  # planner | verl | mindspeed-rl | nemo-rl
+    metrics: Any  # pandas.DataFrame: canonical metric columns, index "step"
+    sources: dict[str, str]  # canonical metric -> the key it was read from
+    logged_nonfinite: dict[str, np.ndarray] = field(default_factory=dict)  # canonical -> rows logged as NaN/inf
+    info: dict = field(default_factory=dict)  # run.json where there is one
+
+    @property
+    def steps(self) -> np.ndarray:
+        return self.metrics.index.to_numpy(dtype=int)
+
+    def signals(self) -> dict[str, np.ndarray]:
+        """Canonical metric -> values (the detectors' input), with which values were logged non-finite."""
+        out = {c: self.metrics[c].to_numpy(dtype=float) for c in self.metrics.columns}
+        out.update({f"{c}:logged_nonfinite": v for c, v in self.logged_nonfinite.items()})
+        return out
+
+    def rows(self) -> list[dict]:
+        """One dict per step with "step" and the canonical metrics (the harness's metrics.csv rows)."""
+        frame = self.metrics.reset_index()
+        return [{k: float(v) for k, v in rec.items()} for rec in frame.to_dict("records")]
+
+    def ideal(self) -> dict[str, float]:
+        return {k: float(v["ideal"]) for k, v in mapping()["metrics"].items() if "ideal" in v}
+
+
+def _number(text: str) -> float | None:
+    m = _NUMBER.match(text.strip())
+    return float(m.group(1)) if m else None
+
+
+def _console(lines: list[str], path: Path) -> tuple[str, list[dict]]:
+    records: dict[str, list[dict]] = {"verl-console": [], "mindspeed-console": []}
+    for line in lines:
+        if (m := _VERL.search(line)) is not None:
+            rec = {"step": int(m.group(1))}
+            for item in m.group(2).split(" - "):
+                key, sep, value = item.rpartition(":")
+                if sep and (v := _number(value)) is not None:
+                    rec[key.strip()] = v
+            records["verl-console"].append(rec)
+        elif (m := _MINDSPEED.search(line)) is not None:
+            rec = {"step": int(m.group(1))}
+            for item in m.group(2).split("|"):
+                key, sep, value = item.rpartition(":")
+                if sep and (v := _number(value)) is not None:
+                    rec[key.strip()] = v
+            records["mindspeed-console"].append(rec)
+    kind = max(records, key=lambda k: len(records[k]))
+    if not records[kind]:
+        raise SpecError(f"{path}: no step metrics found: expected verl console lines (`step:N - key:value - ...`) or MindSpeed-RL "
+                        f"lines (`iteration: N / M | key : value | ...`); NeMo RL: pass its TensorBoard directory")  # fmt: skip
+    return kind, records[kind]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    out = []
+    with path.open() as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                raise SpecError(f"{path}:{n}: not a JSON line") from None
+            if not isinstance(obj, dict):
+                raise SpecError(f"{path}:{n}: a JSON line must be an object, got {type(obj).__name__}")
+            if isinstance(obj.get("data"), dict) and "step" in obj:  # verl's file logger
+                obj = {"step": obj["step"], **obj["data"]}
+            out.append({k: v for k, v in obj.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return out
+
+
+def _tensorboard(path: Path) -> list[dict]:
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+    except ImportError:
+        raise SpecError("reading TensorBoard event files needs the tensorboard package: pip install 'planner[runs]'") from None
+    acc = EventAccumulator(str(path), size_guidance={SCALARS: 0})
+    acc.Reload()
+    by_step: dict[int, dict] = {}
+    for tag in acc.Tags().get("scalars", []):
+        for event in acc.Scalars(tag):
+            by_step.setdefault(int(event.step), {"step": int(event.step)})[tag] = float(event.value)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _csv(path: Path) -> list[dict]:
+    import pandas as pd
+
+    try:  # as text, so that an empty cell (absent) and "nan" (logged) stay apart
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
+    except (pd.errors.ParserError, UnicodeDecodeError, pd.errors.EmptyDataError) as exc:
+        raise SpecError(f"{path}: not a CSV table ({type(exc).__name__})") from None
+    records = []
+    for rec in frame.to_dict("records"):
+        parsed = {str(k): _number(v) for k, v in rec.items() if isinstance(v, str)}
+        records.append({k: v for k, v in parsed.items() if v is not None})
+    return records
+
+
+def _locate(path: Path) -> tuple[str, Path]:
+    """(kind, file or event directory) of a run path."""
+    if not path.exists():
+        raise SpecError(f"{path}: no such run file or directory")
+    if path.is_file():
+        name = path.name
+        if name.startswith("events.out.tfevents"):
+            return "tensorboard", path
+        if name == "metrics.csv":
+            return "planner", path.parent
+        return {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}.get(path.suffix.lower(), "console"), path
+    if (path / "metrics.csv").is_file():
+        return "planner", path
+    event_dirs = sorted({p.parent for p in path.rglob("events.out.tfevents*")})
+    if len(event_dirs) == 1:
+        return "tensorboard", event_dirs[0]
+    if len(event_dirs) > 1:
+        listed = ", ".join(str(d.relative_to(path)) or "." for d in event_dirs[:5])
+        raise SpecError(f"{path}: TensorBoard events in {len(event_dirs)} folders ({listed}); pass the one run's folder")
+    files = [p for p in sorted(path.iterdir()) if p.is_file() and p.suffix.lower() in (".jsonl", ".csv", *TEXT_SUFFIXES)]
+    if len(files) == 1:
+        return _locate(files[0])
+    if not files:
+        raise SpecError(f"{path}: no run metrics here (metrics.csv, TensorBoard events, *.jsonl, *.csv or a console log)")
+    raise SpecError(f"{path}: {len(files)} candidate metric files ({', '.join(p.name for p in files[:5])}); pass one of them")
+
+
+def _trainer(keys: set[str]) -> tuple[str, dict[str, str]]:
+    """The trainer whose names match the most canonical metrics, and canonical -> key."""
+    table = mapping()
+    best, best_sources = None, {}
+    for trainer in ("planner", "verl", "mindspeed-rl", "nemo-rl"):
+        prefixes = ["", *table.get("prefixes", {}).get(trainer, [])]
+        sources = {}
+        for canonical, spec in table["metrics"].items():
+            for key in spec["keys"].get(trainer, []):
+                hit = next((p + key for p in prefixes if p + key in keys), None)
+                if hit is not None:
+                    sources[canonical] = hit
+                    break
+        if len(sources) > len(best_sources):
+            best, best_sources = trainer, sources
+    if best is None:
+        shown = ", ".join(sorted(keys)[:8])
+        raise SpecError(f"no known metric among the run's keys ({shown}{', ...' if len(keys) > 8 else ''}); "
+                        f"known: {', '.join(sorted(table['metrics']))} under planner, verl, MindSpeed-RL or NeMo RL names "
+                        "(planner/runs/metrics.yaml)")  # fmt: skip
+    return best, best_sources
+
+
+def read_run(path: str | Path) -> Run:
+    """Read a run's step metrics in any supported format (see the module doc)."""
+    import pandas as pd
+
+    path = Path(path)
+    kind, where = _locate(path)
+    info: dict = {}
+    if kind == "planner":
+        records = _csv(where / "metrics.csv")
+        if (where / "run.json").is_file():
+            from planner.files import read_json
+
+            info = read_json(where / "run.json", "run record")
+    elif kind == "tensorboard":
+        records = _tensorboard(where)
+    elif kind == "jsonl":
+        records = _jsonl(where)
+    elif kind == "csv":
+        records = _csv(where)
+    else:
+        try:
+            lines = where.read_text(errors="replace").splitlines()
+        except OSError as exc:
+            raise SpecError(f"cannot read {where}: {exc.strerror}") from None
+        kind, records = _console(lines, where)
+    step_keys = mapping()["step_keys"]
+    step_key = next((k for k in step_keys if any(k in r for r in records)), None)
+    if not records or step_key is None:
+        raise SpecError(f"{where}: no steps found" + ("" if not records else f" (no step column: one of {', '.join(step_keys)})"))
+    keys = {k for r in records for k in r} - set(step_keys)
+    trainer, sources = _trainer(keys)
+    if kind == "planner":
+        trainer = "planner"
+    rows = [r for r in records if step_key in r and math.isfinite(r[step_key])]
+    raw = pd.DataFrame.from_records(rows)
+    raw["step"] = raw[step_key].astype(int)
+    grouped = raw.groupby("step", sort=True)
+    metrics = grouped[[sources[c] for c in sources]].last().rename(columns={v: k for k, v in sources.items()}).astype(float)
+    # a value logged as NaN or inf (not merely absent) at a step: the non-finite detector's evidence
+    logged = {}
+    for c in ("grad_norm", "loss"):
+        if c in sources:
+            explicit = {int(r[step_key]) for r in rows if sources[c] in r and not math.isfinite(r[sources[c]])}
+            logged[c] = np.isin(metrics.index.to_numpy(), sorted(explicit))
+    metrics.index.name = "step"
+    return Run(path=path, kind=kind, trainer=trainer, metrics=metrics, sources=sources, logged_nonfinite=logged, info=info)

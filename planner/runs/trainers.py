@@ -1,0 +1,400 @@
+"""Trainer configs out and in: a plan's proxy run as verl, MindSpeed-RL or NeMo RL config, and a
+trainer's config as planner's job file.
+
+Each trainer is a table of (dotted key, how to read it from the plan's deployment, how to read the
+job back). verl gets Hydra overrides for its Megatron trainer (ppo_megatron_trainer), checked
+against the config the verl package ships; MindSpeed-RL and NeMo RL get YAML, checked against the
+keys of their published GRPO configs (trainer_keys.yaml names them). `job_from` reads the same keys
+back, so export and import round-trip.
+
+Routing replay: the proxy renumbers experts, so routes recorded on the original (verl's
+router_replay, NeMo RL's router_replay) must be remapped through the proxy's expert_map.json
+(original id -> proxy id per MoE layer) before they are replayed on the proxy; the exported config
+says so beside the key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from planner.errors import SpecError
+
+__all__ = ["TRAINERS", "export_plan", "job_from", "flatten", "published_keys"]
+
+TRAINERS = ("verl", "mindspeed-rl", "nemo-rl")
+_RECOMPUTE = {"none": None, "selective": "selective", "full": "full"}
+_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What a plan's deployment says, in the terms every trainer needs."""
+
+    job: Any  # planner.specs.Job
+    train: Any  # TrainLayout
+    rollout: Any  # RolloutLayout
+    cards: int
+    per_node: int
+    model_path: str
+    name: str  # the model's name (MindSpeed-RL's model key)
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.cards / self.per_node)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return min(self.cards, self.per_node)
+
+
+def _deployment(plan, model_path: str) -> Deployment:
+    from planner.catalog import load_accelerator
+    from planner.specs import Job, RolloutLayout, TrainLayout
+
+    d = plan.deployment
+    if not d or not d.get("train_layout") or not d.get("job"):
+        raise SpecError("the plan has no deployment (layouts, job, device count): export a plan written by `planner suggest -o`")
+    accel = load_accelerator(str(d.get("hardware", "ascend-910b2")))
+    return Deployment(job=Job.from_dict(d["job"], "plan deployment.job"), train=TrainLayout.from_dict(d["train_layout"]),
+                      rollout=RolloutLayout.from_dict(d["rollout_layout"]), cards=int(d["num_cards"]), per_node=accel.devices_per_node,
+                      model_path=model_path, name=Path(str(plan.model)).name.replace("-", "_").replace(".", "_"))  # fmt: skip
+
+
+def _mini_batch(j) -> int:
+    if j.prompts_per_step % j.mini_batches:
+        raise SpecError(f"prompts_per_step {j.prompts_per_step} is not a multiple of mini_batches {j.mini_batches}: trainers count mini-batches in prompts")
+    return j.prompts_per_step // j.mini_batches
+
+
+# ---- the tables: key -> value from a Deployment ------------------------------------------------------
+
+def _verl(d: Deployment, replay: bool) -> dict[str, Any]:
+    j, t, r = d.job, d.train, d.rollout
+    if j.trainer_backend != "megatron":
+        raise SpecError("verl export covers its Megatron trainer (ppo_megatron_trainer); this plan's job trains with the transformers backend")
+    actor, mega = "actor_rollout_ref.actor", "actor_rollout_ref.actor.megatron"
+    recompute = _RECOMPUTE[j.recompute]
+    out = {
+        "algorithm.adv_estimator": "gae" if j.algorithm == "ppo" else "grpo",
+        "data.train_batch_size": j.prompts_per_step,
+        "data.max_prompt_length": j.prompt_tokens.max,
+        "data.max_response_length": j.response_tokens.max,
+        "actor_rollout_ref.model.path": d.model_path,
+        f"{mega}.tensor_model_parallel_size": t.tp,
+        f"{mega}.pipeline_model_parallel_size": t.pp,
+        f"{mega}.expert_model_parallel_size": t.ep,
+        f"{mega}.expert_tensor_parallel_size": t.etp if t.etp is not None else t.tp,
+        f"{mega}.context_parallel_size": t.cp,
+        f"{mega}.use_distributed_optimizer": j.distributed_optimizer,
+        f"{mega}.param_offload": j.offload.params,  # verl releases the gradient buffers with the parameters
+        f"{mega}.optimizer_offload": j.offload.optimizer,
+        f"{mega}.dtype": _DTYPE[j.precision],
+        f"{mega}.override_transformer_config.recompute_granularity": recompute,
+        f"{mega}.override_transformer_config.recompute_method": "uniform" if recompute == "full" else None,
+        f"{mega}.override_transformer_config.recompute_num_layers": 1 if recompute == "full" else None,
+        f"{actor}.ppo_mini_batch_size": _mini_batch(j),
+        f"{actor}.ppo_epochs": j.ppo_epochs,
+        f"{actor}.use_dynamic_bsz": True,
+        f"{actor}.ppo_max_token_len_per_gpu": j.micro_tokens,
+        f"{actor}.use_kl_loss": j.reference_model,
+        "actor_rollout_ref.rollout.name": "vllm",
+        "actor_rollout_ref.rollout.n": j.samples_per_prompt,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": r.tp,
+        "actor_rollout_ref.rollout.data_parallel_size": r.dp,
+        "actor_rollout_ref.rollout.expert_parallel_size": r.ep,
+        "actor_rollout_ref.rollout.gpu_memory_utilization": j.rollout_memory_utilization,
+        "trainer.n_gpus_per_node": d.gpus_per_node,
+        "trainer.nnodes": d.nodes,
+    }
+    if replay:
+        out[f"{mega}.router_replay.mode"] = "R3"
+        out["actor_rollout_ref.rollout.enable_rollout_routing_replay"] = True
+    return out
+
+
+def _mindspeed(d: Deployment, replay: bool) -> dict[str, Any]:
+    j, t, r = d.job, d.train, d.rollout
+    if t.cp != 1 or t.etp not in (None, t.tp, 1):
+        raise SpecError(f"MindSpeed-RL's published GRPO configs set no context parallelism and expert TP only as 1 (moe_tp_extend_ep) "
+                        f"or TP; this plan trains with {t.describe()}")  # fmt: skip
+    if r.dp != 1:
+        raise SpecError(f"MindSpeed-RL's generate_config has no data-parallel size; this plan's rollout is {r.describe()}")
+    if replay:
+        raise SpecError("routing replay: MindSpeed-RL's published GRPO configs have no router replay key")
+    recompute = _RECOMPUTE[j.recompute]
+    out = {
+        "megatron_training.model": d.name,
+        "megatron_training.tokenizer_name_or_path": d.model_path,
+        "megatron_training.global_batch_size": j.prompts_per_step,
+        "megatron_training.seq_length": j.max_sequence_tokens,
+        "megatron_training.stage": "ray_grpo",
+        "megatron_training.bf16": j.precision == "bf16",
+        "megatron_training.use_distributed_optimizer": j.distributed_optimizer,
+        "actor_config.model": d.name,
+        "actor_config.load": d.model_path,
+        "actor_config.micro_batch_size": 1,
+        "actor_config.tensor_model_parallel_size": t.tp,
+        "actor_config.pipeline_model_parallel_size": t.pp,
+        "actor_config.expert_model_parallel_size": t.ep,
+        "actor_config.moe_tp_extend_ep": True if t.etp == 1 and t.tp > 1 else None,  # experts whole, the TP ranks extend EP
+        "rl_config.use_integrated_worker": j.colocated,
+        "rl_config.mini_batch_size": _mini_batch(j),
+        "rl_config.n_samples_per_prompt": j.samples_per_prompt,
+        "rl_config.max_prompt_length": j.prompt_tokens.max,
+        "rl_config.epochs": j.ppo_epochs,
+        "rl_config.actor_resource.num_npus": d.cards,
+        "generate_config.infer_tensor_parallel_size": r.tp,
+        "generate_config.infer_pipeline_parallel_size": 1,
+        "generate_config.infer_expert_parallel_size": r.ep,
+        "generate_config.enable_expert_parallel": r.ep > 1,
+        "generate_config.gpu_memory_utilization": j.rollout_memory_utilization,
+        "generate_config.max_model_len": j.max_sequence_tokens,
+        "generate_config.offload_train_optimizer": j.offload.optimizer,
+        "generate_config.offload_train_grad": j.offload.grads,
+        "generate_config.offload_train_param": j.offload.params,
+        "generate_config.sampling_config.max_tokens": j.response_tokens.max,
+    }
+    if recompute is not None:
+        out.update({"actor_config.recompute_granularity": recompute, "actor_config.recompute_method": "uniform" if recompute == "full" else None,
+                    "actor_config.recompute_num_layers": 1 if recompute == "full" else None})  # fmt: skip
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _nemo(d: Deployment, replay: bool) -> dict[str, Any]:
+    j, t, r = d.job, d.train, d.rollout
+    out = {
+        "defaults": "grpo_math_1B_megatron.yaml",
+        "grpo.num_prompts_per_step": j.prompts_per_step,
+        "grpo.num_generations_per_prompt": j.samples_per_prompt,
+        "policy.model_name": d.model_path,
+        "policy.train_global_batch_size": j.num_sequences // j.mini_batches,
+        "policy.train_micro_batch_size": 1,
+        "policy.max_total_sequence_length": j.max_sequence_tokens,
+        "policy.precision": _DTYPE[j.precision],
+        "policy.router_replay.enabled": replay,
+        "policy.megatron_cfg.enabled": True,
+        "policy.megatron_cfg.tensor_model_parallel_size": t.tp,
+        "policy.megatron_cfg.pipeline_model_parallel_size": t.pp,
+        "policy.megatron_cfg.context_parallel_size": t.cp,
+        "policy.megatron_cfg.expert_tensor_parallel_size": t.etp if t.etp is not None else t.tp,
+        "policy.megatron_cfg.expert_model_parallel_size": t.ep,
+        "policy.megatron_cfg.sequence_parallel": t.tp > 1,
+        "policy.megatron_cfg.optimizer.optimizer_cpu_offload": j.offload.optimizer,
+        "policy.generation.vllm_cfg.tensor_parallel_size": r.tp,
+        "policy.generation.vllm_cfg.expert_parallel_size": r.ep,
+        "policy.generation.vllm_cfg.gpu_memory_utilization": j.rollout_memory_utilization,
+        "cluster.gpus_per_node": d.gpus_per_node,
+        "cluster.num_nodes": d.nodes,
+    }
+    return out
+
+
+_TABLES: dict[str, Callable[[Deployment, bool], dict[str, Any]]] = {"verl": _verl, "mindspeed-rl": _mindspeed, "nemo-rl": _nemo}
+
+
+# ---- out ---------------------------------------------------------------------------------------------
+
+def _hydra(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = False) -> tuple[str, dict[str, Any]]:
+    """(file text, dotted keys) that launch the plan's proxy run in `trainer`."""
+    if trainer not in _TABLES:
+        raise SpecError(f"unknown trainer {trainer!r}; one of {', '.join(TRAINERS)}")
+    d = _deployment(plan, model_path)
+    flat = _TABLES[trainer](d, routing_replay)
+    pred = (plan.deployment or {}).get("predicted", {})
+    head = [f"planner export --to {trainer}: the proxy of {plan.model} keeping {plan.experts} of {plan.original_experts} experts "
+            f"({plan.method}) on {d.cards} {plan.deployment.get('device_unit', 'device')}s of {plan.deployment.get('hardware')}",
+            f"predicted: {pred.get('memory_per_card_bytes', float('nan')) / 2**30:.1f} GiB per device, "
+            f"{pred.get('step_time_s', float('nan')):.0f} s per step; fault {plan.deployment.get('fault')}",
+            "prompt and response lengths are the maxima; the job's mean lengths are planner's cost-model inputs only",
+            f"routing replay: remap routes recorded on the original through {model_path}/expert_map.json (original id -> proxy id per layer)"]  # fmt: skip
+    if trainer == "verl":
+        lines = [f"# {h}" for h in head]
+        lines.append("# launch: python -m verl.trainer.main_ppo --config-name ppo_megatron_trainer $(grep -v '^#' THIS_FILE)")
+        lines += [f"{k}={_hydra(v)}" for k, v in flat.items()]
+        return "\n".join(lines) + "\n", flat
+    note = {"mindspeed-rl": "merge into a MindSpeed-RL GRPO config (configs/grpo_*.yaml) with the model's own defaults entry",
+            "nemo-rl": "a NeMo RL config that inherits grpo_math_1B_megatron.yaml: run with examples/run_grpo_math.py --config THIS_FILE"}[trainer]  # fmt: skip
+    text = "".join(f"# {h}\n" for h in [*head, note]) + yaml.safe_dump(unflatten(flat), sort_keys=False)
+    return text, flat
+
+
+# ---- in ---------------------------------------------------------------------------------------------
+
+def _read_flat(path: Path) -> dict[str, Any]:
+    """A trainer config as dotted keys: a YAML mapping, or Hydra overrides (`key=value`, one or more per line)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None
+    if isinstance(data, dict) and not any("=" in str(k) for k in data):
+        return flatten(data)
+    flat = {}
+    for token in text.replace("\\\n", " ").split():
+        if token.startswith("#"):
+            continue
+        key, sep, value = token.partition("=")
+        if sep and "." in key.lstrip("+~"):
+            flat[key.lstrip("+~")] = yaml.safe_load(value) if value else None
+    if not flat:
+        raise SpecError(f"{path}: neither a YAML config nor Hydra overrides (key=value)")
+    return flat
+
+
+def _number(flat: dict, key: str, path: Path, kind=int):
+    value = flat.get(key)
+    if isinstance(value, str):  # YAML 1.1 reads 1e-6 as text; trainers' configs are full of them
+        try:
+            value = float(value)
+        except ValueError:
+            raise SpecError(f"{path}: {key}: {value!r} is not a number") from None
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{path}: {key} is missing or not a number (got {value!r})")
+    return kind(value)
+
+
+def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
+    """(Job with its layouts, device count, notes) from a trainer's config."""
+    from planner.specs import Job, Lengths, Offload, RolloutLayout, TrainLayout
+
+    if trainer not in _TABLES:
+        raise SpecError(f"unknown trainer {trainer!r}; one of {', '.join(TRAINERS)}")
+    path = Path(path)
+    f = _read_flat(path)
+    missing = [k for k in _REQUIRED[trainer] if f.get(k) is None]
+    if missing:
+        raise SpecError(f"{path}: not a complete {trainer} config: missing {', '.join(missing)}")
+    n = lambda key, kind=int: _number(f, key, path, kind)  # noqa: E731
+    default = Job()
+    notes = ["mean prompt and response lengths are not in a trainer config: the default job's ratios of mean to maximum are used; "
+             "set them from your data"]  # fmt: skip
+
+    def lengths(prompt_max: int, response_max: int) -> dict:
+        scale = lambda d, m: Lengths(mean=round(d.mean / d.max * m, 1), max=m)  # noqa: E731
+        return {"prompt_tokens": scale(default.prompt_tokens, prompt_max), "response_tokens": scale(default.response_tokens, response_max)}
+
+    precision = {v: k for k, v in _DTYPE.items()}
+    if trainer == "verl":
+        mega, actor = "actor_rollout_ref.actor.megatron", "actor_rollout_ref.actor"
+        prompts = n("data.train_batch_size")
+        recompute = f.get(f"{mega}.override_transformer_config.recompute_granularity")
+        kw = dict(algorithm="ppo" if f.get("algorithm.adv_estimator") == "gae" else "grpo", prompts_per_step=prompts,
+                  samples_per_prompt=n("actor_rollout_ref.rollout.n"), **lengths(n("data.max_prompt_length"), n("data.max_response_length")),
+                  precision=precision.get(f.get(f"{mega}.dtype", "bfloat16"), "bf16"), recompute=recompute or "none",
+                  offload=Offload(params=bool(f.get(f"{mega}.param_offload", False)), grads=bool(f.get(f"{mega}.param_offload", False)),
+                                  optimizer=bool(f.get(f"{mega}.optimizer_offload", False))),
+                  reference_model=bool(f.get(f"{actor}.use_kl_loss", False)), ppo_epochs=n(f"{actor}.ppo_epochs"),
+                  mini_batches=prompts // n(f"{actor}.ppo_mini_batch_size"), distributed_optimizer=bool(f.get(f"{mega}.use_distributed_optimizer", True)),
+                  rollout_memory_utilization=n("actor_rollout_ref.rollout.gpu_memory_utilization", float),
+                  train_layout=TrainLayout(tp=n(f"{mega}.tensor_model_parallel_size"), pp=n(f"{mega}.pipeline_model_parallel_size"),
+                                           ep=n(f"{mega}.expert_model_parallel_size"), cp=n(f"{mega}.context_parallel_size"),
+                                           etp=f.get(f"{mega}.expert_tensor_parallel_size")),
+                  rollout_layout=RolloutLayout(tp=n("actor_rollout_ref.rollout.tensor_model_parallel_size"),
+                                               dp=n("actor_rollout_ref.rollout.data_parallel_size"),
+                                               ep=n("actor_rollout_ref.rollout.expert_parallel_size")))  # fmt: skip
+        if f.get(f"{actor}.use_dynamic_bsz"):
+            kw["micro_batch_tokens"] = n(f"{actor}.ppo_max_token_len_per_gpu")
+        cards = n("trainer.n_gpus_per_node") * n("trainer.nnodes")
+    elif trainer == "mindspeed-rl":
+        prompts = n("megatron_training.global_batch_size")
+        infer_ep = n("generate_config.infer_expert_parallel_size")
+        infer_tp = n("generate_config.infer_tensor_parallel_size")
+        kw = dict(prompts_per_step=prompts, samples_per_prompt=n("rl_config.n_samples_per_prompt"),
+                  **lengths(n("rl_config.max_prompt_length"), n("generate_config.sampling_config.max_tokens")),
+                  precision="bf16" if f.get("megatron_training.bf16") else "fp32", recompute=f.get("actor_config.recompute_granularity") or "none",
+                  colocated=bool(f.get("rl_config.use_integrated_worker", True)),
+                  offload=Offload(params=bool(f.get("generate_config.offload_train_param", False)),
+                                  grads=bool(f.get("generate_config.offload_train_grad", False)),
+                                  optimizer=bool(f.get("generate_config.offload_train_optimizer", False))),
+                  ppo_epochs=int(f.get("rl_config.epochs", 1)), mini_batches=prompts // n("rl_config.mini_batch_size"),
+                  distributed_optimizer=bool(f.get("megatron_training.use_distributed_optimizer", True)),
+                  rollout_memory_utilization=n("generate_config.gpu_memory_utilization", float),
+                  train_layout=TrainLayout(tp=n("actor_config.tensor_model_parallel_size"), pp=n("actor_config.pipeline_model_parallel_size"),
+                                           ep=n("actor_config.expert_model_parallel_size"),
+                                           etp=1 if f.get("actor_config.moe_tp_extend_ep") else None),
+                  rollout_layout=RolloutLayout(tp=infer_tp, dp=1, ep=infer_ep))  # fmt: skip
+        cards = n("rl_config.actor_resource.num_npus")
+        if f.get("megatron_training.fp16"):
+            kw["precision"] = "fp16"
+    else:
+        prompts = n("grpo.num_prompts_per_step")
+        samples = n("grpo.num_generations_per_prompt")
+        total = n("policy.max_total_sequence_length")
+        notes.append("NeMo RL gives one total sequence length: the prompt maximum is taken from planner's default job, the rest is response")
+        prompt_max = min(default.prompt_tokens.max, total // 2)
+        mega = "policy.megatron_cfg"
+        if f.get("defaults"):
+            notes.append(f"keys this file inherits from {f['defaults']} and does not set take planner's defaults")
+        kw = dict(prompts_per_step=prompts, samples_per_prompt=samples, **lengths(prompt_max, total - prompt_max),
+                  precision=precision.get(f.get("policy.precision", "bfloat16"), "bf16"),
+                  offload=Offload(params=False, grads=False, optimizer=bool(f.get(f"{mega}.optimizer.optimizer_cpu_offload", False))),
+                  mini_batches=max(1, prompts * samples // n("policy.train_global_batch_size")),
+                  rollout_memory_utilization=n("policy.generation.vllm_cfg.gpu_memory_utilization", float),
+                  train_layout=TrainLayout(tp=n(f"{mega}.tensor_model_parallel_size"), pp=n(f"{mega}.pipeline_model_parallel_size"),
+                                           ep=n(f"{mega}.expert_model_parallel_size"), cp=int(f.get(f"{mega}.context_parallel_size", 1)),
+                                           etp=f.get(f"{mega}.expert_tensor_parallel_size")),
+                  rollout_layout=RolloutLayout(tp=n("policy.generation.vllm_cfg.tensor_parallel_size"), dp=1,
+                                               ep=int(f.get("policy.generation.vllm_cfg.expert_parallel_size", 1))))  # fmt: skip
+        cards = n("cluster.gpus_per_node") * n("cluster.num_nodes")
+    updates = kw.get("ppo_epochs", 1) * kw["mini_batches"]
+    kw["skip_old_logprob"] = updates == 1
+    return Job(**kw), cards, notes
+
+
+_VERL_MEGA = "actor_rollout_ref.actor.megatron"
+_REQUIRED = {  # what job_from reads without a default
+    "verl": ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.n",
+             "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.gpu_memory_utilization",
+             *(f"{_VERL_MEGA}.{k}_parallel_size" for k in ("tensor_model", "pipeline_model", "expert_model", "context")),
+             *(f"actor_rollout_ref.rollout.{k}_parallel_size" for k in ("tensor_model", "data", "expert")), "trainer.n_gpus_per_node", "trainer.nnodes"],
+    "mindspeed-rl": ["megatron_training.global_batch_size", "rl_config.n_samples_per_prompt", "rl_config.max_prompt_length",
+                     "generate_config.sampling_config.max_tokens", "rl_config.mini_batch_size", "generate_config.gpu_memory_utilization",
+                     *(f"actor_config.{k}_parallel_size" for k in ("tensor_model", "pipeline_model", "expert_model")),
+                     *(f"generate_config.infer_{k}_parallel_size" for k in ("tensor", "expert")), "rl_config.actor_resource.num_npus"],
+    "nemo-rl": ["grpo.num_prompts_per_step", "grpo.num_generations_per_prompt", "policy.max_total_sequence_length", "policy.train_global_batch_size",
+                "policy.generation.vllm_cfg.gpu_memory_utilization", "policy.generation.vllm_cfg.tensor_parallel_size",
+                *(f"policy.megatron_cfg.{k}_parallel_size" for k in ("tensor_model", "pipeline_model", "expert_model")),
+                "cluster.gpus_per_node", "cluster.num_nodes"],
+}  # fmt: skip
+
+
+@lru_cache(maxsize=1)
+def published_keys() -> dict[str, dict]:
+    return yaml.safe_load(Path(__file__).with_name("trainer_keys.yaml").read_text())

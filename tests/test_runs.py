@@ -1,0 +1,269 @@
+"""Runs in: the harness's runs, and the same runs written in verl, MindSpeed-RL, NeMo RL and wandb
+formats by their real writers or byte for byte in their line formats, read to canonical metrics; the
+fault detectors on them."""
+
+from __future__ import annotations
+
+import json
+import math
+import pprint
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from planner.cli import main
+
+SMALL = dict(prompts=4, group=4, new_tokens=8)
+# the trainers' own key names (from their sources; written here, not read from planner's mapping file)
+VERL = {"grad_norm": "actor/grad_norm", "entropy": "actor/entropy", "kl_ref": "actor/kl_loss", "reward_mean": "critic/score/mean",
+        "response_len": "response_length/mean", "loss": "actor/pg_loss", "clip_frac": "actor/pg_clipfrac", "lr": "actor/lr",
+        "mismatch_k3": "rollout_corr/k3_kl"}  # fmt: skip
+MINDSPEED = {"grad_norm": "actor/grad_norm", "entropy": "actor/entropy", "kl_ref": "actor/kl_loss", "reward_mean": "grpo/score/mean",
+             "response_len": "response_length/mean", "loss": "actor/pg_loss", "clip_frac": "actor/pg_clipfrac", "lr": "actor/lr"}  # fmt: skip
+NEMO = {"grad_norm": "train/grad_norm", "entropy": "train/approx_entropy", "kl_ref": "train/kl_penalty", "reward_mean": "train/reward",
+        "response_len": "train/mean_gen_tokens_per_sample", "loss": "train/loss", "lr": "train/lr", "mismatch_k3": "train/gen_kl_error"}  # fmt: skip
+OTHER = {"timing_s/gen": 1.25, "critic/score/max": 1.0, "perf/throughput": 812.5}  # logged too; not canonical
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def runs(rl_model):
+    """Harness runs: each recipe at the top of its bracket (the fault injected) and one unperturbed run."""
+    from planner.rl.grpo import GRPO, Models, RLConfig
+    from planner.rl.recipes import RECIPES
+
+    models = Models(rl_model[0])
+    out = {name: (r.config(r.hi, seed=0, steps=12, **SMALL), None) for name, r in RECIPES.items()}
+    out["none"] = (RLConfig(seed=0, steps=12, **SMALL), None)
+    return {name: (cfg, GRPO(models, cfg).run()) for name, (cfg, _) in out.items()}
+
+
+def _trainer_records(rows, keys):
+    return [{"step": int(r["step"]), **{keys[k]: r[k] for k in keys if k in r}, **OTHER} for r in rows]
+
+
+def write_verl_console(rows, path, old_format=False):
+    """verl's console logger: `step:N - key:value - ...`; values as pprint.pformat of numpy scalars
+    (numpy >= 2 prints np.float64(...)), or `key:value:.3f` before verl PR #2303."""
+    lines = ["(TaskRunner pid=4242) Training Progress:  10%|#         | 1/12", "INFO worker started"]
+    for rec in _trainer_records(rows, VERL):
+        step = rec.pop("step")
+        items = [f"{k}:{v:.3f}" if old_format else f"{k}:{pprint.pformat(np.float64(v))}" for k, v in rec.items()]
+        lines.append(f"(TaskRunner pid=4242) step:{step} - " + " - ".join(items + [f"training/global_step:{step}"]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_verl_jsonl(rows, path):
+    with path.open("w") as fh:
+        for rec in _trainer_records(rows, VERL):
+            step = rec.pop("step")
+            fh.write(json.dumps({"step": step, "data": rec}) + "\n")
+
+
+def write_mindspeed_console(rows, path):
+    lines = []
+    for rec in _trainer_records(rows, MINDSPEED):
+        step = rec.pop("step") + 1
+        body = "".join(f"{k} : {v:e} | " if "lr" in k else f"{k} : {v:.4f} | " for k, v in rec.items())
+        lines.append(f"2026-11-30 10:00:00,123 - INFO - [2026-11-30 10:00:00] iteration: {step} / 12 | {body[:-2]}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_tensorboard(rows, path, keys, prefix=""):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(path))
+    for rec in _trainer_records(rows, keys):
+        step = rec.pop("step")
+        for k, v in rec.items():
+            writer.add_scalar(prefix + k, v, step)
+    writer.close()
+
+
+def write_wandb_csv(rows, path):
+    import pandas as pd
+
+    recs = _trainer_records(rows, VERL)
+    frame = pd.DataFrame([{"_step": r.pop("step"), "_runtime": 10.0 * i, "_timestamp": 1.7e9 + i, **r} for i, r in enumerate(recs)])
+    frame.to_csv(path, index=False)
+
+
+def write_wandb_jsonl(rows, path):
+    with path.open("w") as fh:
+        for i, rec in enumerate(_trainer_records(rows, NEMO)):
+            fh.write(json.dumps({"_step": rec.pop("step"), "_runtime": 10.0 * i, **rec}) + "\n")
+
+
+def assert_same_metrics(run, rows, keys, rel=1e-6, abs_tol=0.0):
+    assert list(run.steps) == [int(r["step"]) for r in rows]
+    for canonical in keys:
+        got, want = run.metrics[canonical].to_numpy(), np.array([r[canonical] for r in rows])
+        finite = np.isfinite(want)
+        assert np.array_equal(np.isfinite(got), finite), canonical
+        np.testing.assert_allclose(got[finite], want[finite], rtol=rel, atol=abs_tol, err_msg=canonical)
+
+
+@pytest.mark.slow
+def test_every_format_reads_to_the_canonical_metrics(runs, tmp_path):
+    from planner.rl.grpo import write_metrics
+    from planner.runs.read import read_run
+
+    cfg, rows = runs["entropy-collapse"]
+    write_metrics(rows, tmp_path / "planner", cfg, {"recipe": "entropy-collapse"})
+    run = read_run(tmp_path / "planner")
+    assert (run.kind, run.trainer, run.info["recipe"]) == ("planner", "planner", "entropy-collapse")
+    assert_same_metrics(run, rows, ["grad_norm", "entropy", "kl_ref", "reward_mean", "loss", "mismatch_k3", "overflow", "collapse_max"])
+
+    cases = [
+        ("verl.log", write_verl_console, {}, "verl-console", "verl", VERL, 1e-12, 0),
+        ("verl-old.log", lambda r, p: write_verl_console(r, p, old_format=True), {}, "verl-console", "verl", VERL, 0, 5e-4),
+        ("verl.jsonl", write_verl_jsonl, {}, "jsonl", "verl", VERL, 1e-12, 0),
+        ("ms.log", write_mindspeed_console, {}, "mindspeed-console", "mindspeed-rl", MINDSPEED, 0, 5e-5),
+        ("wandb.csv", write_wandb_csv, {}, "csv", "verl", VERL, 1e-12, 0),
+        ("wandb.jsonl", write_wandb_jsonl, {}, "jsonl", "nemo-rl", NEMO, 1e-12, 0),
+    ]
+    for name, writer, _, kind, trainer, keys, rel, atol in cases:
+        writer(rows, tmp_path / name)
+        run = read_run(tmp_path / name)
+        assert (run.kind, run.trainer) == (kind, trainer), name
+        expected = [dict(r, step=r["step"] + (1 if trainer == "mindspeed-rl" else 0)) for r in rows]
+        assert_same_metrics(run, expected, keys, rel=rel, abs_tol=atol)
+        assert set(run.sources) == set(keys) and run.sources["grad_norm"] == keys["grad_norm"]
+
+    for sub, keys, prefix, trainer in (("tb-verl", VERL, "", "verl"), ("tb-ms", MINDSPEED, "train/", "mindspeed-rl"), ("tb-nemo", NEMO, "", "nemo-rl")):
+        write_tensorboard(rows, tmp_path / sub / "run1", keys, prefix)
+        run = read_run(tmp_path / sub)  # the event file is found below the folder given
+        assert (run.kind, run.trainer) == ("tensorboard", trainer)
+        assert_same_metrics(run, rows, keys, rel=1e-6)  # TensorBoard stores float32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fp16-overflow", "rollout-mismatch", "entropy-collapse", "grad-blowup", "router-collapse"])
+def test_detect_finds_the_injected_fault_and_its_onset(runs, name, tmp_path):
+    from planner.rl.recipes import recipe
+    from planner.runs.signature import signature
+
+    cfg, rows = runs[name]
+    onset = recipe(name).onset(rows)
+    assert onset is not None
+    from planner.rl.grpo import write_metrics
+
+    write_metrics(rows, tmp_path / "run", cfg, {"recipe": name})
+    sig = signature(tmp_path / "run")
+    by = {d["fault"]: d for d in sig["detectors"]}
+    assert abs(by[name]["onset_step"] - onset) <= 1
+    assert any(e["step"] == by[name]["onset_step"] for e in by[name]["evidence"])
+    # the signature's fault is the first to show; a learning-rate ramp to 0.3 also collapses this
+    # small model's router, three steps before its grad norm blows up
+    fired = [d for d in sig["detectors"] if d["onset_step"] is not None]
+    assert sig["fault"]["onset_step"] == min(d["onset_step"] for d in fired)
+    assert sig["fault"]["fault"] == name or (name == "grad-blowup" and sig["fault"]["fault"] == "router-collapse")
+    # the same run as verl logs it: verl has no overflow or routing metric; an overflow shows as a
+    # non-finite grad norm, router collapse is not logged
+    write_verl_console(rows, tmp_path / "verl.log")
+    sig = signature(tmp_path / "verl.log")
+    by = {d["fault"]: d for d in sig["detectors"]}
+    if name == "router-collapse":
+        assert not by["router-collapse"]["logged"]
+    elif name == "fp16-overflow":
+        assert sig["fault"]["fault"] == "non-finite" and sig["fault"]["source_key"] == "actor/grad_norm"
+        assert abs(sig["fault"]["onset_step"] - onset) <= 1
+    else:
+        assert sig["fault"]["fault"] == name and abs(sig["fault"]["onset_step"] - onset) <= 1
+
+
+@pytest.mark.slow
+def test_an_unperturbed_run_has_no_fault_and_the_cli_says_so(runs, tmp_path):
+    cfg, rows = runs["none"]
+    write_verl_jsonl(rows, tmp_path / "verl.jsonl")
+    result = run_cli("detect", tmp_path / "verl.jsonl", "--json")
+    assert result.exit_code == 0, result.output
+    sig = json.loads(result.output)
+    assert sig["fault"] is None and sig["trainer"] == "verl" and sig["steps"] == 12
+    assert {d["fault"] for d in sig["detectors"] if not d["logged"]} == {"fp16-overflow", "router-collapse"}
+    text = run_cli("detect", tmp_path / "verl.jsonl").output
+    assert "fault: none found" in text and "not logged" in text
+
+
+def test_detectors_on_constructed_signals():
+    """Each rule on hand-made series: fires where it should, and only there."""
+    from planner.runs.detect import detect, first_fault
+
+    steps = np.arange(20)
+    flat = np.ones(20)
+    grad = flat.copy()
+    grad[12] = 6.0  # 6 x the median of the first 5
+    entropy = np.linspace(2.0, 0.2, 20)  # 2 - 1.8 i / 19: below 0.2 x 2.0 = 0.4 from step 17
+    kl = np.full(20, 0.01)
+    kl[15] = 0.5
+    reward = np.r_[np.linspace(0.2, 0.8, 10), np.full(10, 0.1)]
+    m = {"grad_norm": grad, "entropy": entropy, "kl_ref": kl, "reward_mean": reward}
+    found = {f.fault: f.onset for f in detect(steps, m)}
+    assert found["grad-blowup"] == 12 and found["entropy-collapse"] == 17 and found["kl-blowup"] == 15
+    assert found["reward-collapse"] in (10, 11) and found["rollout-mismatch"] is None and found["non-finite"] is None
+    assert first_fault(detect(steps, m)).fault == "reward-collapse"
+    nan_grad = flat.copy()
+    nan_grad[7] = math.nan
+    absent = {"grad_norm": nan_grad, "grad_norm:logged_nonfinite": np.zeros(20, bool)}
+    logged = {"grad_norm": nan_grad, "grad_norm:logged_nonfinite": steps == 7}
+    assert {f.fault: f.onset for f in detect(steps, absent)}["non-finite"] is None  # a missing value is not a NaN
+    assert {f.fault: f.onset for f in detect(steps, logged)}["non-finite"] == 7
+    ratio = np.r_[np.full(8, 1.01), np.full(12, 1.2)]  # NeMo's multiplicative error: ideal 1
+    assert {f.fault: f.onset for f in detect(steps, {"mismatch_prob_ratio": ratio}, ideal={"mismatch_prob_ratio": 1.0})}["rollout-mismatch"] == 8
+
+
+def test_unreadable_runs_are_usage_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.log").write_text("nothing to see\n")
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / "a.jsonl").write_text("")
+    (tmp_path / "two" / "b.csv").write_text("step,x\n0,1\n")
+    (tmp_path / "odd.csv").write_text("step,foo/bar\n0,1\n1,2\n")
+    (tmp_path / "bad.jsonl").write_text('{"step": 0, "data": {"actor/grad_norm": 1.0}}\nnot json\n')
+    for target, words in (("missing", "no such run"), ("empty", "no run metrics here"), ("notes.log", "no step metrics found"),
+                          ("two", "2 candidate metric files"), ("odd.csv", "no known metric"), ("bad.jsonl", "bad.jsonl:2: not a JSON line")):  # fmt: skip
+        result = run_cli("detect", tmp_path / target)
+        assert result.exit_code == 2 and words in result.output, (target, result.output)
+
+
+@pytest.mark.slow
+def test_a_pair_of_trainer_runs_becomes_a_labelled_row(rl_model, tmp_path):
+    """calibrate add and check --proxy-metrics take the original's and the proxy's runs as verl logs:
+    the model comes from the plan, the recipe from the fault the original's log shows."""
+    from planner.fidelity.calibrate import measure_pair
+    from planner.plan import load_plan
+    from planner.rl.grpo import read_metrics
+
+    model, plan = rl_model[0], tmp_path / "plan.yaml"
+    assert run_cli("plan", model, "--experts", "16", "-o", plan).exit_code == 0
+    assert run_cli("build", model, tmp_path / "proxy-model", "--plan", plan).exit_code == 0
+    common = ("--recipe", "entropy-collapse", "--knob", "-1.0", "--steps", "8", "--set", "prompts=4", "--set", "new_tokens=8")
+    for name, where, extra in (("orig", model, ()), ("replica", model, ("--gen-seed", "7")), ("proxy", tmp_path / "proxy-model", ())):
+        result = run_cli("rl", "run", where, *common, *extra, "-o", tmp_path / name)
+        assert result.exit_code == 0, result.output
+        write_verl_console(read_metrics(tmp_path / name), tmp_path / f"{name}.log")
+
+    result = run_cli("calibrate", "add", "--original", tmp_path / "orig.log", "--proxy", tmp_path / "proxy.log", "--replica",
+                     tmp_path / "replica.log", "--plan", plan, "--dataset", tmp_path / "d.csv", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)
+    own = measure_pair(tmp_path / "orig", tmp_path / "proxy", load_plan(plan), replica_dir=tmp_path / "replica")
+    assert row["recipe"] == own["recipe"] == "entropy-collapse" and row["original"] == str(model) and row["experts"] == 16
+    assert row["onset_original"] == own["onset_original"] is not None and row["onset_proxy"] == own["onset_proxy"]
+    assert row["run_reproduced"] == own["run_reproduced"] == float(own["onset_proxy"] is not None)
+    assert row["spearman_grad_norm"] == pytest.approx(own["spearman_grad_norm"])
+    assert math.isfinite(row["curve_agreement"])  # over the curves verl logs (no routing load)
+    assert row["shift_log2"] is None  # a single run per side has no critical knob: no shift label
+    assert len((tmp_path / "d.csv").read_text().splitlines()) == 2
+
+    refused = run_cli("check", plan, "--checkpoint", model, "--reference-metrics", tmp_path / "orig.log", "-o", tmp_path / "c2")
+    assert refused.exit_code == 2 and "--proxy-metrics" in refused.output and not (tmp_path / "c2").exists()
+    result = run_cli("check", plan, "--checkpoint", model, "--reference-metrics", tmp_path / "orig.log", "--proxy-metrics",
+                     tmp_path / "proxy.log", "--replica", tmp_path / "replica.log", "--steps", "2", "-o", tmp_path / "check", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    labels = json.loads(result.stdout)["labels"]
+    assert labels["onset_proxy"] == row["onset_proxy"] and labels["curve_agreement"] == pytest.approx(row["curve_agreement"])

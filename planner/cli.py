@@ -119,11 +119,14 @@ def inspect(model: str, experts: int | None, as_json: bool) -> None:
 @click.option("--job", "job_path", type=click.Path(dir_okay=False), default=None, help="RL job YAML (default: GRPO 512x16).")
 @click.option("--experts", type=int, default=None, help="Cost the proxy keeping K experts per MoE layer.")
 @click.option("--max-cards", type=click.IntRange(1, 65_536), default=4096, show_default=True, help="Search bound for --min-cards.")
+@click.option("--knobs", "knobs_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Your own `planner fit-knobs -o` output instead of the packaged efficiency knobs.")
 @click.option("--json", "as_json", is_flag=True)
-def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, as_json) -> None:
+def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_file, as_json) -> None:
     """Memory per device, step time by RL phase and accelerator-hours of MODEL."""
     from planner.catalog import load_accelerator, load_model
     from planner.cost.evaluate import evaluate, min_devices
+    from planner.cost.knobs import knobs_path
     from planner.specs import load_job
     from planner.summary import render_cost
 
@@ -153,13 +156,17 @@ def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, as_jso
                 )
             except PlannerError as exc:
                 result.reasons.append(str(exc))
-        _emit_json(result.to_json()) if as_json else click.echo(render_cost(result))
+        if as_json:
+            _emit_json({**result.to_json(), "knobs_file": str(knobs_path())})
+        else:
+            click.echo(render_cost(result))
+            click.echo(f"efficiency knobs: {knobs_path()}")
         if not result.feasible:
             if not as_json:
                 click.echo("error: infeasible: " + "; ".join(result.reasons), err=True)
             sys.exit(2)
 
-    _run(body)
+    _run(lambda: calibrated(knobs_file, None, body))
 
 
 @main.command()
@@ -180,6 +187,27 @@ def demo(model, hardware, job_path, experts, as_json) -> None:
         _emit_json(comparison.to_json()) if as_json else click.echo(render_comparison(comparison))
 
     _run(body)
+
+
+def calibration_options(fn):
+    """--knobs and --estimator: a user's own `planner fit-knobs` / `planner calibrate fit` output."""
+    fn = click.option("--estimator", "estimator_file", type=click.Path(exists=True, dir_okay=False), default=None,
+                      help="Your own `planner calibrate fit` output instead of the packaged fidelity estimator.")(fn)  # fmt: skip
+    return click.option("--knobs", "knobs_file", type=click.Path(exists=True, dir_okay=False), default=None,
+                        help="Your own `planner fit-knobs -o` output instead of the packaged efficiency knobs.")(fn)  # fmt: skip
+
+
+def calibrated(knobs_file: str | None, estimator_file: str | None, fn):
+    """Run fn with the user's fitted files in use (each checked first: a bad one is a usage error)."""
+    from planner.cost.knobs import using_knobs_file
+
+    with using_knobs_file(knobs_file):
+        if estimator_file is None:
+            return fn()
+        from planner.fidelity.estimator import using_estimator_file
+
+        with using_estimator_file(estimator_file):
+            return fn()
 
 
 def _progress(label: str):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from planner.cli import DEFAULT_HARDWARE, DEFAULT_MODEL, _emit_json, _progress, _run, main
+from planner.cli import DEFAULT_HARDWARE, DEFAULT_MODEL, _emit_json, _progress, _run, calibrated, calibration_options, main
 from planner.errors import SpecError
 from planner.files import new_output, write_text_atomic
 
@@ -50,10 +50,11 @@ def _request(budget, model, hardware, job_path, fault, stats_path, min_fidelity,
 
 @main.command()
 @search_options
+@calibration_options
 @click.option("--json", "as_json", is_flag=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the best option's plan YAML here.")
 @click.option("--force", is_flag=True)
-def suggest(as_json, output, force, **search) -> None:
+def suggest(as_json, output, force, knobs_file, estimator_file, **search) -> None:
     """The cheapest proxy within the budget whose predicted fidelity clears the threshold."""
     from planner.search.output import plan_of, render_suggestion, suggestion_json
     from planner.search.suggest import suggest as run_suggest
@@ -73,13 +74,14 @@ def suggest(as_json, output, force, **search) -> None:
         if not result.best:
             raise SystemExit(1)
 
-    _run(body)
+    _run(lambda: calibrated(knobs_file, estimator_file, body))
 
 
 @main.command()
 @click.argument("request", type=click.Path(dir_okay=False))
+@calibration_options
 @click.option("--json", "as_json", is_flag=True)
-def preflight(request, as_json) -> None:
+def preflight(request, knobs_file, estimator_file, as_json) -> None:
     """Check a reproduction request before it is filed: PASS/WARN/FAIL per check; exit 1 on any FAIL."""
     from planner.preflight import preflight as run_preflight
     from planner.preflight import preflight_json, render_preflight
@@ -90,7 +92,7 @@ def preflight(request, as_json) -> None:
         if any(c.status == "FAIL" for c in checks):
             raise SystemExit(1)
 
-    _run(body)
+    _run(lambda: calibrated(knobs_file, estimator_file, body))
 
 
 @main.command()
@@ -138,9 +140,10 @@ def check(plan_path, checkpoint, reference, proxy_metrics, replica, device, step
 
 @main.command()
 @search_options
+@calibration_options
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Report directory (report.md, report.html, figures/).")
 @click.option("--force", is_flag=True, help="Replace an existing report directory (only a report directory).")
-def report(output, force, **search) -> None:
+def report(output, force, knobs_file, estimator_file, **search) -> None:
     """A capacity-planning report: Markdown and HTML with PNG figures (the search is `suggest`'s)."""
     from planner.report import build_report, check_report_dir, write_report
 
@@ -153,4 +156,4 @@ def report(output, force, **search) -> None:
             click.echo("no proxy clears every constraint within the budget; report.md says why and the smallest budget that would do", err=True)
             raise SystemExit(1)
 
-    _run(body)
+    _run(lambda: calibrated(knobs_file, estimator_file, body))

@@ -537,9 +537,13 @@ def render_preflight(checks: list[Check], path: str) -> str:
     warns = sum(c.status == "WARN" for c in checks)
     verdict = "FAIL" if fails else ("PASS with warnings" if warns else "PASS")
     body = table(["check", "status", "reason"], [[c.name, c.status, c.reason] for c in checks], title=f"pre-flight {path}")
-    return f"{body}\n\n{verdict}: {fails} failed, {warns} warned, {len(checks) - fails - warns} passed"
+    from planner.search.output import calibration_line
+
+    return f"{body}\n\n{verdict}: {fails} failed, {warns} warned, {len(checks) - fails - warns} passed\n{calibration_line()}"
 
 
 def preflight_json(checks: list[Check]) -> dict[str, Any]:
-    return {"ok": not any(c.status == "FAIL" for c in checks), "checks": [c.to_json() for c in checks]}
+    from planner.search.suggest import calibration_files
+
+    return {"ok": not any(c.status == "FAIL" for c in checks), "checks": [c.to_json() for c in checks], "calibration_files": calibration_files()}
 

@@ -183,6 +183,7 @@ def _versions() -> dict[str, str | None]:
 
 def _markdown(r: Report) -> str:
     from planner.search.output import render_suggestion
+    from planner.search.suggest import calibration_files
     from planner.units import gib
 
     req = r.request
@@ -213,7 +214,7 @@ def _markdown(r: Report) -> str:
     lines += ["## Inputs and versions", "", "```"]
     lines.append(json.dumps({"model": req.model, "hardware": req.hardware, "budget": req.budget, "fault": req.fault, "job": req.job.to_dict(),
                              "min_fidelity": req.min_fidelity, "trials": req.trials, "seed": req.seed, "steps": req.steps,
-                             "versions": _versions()}, indent=1))  # fmt: skip
+                             "calibration_files": calibration_files(), "versions": _versions()}, indent=1))  # fmt: skip
     lines += ["```", ""]
     notes = sorted({n for c in r.costs.values() for n in c.notes})
     if notes:

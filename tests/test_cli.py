@@ -268,3 +268,33 @@ def test_out_of_range_numbers_are_usage_errors(tmp_path):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2 and words in result.output, (args, result.output)
         assert not Path(out).exists()
+
+
+def test_users_own_knobs_and_estimator_files_are_used_and_named(tmp_path):
+    """--knobs and --estimator take a user's own fits; every output names the files; a bad file is a usage error."""
+    root = Path(__file__).resolve().parents[1] / "calibration"
+    knobs = json.loads((root / "knobs.json").read_text())
+    knobs["knobs"]["ascend"]["train_mfu"] = knobs["knobs"]["ascend"]["train_mfu"] / 2  # a slower fit of the training phase
+    mine = tmp_path / "my-knobs.json"
+    mine.write_text(json.dumps(knobs))
+    packaged = json.loads(run("cost", "qwen3-30b-a3b", "--cards", "16", "--json").output)
+    own = json.loads(run("cost", "qwen3-30b-a3b", "--cards", "16", "--json", "--knobs", str(mine)).output)
+    assert own["knobs_file"] == str(mine.resolve()) and packaged["knobs_file"].endswith("knobs.json") and packaged["knobs_file"] != own["knobs_file"]
+    assert own["step_time_s"] > packaged["step_time_s"]
+    again = json.loads(run("cost", "qwen3-30b-a3b", "--cards", "16", "--json").output)
+    assert again["step_time_s"] == packaged["step_time_s"]  # the user's file was for that command only
+
+    estimator = tmp_path / "my-estimator.json"
+    estimator.write_text((root / "fidelity.json").read_text())
+    result = run("suggest", "--budget", "8npu", "--trials", "20", "--knobs", str(mine), "--estimator", str(estimator), "--json")
+    files = json.loads(result.output)["calibration_files"]
+    assert files == {"knobs": str(mine.resolve()), "estimator": str(estimator.resolve())}
+    text = run("suggest", "--budget", "8npu", "--trials", "20", "--estimator", str(estimator)).output
+    assert f"fidelity estimator {estimator.resolve()}" in text and "knobs.json" in text
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"knobs": {"ascend": {"train_mfu": 3.0}}}))
+    result = run("suggest", "--budget", "8npu", "--knobs", str(bad))
+    assert result.exit_code == 2 and "ascend.train_mfu = 3.0 is outside [0.02, 0.6]" in result.output
+    result = run("preflight", str(tmp_path / "r.yaml"), "--estimator", str(mine))
+    assert result.exit_code == 2 and "not a fidelity estimator file" in result.output

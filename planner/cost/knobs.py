@@ -9,6 +9,7 @@ calibration/knobs.json. Without a fitted file the priors below (literature range
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from importlib import resources
@@ -69,8 +70,50 @@ KNOB_BOUNDS = {
 }
 
 
+_CHOSEN: list[Path] = []  # a user's own fit (`--knobs FILE`); else the packaged one
+
+
 def knobs_path() -> Path:
-    return Path(str(resources.files("planner._calibration"))) / "knobs.json"
+    """The knobs file in use: the user's (use_knobs_file) or the fit that ships with planner."""
+    return _CHOSEN[0] if _CHOSEN else Path(str(resources.files("planner._calibration"))) / "knobs.json"
+
+
+def use_knobs_file(path: str | Path) -> None:
+    """Use a `planner fit-knobs` output instead of the packaged fit, after checking every family,
+    knob name and value (finite, inside KNOB_BOUNDS)."""
+    from planner.errors import SpecError
+    from planner.files import read_json
+
+    p = Path(path)
+    data = read_json(p, "knobs file", "; write one with `planner fit-knobs -o FILE`")
+    table = data.get("knobs") if isinstance(data, dict) else None
+    if not isinstance(table, dict) or not table:
+        raise SpecError(f"{p}: not a knobs file (no 'knobs' mapping of accelerator family -> knobs); write one with `planner fit-knobs -o FILE`")
+    names = {f.name for f in fields(Knobs)}
+    for family, entry in table.items():
+        if family not in PRIOR:
+            raise SpecError(f"{p}: unknown accelerator family {family!r}; known: {', '.join(PRIOR)}")
+        if not isinstance(entry, dict):
+            raise SpecError(f"{p}: knobs of {family} must be a mapping, got {entry!r}")
+        for key, value in entry.items():
+            if key not in names:
+                continue  # residuals and notes ride along in fit output
+            lo, hi = KNOB_BOUNDS.get(key, (0.0, float("inf")))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+                raise SpecError(f"{p}: {family}.{key} = {value!r} is outside [{lo}, {hi}]")
+    _CHOSEN[:] = [p.resolve()]
+
+
+@contextmanager
+def using_knobs_file(path: str | Path | None):
+    """The user's knobs file for the duration (None: the packaged fit), restored afterwards."""
+    saved = list(_CHOSEN)
+    try:
+        if path is not None:
+            use_knobs_file(path)
+        yield
+    finally:
+        _CHOSEN[:] = saved
 
 
 @lru_cache(maxsize=4)

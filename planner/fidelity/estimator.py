@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -123,11 +124,33 @@ class ShiftModel:
                    np.array(d["residual_groups"], dtype=str), float(d.get("coverage", 0.8)))  # fmt: skip
 
 
+_CHOSEN: list[Path] = []  # a user's own fit (`--estimator FILE`); else the packaged one
+
+
 def default_estimator_path() -> Path:
-    """The estimator fitted on the committed calibration dataset (ships inside the wheel)."""
+    """The estimator in use: the user's (use_estimator_file) or the one fitted on the committed
+    calibration dataset (ships inside the wheel)."""
     from importlib import resources
 
-    return Path(str(resources.files("planner._calibration"))) / "fidelity.json"
+    return _CHOSEN[0] if _CHOSEN else Path(str(resources.files("planner._calibration"))) / "fidelity.json"
+
+
+def use_estimator_file(path: str | Path) -> None:
+    """Use a `planner calibrate fit` output instead of the packaged estimator (checked by loading it)."""
+    FidelityEstimator.load(path)
+    _CHOSEN[:] = [Path(path).resolve()]
+
+
+@contextmanager
+def using_estimator_file(path: str | Path | None):
+    """The user's estimator for the duration (None: the packaged one), restored afterwards."""
+    saved = list(_CHOSEN)
+    try:
+        if path is not None:
+            use_estimator_file(path)
+        yield
+    finally:
+        _CHOSEN[:] = saved
 
 
 def training_rows(rows: list[dict], recipe: str, names: tuple[str, ...]) -> list[dict]:

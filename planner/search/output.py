@@ -7,7 +7,7 @@ from typing import Any
 
 from planner.plan import Plan
 from planner.render import table
-from planner.search.suggest import OFFLOADS, Option, Suggestion, figures, reduction
+from planner.search.suggest import OFFLOADS, Option, Suggestion, calibration_files, figures, reduction
 from planner.units import gib
 
 __all__ = ["render_suggestion", "suggestion_json", "plan_of", "fidelity_text"]
@@ -91,7 +91,13 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
     lines.append("")
     lines.append(f"{s.trials} trials, {len(s.options)} distinct points evaluated, {s.seconds:.1f} s"
                  + (f"; the best first appeared at trial {s.best_trial}" if s.best_trial is not None else ""))  # fmt: skip
+    lines.append(calibration_line())
     return "\n".join(lines)
+
+
+def calibration_line() -> str:
+    files = calibration_files()
+    return f"calibration files: knobs {files['knobs']}; fidelity estimator {files['estimator']}"
 
 
 def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
@@ -106,6 +112,7 @@ def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
         "pareto": [o.to_json(b) for o in s.pareto],
         "diagnosis": s.diagnosis,
         "warnings": s.warnings,
+        "calibration_files": calibration_files(),
         "fault_relevant_factors": s.factors,
         "device_counts": s.device_counts,
         "trials": s.trials,

@@ -33,6 +33,7 @@ import math
 import warnings
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Callable
 
 from planner.arch import Architecture
@@ -82,11 +83,22 @@ class Request:
     memory_margin: float = 0.1  # keep this share of usable device memory free (as `planner preflight` checks)
 
     def key(self) -> str:
-        """Identifies the search space and objectives: the study name on shared storage."""
+        """Identifies the search space and objectives: the study name on shared storage (with the
+        contents of the knobs and estimator files in use, so a refit never reuses stale trials)."""
         stats_id = (self.stats or {}).get("checkpoint", {}).get("fingerprint")
+        files = [hashlib.sha256(Path(p).read_bytes()).hexdigest() if Path(p).is_file() else None for p in calibration_files().values()]
         text = json.dumps([self.model, self.hardware, repr(self.job), self.budget, self.fault, stats_id, self.min_fidelity, self.steps,
-                           self.max_devices, self.min_k_ratio, self.memory_margin], sort_keys=True)  # fmt: skip
+                           self.max_devices, self.min_k_ratio, self.memory_margin, files], sort_keys=True)  # fmt: skip
         return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def calibration_files() -> dict[str, str]:
+    """The fitted files the costs and fidelity come from: the packaged fits or a user's own
+    (`--knobs`, `--estimator`); every output names them."""
+    from planner.cost.knobs import knobs_path
+    from planner.fidelity.estimator import default_estimator_path
+
+    return {"knobs": str(knobs_path()), "estimator": str(default_estimator_path())}
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from planner.cli import _emit_json, _run, main
+from planner.cli import _clean, _emit_json, _run, main
 
 
 @main.command()
@@ -78,5 +78,55 @@ def job(trainer, config, output, force, as_json) -> None:
             click.echo(f"wrote {output} ({cards} devices)", err=True)
         else:
             click.echo(text, nl=False)
+
+    _run(body)
+
+
+@main.command()
+@click.argument("original", type=click.Path(exists=True, file_okay=False))
+@click.argument("proxy", type=click.Path(exists=True, file_okay=False))
+@click.option("--recipe", "recipe_name", type=click.Choice(["fp16-overflow", "rollout-mismatch"]), required=True)
+@click.option("--seeds", default="0,1,2,3", show_default=True, help="Comma-separated seeds (calibration windows); at least 2, 4 for a decision.")
+@click.option("--iters", type=click.IntRange(1, 30), default=None, help="Bisection steps (default: 8, as `rl margin` for static recipes).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
+@click.option("--sequences", type=click.IntRange(2, 4096), default=4, show_default=True, help="Calibration sequences per seed.")
+@click.option("--seq-len", type=click.IntRange(2, 65_536), default=64, show_default=True)
+@click.option("--calib-text", type=click.Path(exists=True, dir_okay=False), default=None, help="Text to probe on (default: Python's stdlib docstrings).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the result (JSON) here.")
+@click.option("--force", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+def probe(original, proxy, recipe_name, seeds, iters, device, sequences, seq_len, calib_text, output, force, as_json) -> None:
+    """The critical knob of a static fault recipe on ORIGINAL and PROXY checkpoints (one decoder
+    layer in memory at a time), and the signed shift with its noise: the calibration grid's labels."""
+    import json
+    from pathlib import Path
+
+    from planner.cli import _ints
+    from planner.errors import SpecError
+    from planner.files import refuse_existing, write_text_atomic
+    from planner.render import table
+    from planner.rl.probe import probe_pair
+
+    def body():
+        if output:
+            refuse_existing(output, force)
+        text = None
+        if calib_text:
+            text = Path(calib_text).read_text(errors="replace")
+            if not text.strip():
+                raise SpecError(f"--calib-text {calib_text} is empty")
+        say = (lambda s: None) if as_json else (lambda s: click.echo(s, err=True))
+        result = probe_pair(original, proxy, recipe_name, seeds=_ints(seeds), iters=iters, device=device, sequences=sequences,
+                            seq_len=seq_len, calib_text=text, say=say)  # fmt: skip
+        if output:
+            write_text_atomic(output, json.dumps(_clean(result), indent=2))  # NaN as null: strict JSON
+        if as_json:
+            return _emit_json(result)
+        o, p, lab = result["original"], result["proxy"], result["labels"]
+        rows = [[s, f"{a:.3f}", f"{b:.3f}"] for s, a, b in zip(result["seeds"], o["values"], p["values"])]
+        click.echo(table(["seed", "original", "proxy"], rows, title=f"critical {result['knob']} ({recipe_name})"))
+        click.echo(f"shift (proxy - original): {lab['shift_log2']:+.3f} log2 units, 90% interval [{lab['shift_low']:+.3f}, {lab['shift_high']:+.3f}]; "
+                   f"noise floor (original's seed SD) {lab['noise_log2']:.3f}; {lab['outcome']} (tolerance +-1 log2 unit)")  # fmt: skip
+        click.echo(f"{result['passes']} probe passes, {result['seconds_per_pass']:.2f} s each (median)" + (f"; wrote {output}" if output else ""))
 
     _run(body)

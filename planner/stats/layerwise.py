@@ -36,15 +36,25 @@ class MoECall:
 
 
 class LayerwiseModel:
-    def __init__(self, ckpt: Checkpoint):
+    """`device`: where layers are materialised; `experts`: transformers' experts implementation
+    ("eager" for an fp16 backward on CPU); `transform(tensor)`, when set, is applied to every matrix
+    of a decoder layer as it is loaded (the probe's rounded rollout weights). `auto_load = False`
+    stops the hooks, for callers that load and release layers themselves (a backward pass, which
+    needs a layer again after its forward)."""
+
+    def __init__(self, ckpt: Checkpoint, *, device: str = "cpu", experts: str | None = None):
         torch, transformers = require_torch("calibration statistics")
         self.torch = torch
         self.ckpt = ckpt
         self.names = ckpt.names
+        self.device = device
+        self.transform: Callable | None = None
+        self.auto_load = True
         config = transformers.AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
         self.config = config.get_text_config() if ckpt.text_wrapper else config
+        kwargs = {"experts_implementation": experts} if experts else {}
         with torch.device("meta"):
-            self.model = transformers.AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
+            self.model = transformers.AutoModelForCausalLM.from_config(self.config, dtype=torch.float32, **kwargs)
         self.model.eval()
         self.decoder = self.model.model
         self.mem_moe = self.names["memory"]["moe"]
@@ -85,6 +95,7 @@ class LayerwiseModel:
         info = self.ckpt.tensors.get(disk)
         if info is not None:
             target.copy_(torch.from_numpy(self.ckpt.read_float32(info)).reshape(target.shape))
+            self._transform(target)
             return
         per_expert = self.names.get("per_expert")
         m = re.match(r"^model\.layers\.(\d+)\..*\.experts\.(gate_up_proj|down_proj)$", mem_key)
@@ -98,11 +109,16 @@ class LayerwiseModel:
                 target[e, gate.shape[0] :].copy_(torch.from_numpy(self.ckpt.read_float32(experts[e][per_expert["up"]])))
             else:
                 target[e].copy_(torch.from_numpy(self.ckpt.read_float32(experts[e][per_expert["down"]])))
+        self._transform(target)
+
+    def _transform(self, target) -> None:
+        if self.transform is not None and target.dim() > 1:
+            target.copy_(self.transform(target))
 
     def _materialize(self, module, prefix: str) -> None:
         torch = self.torch
         persistent = set(module.state_dict().keys())
-        module.to_empty(device="cpu")
+        module.to_empty(device=self.device)
         with torch.no_grad():
             for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
                 if name not in persistent:
@@ -122,21 +138,31 @@ class LayerwiseModel:
                     continue
                 self._materialize(module, name)
             if rotary is not None:
-                self.decoder.rotary_emb = type(rotary)(config=self.config)
+                self.decoder.rotary_emb = type(rotary)(config=self.config).to(self.device)
         finally:
             self.decoder.layers = layers
         if self.config.tie_word_embeddings:
             self.model.lm_head.weight = self.decoder.embed_tokens.weight
 
+    def load_layer(self, i: int):
+        layer = self.decoder.layers[i]
+        self._materialize(layer, f"model.layers.{i}.")
+        return layer
+
+    def release_layer(self, i: int) -> None:
+        self.decoder.layers[i].to("meta")
+
     def _loader(self, i: int):
         def hook(module, args):
-            self._materialize(module, f"model.layers.{i}.")
+            if self.auto_load:
+                self.load_layer(i)
 
         return hook
 
     def _releaser(self, i: int):
         def hook(module, args, output):
-            module.to("meta")
+            if self.auto_load:
+                self.release_layer(i)
 
         return hook
 

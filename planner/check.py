@@ -66,18 +66,25 @@ def _built_from_other_plan(proxy: Path, plan) -> str | None:
     return None
 
 
+def _is_the_proxy(plan, ckpt) -> bool:
+    """Is the checkpoint given the plan's proxy already (else its original)? Anything else is refused."""
+    e = ckpt.arch.original_num_experts
+    if e == plan.experts and plan.experts != plan.original_experts:
+        why = _built_from_other_plan(ckpt.path, plan)
+        if why:
+            raise SpecError(f"{ckpt.path} has {e} experts per layer, as the plan's proxy would, but {why}")
+        return True
+    if e != plan.original_experts:
+        raise SpecError(f"{ckpt.path} has {e} experts per layer; the plan is for a model with {plan.original_experts} (or its K={plan.experts} proxy)")
+    return False
+
+
 def _proxy(plan, ckpt, out: Path, stats_path, force: bool, progress) -> tuple[Path, bool]:
     from planner.checkpoint import build
     from planner.stats.compute import resolve_plan
 
-    e = ckpt.arch.original_num_experts
-    if e == plan.experts and plan.experts != plan.original_experts:  # the checkpoint given is the proxy already
-        why = _built_from_other_plan(ckpt.path, plan)
-        if why:
-            raise SpecError(f"{ckpt.path} has {e} experts per layer, as the plan's proxy would, but {why}")
+    if _is_the_proxy(plan, ckpt):
         return ckpt.path, False
-    if e != plan.original_experts:
-        raise SpecError(f"{ckpt.path} has {e} experts per layer; the plan is for a model with {plan.original_experts} (or its K={plan.experts} proxy)")
     target = out / "proxy"
     if target.exists():
         why = _built_from_other_plan(target, plan)
@@ -155,6 +162,17 @@ def run_check(plan_path: str | Path, checkpoint: str | Path, out_dir: str | Path
             config = r.config(knob, seed=seed, steps=steps, device=device)
         info.update(recipe=recipe_name, knob=knob)
     ckpt = Checkpoint(checkpoint)  # a bad checkpoint is refused before the output folder is made
+    # what would fail after the build and the run is refused now: the device, the vocabulary, the pair's recipe
+    from planner.rl.device import Device
+
+    Device(device)
+    if ckpt.arch.vocab_size < 256:
+        raise SpecError(f"the harness samples byte-level prompts; {ckpt.path} has a vocabulary of {ckpt.arch.vocab_size} < 256")
+    if reference is not None:
+        from planner.fidelity.calibrate import pair_recipe
+
+        info["recipe"] = pair_recipe(Path(reference), info.get("recipe"))
+    _is_the_proxy(plan, ckpt)
     out.mkdir(parents=True, exist_ok=True)
     proxy_dir, built = _proxy(plan, ckpt, out, stats_path, force, progress and (lambda d, t: progress("build", d, t)))
 

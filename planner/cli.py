@@ -365,8 +365,9 @@ def fit_knobs(runs_path, output, force) -> None:
     def body():
         if output:
             refuse_existing(output, force)
+        runs = load_runs(runs_path)
         click.echo("fitting knobs per accelerator family (about a minute) ...", err=True)
-        result = fit_all(load_runs(runs_path))
+        result = fit_all(runs)
         if output:
             write_fit(output, result)
             click.echo(f"wrote {output}", err=True)

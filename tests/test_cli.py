@@ -298,3 +298,16 @@ def test_users_own_knobs_and_estimator_files_are_used_and_named(tmp_path):
     assert result.exit_code == 2 and "ascend.train_mfu = 3.0 is outside [0.02, 0.6]" in result.output
     result = run("preflight", str(tmp_path / "r.yaml"), "--estimator", str(mine))
     assert result.exit_code == 2 and "not a fidelity estimator file" in result.output
+
+
+def test_storage_and_published_runs_errors_are_one_line(tmp_path):
+    """A database without its driver, a file that is not a database, a published-runs file of the wrong shape: exit 2, no traceback."""
+    pg = run("suggest", "--budget", "8npu", "--trials", "5", "--storage", "postgresql://user@localhost/planner")
+    assert pg.exit_code == 2 and "no driver for postgresql is installed: pip install psycopg2-binary" in pg.output
+    junk = tmp_path / "notes.db"
+    junk.write_text("not a database\n")
+    bad = run("suggest", "--budget", "8npu", "--trials", "5", "--storage", f"sqlite:///{junk}")
+    assert bad.exit_code == 2 and "not an Optuna database" in bad.output and junk.read_text() == "not a database\n"
+    job = write_job(tmp_path, prompts_per_step=64)
+    runs = run("fit-knobs", "--runs", job)
+    assert runs.exit_code == 2 and "not a published-runs file" in runs.output and "fitting" not in runs.output

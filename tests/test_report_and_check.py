@@ -82,6 +82,23 @@ def test_check_predicts_memory_and_labels_the_proxy(rl_model, tmp_path):
 
 
 @pytest.mark.slow
+def test_check_refuses_what_would_fail_late_before_building(rl_model, tmp_path):
+    """A missing device adapter, a plan for another model, a reference run with no recipe and no fault:
+    refused before anything is built or run, and no output folder is left behind."""
+    model = rl_model[0]
+    assert run_cli("plan", model, "--experts", "16", "-o", tmp_path / "plan.yaml").exit_code == 0
+    npu = run_cli("check", tmp_path / "plan.yaml", "--checkpoint", model, "--device", "npu", "-o", tmp_path / "a")
+    assert npu.exit_code == 2 and "torch_npu" in npu.output and not (tmp_path / "a").exists()
+    assert run_cli("suggest", "--budget", "8npu", "--trials", "20", "-o", tmp_path / "big.yaml").exit_code == 0  # Qwen3-30B-A3B: 128 experts
+    other = run_cli("check", tmp_path / "big.yaml", "--checkpoint", model, "-o", tmp_path / "b")  # a plan of 128 experts
+    said = ("not a proxy `planner build` wrote", "the plan is for a model with 128")  # K=32 looks like this model's 32: still refused
+    assert other.exit_code == 2 and any(w in other.output for w in said) and not (tmp_path / "b").exists()
+    assert run_cli("rl", "run", model, "--steps", "3", "--set", "prompts=2", "--set", "new_tokens=4", "-o", tmp_path / "plain").exit_code == 0
+    plain = run_cli("check", tmp_path / "plan.yaml", "--checkpoint", model, "--reference-metrics", tmp_path / "plain", "-o", tmp_path / "c")
+    assert plain.exit_code == 2 and "names no recipe and shows no fault" in plain.output and not (tmp_path / "c").exists()
+
+
+@pytest.mark.slow
 def test_a_plan_suggested_without_stats_builds(rl_model, tmp_path):
     """suggest on a checkpoint's config writes a deferred plan; build chooses its experts then."""
     from planner.checkpoint import Checkpoint

@@ -54,9 +54,19 @@ def runs_path() -> Path:
 
 
 def load_runs(path: str | Path | None = None) -> list[PublishedRun]:
-    data = yaml.safe_load(Path(path or runs_path()).read_text())
+    from planner.errors import SpecError
+    from planner.files import read_yaml
+
+    where = Path(path or runs_path())
+    data = read_yaml(where, "published runs")
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not data["runs"]:
+        raise SpecError(f"{where}: not a published-runs file (a 'runs:' list of runs; see calibration/published_runs.yaml)")
+    required = ("id", "title", "model", "hardware", "devices", "job", "published")
     out = []
-    for r in data["runs"]:
+    for n, r in enumerate(data["runs"]):
+        missing = [k for k in required if not isinstance(r, dict) or k not in r]
+        if missing:
+            raise SpecError(f"{where}: run {n + 1} ({r.get('id', '?') if isinstance(r, dict) else r!r}) lacks {', '.join(missing)}")
         out.append(
             PublishedRun(
                 id=r["id"],

@@ -126,11 +126,13 @@ def _load_run(d: Path) -> dict:
     return {"info": {}, "dir": d, "rows": run.rows(), "trainer": run.trainer}
 
 
-def _pair_recipe(runs: dict, recipe_name: str | None) -> str:
-    """The recipe the pair ran: --recipe, the runs' records, or the fault the original's log shows."""
+def pair_recipe(original_dir: Path, recipe_name: str | None, proxy: dict | None = None, original: dict | None = None) -> str:
+    """The recipe a pair is labelled under: --recipe, the runs' records, or the fault the original's
+    log shows (`planner check` asks before any proxy runs)."""
     from planner.rl.recipes import RECIPES
 
-    names = {runs[n]["info"].get("recipe") for n in ("original", "proxy")} - {None}
+    original = original or _load_run(original_dir)
+    names = {side["info"].get("recipe") for side in (original, proxy) if side} - {None}
     if recipe_name is not None:
         if names and names != {recipe_name}:
             raise SpecError(f"--recipe {recipe_name}, but the runs' records name {sorted(names)}")
@@ -139,13 +141,13 @@ def _pair_recipe(runs: dict, recipe_name: str | None) -> str:
         raise SpecError(f"the two runs name recipes {sorted(names)}; pass --recipe")
     if names:
         return names.pop()
-    from planner.runs.detect import detect, first_fault, _signals
+    from planner.runs.detect import detect, first_fault, signals_of
 
-    rows = runs["original"].get("rows") or []
-    found = first_fault(detect(*_signals(rows))) if rows else None
+    rows = original.get("rows") or []
+    found = first_fault(detect(*signals_of(rows))) if rows else None
     if found is None or found.fault not in RECIPES:
         what = f"shows {found.fault} from step {found.onset}" if found else "shows no fault"
-        raise SpecError(f"the original run {runs['original']['dir']} names no recipe and {what}; pass --recipe ({', '.join(RECIPES)})")
+        raise SpecError(f"the original run {original_dir} names no recipe and {what}; pass --recipe ({', '.join(RECIPES)})")
     return found.fault
 
 
@@ -163,7 +165,7 @@ def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path
     from planner.rl.recipes import recipe
 
     runs = {name: _load_run(d) for name, d in (("original", original_dir), ("proxy", proxy_dir), ("replica", replica_dir)) if d is not None}
-    recipe_name = _pair_recipe(runs, recipe_name)
+    recipe_name = pair_recipe(original_dir, recipe_name, proxy=runs["proxy"], original=runs["original"])
     r = recipe(recipe_name)
     _check_same_settings(runs)
     if runs["original"]["info"].get("model"):

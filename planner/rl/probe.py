@@ -193,20 +193,24 @@ def probe_pair(original: str | Path, proxy: str | Path, recipe_name: str, *, see
 
     if len(seeds) < 2:
         raise SpecError(f"--seeds: at least 2 (4 or more for a decision worth having), got {seeds}")
-    probes = {"original": Probe(original, recipe_name, device=device), "proxy": Probe(proxy, recipe_name, device=device)}
-    if probes["original"].vocab != probes["proxy"].vocab:
-        raise SpecError(f"the proxy's vocabulary ({probes['proxy'].vocab}) differs from the original's ({probes['original'].vocab})")
-    r = probes["original"].recipe
+    from planner.checkpoint import Checkpoint
+
+    vocab = {name: Checkpoint(path).arch.vocab_size for name, path in (("original", original), ("proxy", proxy))}
+    if vocab["original"] != vocab["proxy"]:
+        raise SpecError(f"the proxy's vocabulary ({vocab['proxy']}) differs from the original's ({vocab['original']})")
+    first = Probe(original, recipe_name, device=device)
+    r = first.recipe
     iters = DEFAULT_ITERS["static"] if iters is None else iters
-    data = batches(Path(original), probes["original"].vocab, seeds, sequences=sequences, seq_len=seq_len, calib_text=calib_text)
+    data = batches(Path(original), first.vocab, seeds, sequences=sequences, seq_len=seq_len, calib_text=calib_text)
     start = time.perf_counter()
-    probes["original"].fault(data[seeds[0]], r.lo, seeds[0])  # one pass, timed, before the long part
+    first.fault(data[seeds[0]], r.lo, seeds[0])  # one pass, timed, before the long part
     once = time.perf_counter() - start
     passes = 2 * len(seeds) * (iters + 2)
-    say(f"{recipe_name}: one probe pass took {once:.1f} s; about {passes} passes (2 models x {len(seeds)} seeds x {iters + 2} "
-        f"bisection steps): roughly {passes * once / 60:.1f} min")  # fmt: skip
+    say(f"{recipe_name}: one probe pass took {once:.1f} s; at most {passes} passes (2 models x {len(seeds)} seeds x {iters + 2} "
+        f"bisection steps): up to {passes * once / 60:.1f} min")  # fmt: skip
     margins, timings = {}, []
-    for name, probe in probes.items():
+    for name, path in (("original", original), ("proxy", proxy)):
+        probe = first if name == "original" else Probe(path, recipe_name, device=device)  # one model in memory at a time
         values, censored, count = [], [], 0
         for seed in seeds:
             def fault(knob, probe=probe, seed=seed):
@@ -221,6 +225,7 @@ def probe_pair(original: str | Path, proxy: str | Path, recipe_name: str, *, see
             count += n
             say(f"  {name} seed {seed}: critical {r.knob} = {value:.3f}" + (" (censored)" if cens else ""))
         margins[name] = Margin(recipe=recipe_name, values=tuple(values), censored=tuple(censored), probes=count)
+        probe = first = fault = None  # release the original before the proxy loads
     resolution = (r.hi - r.lo) / 2 ** (iters + 1)
     shift = knob_shift(recipe_name, list(margins["original"].values), list(margins["proxy"].values),
                        original_censored=list(margins["original"].censored), proxy_censored=list(margins["proxy"].censored),

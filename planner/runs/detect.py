@@ -26,7 +26,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-__all__ = ["Finding", "DETECTORS", "detect", "first_fault", "onset_of", "THRESHOLDS"]
+__all__ = ["Finding", "DETECTORS", "detect", "first_fault", "onset_of", "signals_of", "THRESHOLDS"]
 
 THRESHOLDS = {
     "rollout-mismatch": 0.01,  # k3 KL per token
@@ -230,7 +230,8 @@ DETECTORS: dict[str, Callable[..., Finding]] = {
 }
 
 
-def _signals(rows: list[dict]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def signals_of(rows: list[dict]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(steps, canonical metric -> values) of rows of canonical metrics (a harness run's rows)."""
     keys = {k for r in rows for k in r}
     steps = np.array([r.get("step", i) for i, r in enumerate(rows)], dtype=float).astype(int)
     return steps, {k: np.array([r.get(k, math.nan) for r in rows], dtype=float) for k in keys if k != "step"}
@@ -240,7 +241,7 @@ def onset_of(fault: str, rows: list[dict], **kwargs) -> int | None:
     """The onset step of one detector on rows of canonical metrics (the recipes' harness runs)."""
     if not rows:
         return None
-    steps, m = _signals(rows)
+    steps, m = signals_of(rows)
     return DETECTORS[fault](steps, m, **kwargs).onset
 
 

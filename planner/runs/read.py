@@ -229,9 +229,7 @@ def read_run(path: str | Path) -> Run:
     if not records or step_key is None:
         raise SpecError(f"{where}: no steps found" + ("" if not records else f" (no step column: one of {', '.join(step_keys)})"))
     keys = {k for r in records for k in r} - set(step_keys)
-    trainer, sources = _trainer(keys)
-    if kind == "planner":
-        trainer = "planner"
+    trainer, sources = _trainer(keys)  # a metrics.csv with verl's column names reads as verl's
     rows = [r for r in records if step_key in r and math.isfinite(r[step_key])]
     raw = pd.DataFrame.from_records(rows)
     raw["step"] = raw[step_key].astype(int)

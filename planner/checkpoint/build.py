@@ -242,10 +242,13 @@ def _prepare_output(out_dir: Path, src: Path, force: bool) -> tuple[Path, int]:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp.mkdir()
+        (tmp / TMP_MARKER).write_text("planner build in progress\n")
+        fd = _lock(tmp / TMP_MARKER)
     except FileExistsError:  # another build made it a moment ago
         raise busy from None
-    (tmp / TMP_MARKER).write_text("planner build in progress\n")
-    fd = _lock(tmp / TMP_MARKER)
+    except BaseException:  # Ctrl-C or SIGTERM before the build's own cleanup is armed: nothing stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if fd is None:
         raise busy
     return tmp, fd

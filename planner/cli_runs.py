@@ -26,6 +26,16 @@ def detect(run: str, as_json: bool) -> None:
     _run(body)
 
 
+def _write_or_print(text: str, output: str | None, done: str) -> None:
+    from planner.files import write_text_atomic
+
+    if output:
+        write_text_atomic(output, text)
+        click.echo(done, err=True)
+    else:
+        click.echo(text, nl=False)
+
+
 @main.command("export")
 @click.argument("plan_path", metavar="PLAN", type=click.Path(exists=True, dir_okay=False))
 @click.option("--to", "trainer", type=click.Choice(["verl", "mindspeed-rl", "nemo-rl"]), required=True)
@@ -35,7 +45,7 @@ def detect(run: str, as_json: bool) -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 def export(plan_path, trainer, model_path, routing_replay, output, force) -> None:
     """The config that launches PLAN's proxy run in verl (Hydra overrides), MindSpeed-RL or NeMo RL (YAML)."""
-    from planner.files import refuse_existing, write_text_atomic
+    from planner.files import refuse_existing
     from planner.plan import load_plan
     from planner.runs.trainers import export_plan
 
@@ -43,11 +53,7 @@ def export(plan_path, trainer, model_path, routing_replay, output, force) -> Non
         if output:
             refuse_existing(output, force)
         text, _ = export_plan(load_plan(plan_path), trainer, model_path, routing_replay=routing_replay)
-        if output:
-            write_text_atomic(output, text)
-            click.echo(f"wrote {output}", err=True)
-        else:
-            click.echo(text, nl=False)
+        _write_or_print(text, output, f"wrote {output}")
 
     _run(body)
 
@@ -62,7 +68,7 @@ def job(trainer, config, output, force, as_json) -> None:
     """planner's job file (with its layouts) from a trainer's config: a YAML config or Hydra overrides."""
     import yaml
 
-    from planner.files import refuse_existing, write_text_atomic
+    from planner.files import refuse_existing
     from planner.runs.trainers import job_from
 
     def body():
@@ -73,11 +79,7 @@ def job(trainer, config, output, force, as_json) -> None:
         if as_json:
             return _emit_json({"job": data, "devices": cards, "notes": notes})
         text = f"# from {trainer} config {config}: {cards} devices\n" + "".join(f"# {n}\n" for n in notes) + yaml.safe_dump(data, sort_keys=False)
-        if output:
-            write_text_atomic(output, text)
-            click.echo(f"wrote {output} ({cards} devices)", err=True)
-        else:
-            click.echo(text, nl=False)
+        _write_or_print(text, output, f"wrote {output} ({cards} devices)")
 
     _run(body)
 

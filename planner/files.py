@@ -11,10 +11,10 @@ import yaml
 
 from planner.errors import SpecError
 
-__all__ = ["read_yaml", "read_json", "refuse_existing", "new_output", "write_text_atomic", "write_csv_atomic"]
+__all__ = ["read_text", "read_yaml", "read_json", "refuse_existing", "new_output", "write_text_atomic", "write_csv_atomic"]
 
 
-def _text(path: Path, what: str, hint: str) -> str:
+def read_text(path: Path, what: str, hint: str = "") -> str:
     try:
         return path.read_text()
     except OSError as exc:
@@ -24,7 +24,7 @@ def _text(path: Path, what: str, hint: str) -> str:
 def read_yaml(path: str | Path, what: str, hint: str = "") -> Any:
     p = Path(path)
     try:
-        return yaml.safe_load(_text(p, what, hint))
+        return yaml.safe_load(read_text(p, what, hint))
     except yaml.YAMLError as exc:
         raise SpecError(f"{p}: not valid YAML: {exc}") from None
 
@@ -32,7 +32,7 @@ def read_yaml(path: str | Path, what: str, hint: str = "") -> Any:
 def read_json(path: str | Path, what: str, hint: str = "") -> Any:
     p = Path(path)
     try:
-        return json.loads(_text(p, what, hint))
+        return json.loads(read_text(p, what, hint))
     except json.JSONDecodeError as exc:
         raise SpecError(f"{p}: not a {what} (invalid JSON at line {exc.lineno})") from None
 

@@ -79,23 +79,22 @@ def _number(text: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+_CONSOLES = (("verl-console", _VERL, " - "), ("mindspeed-console", _MINDSPEED, "|"))  # line pattern, item separator
+
+
 def _console(lines: list[str], path: Path) -> tuple[str, list[dict]]:
-    records: dict[str, list[dict]] = {"verl-console": [], "mindspeed-console": []}
+    records: dict[str, list[dict]] = {kind: [] for kind, _, _ in _CONSOLES}
     for line in lines:
-        if (m := _VERL.search(line)) is not None:
+        for kind, pattern, separator in _CONSOLES:
+            if (m := pattern.search(line)) is None:
+                continue
             rec = {"step": int(m.group(1))}
-            for item in m.group(2).split(" - "):
+            for item in m.group(2).split(separator):
                 key, sep, value = item.rpartition(":")
                 if sep and (v := _number(value)) is not None:
                     rec[key.strip()] = v
-            records["verl-console"].append(rec)
-        elif (m := _MINDSPEED.search(line)) is not None:
-            rec = {"step": int(m.group(1))}
-            for item in m.group(2).split("|"):
-                key, sep, value = item.rpartition(":")
-                if sep and (v := _number(value)) is not None:
-                    rec[key.strip()] = v
-            records["mindspeed-console"].append(rec)
+            records[kind].append(rec)
+            break
     kind = max(records, key=lambda k: len(records[k]))
     if not records[kind]:
         raise SpecError(f"{path}: no step metrics found: expected verl console lines (`step:N - key:value - ...`) or MindSpeed-RL "

@@ -256,10 +256,9 @@ def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = F
 
 def _read_flat(path: Path) -> dict[str, Any]:
     """A trainer config as dotted keys: a YAML mapping, or Hydra overrides (`key=value`, one or more per line)."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecError(f"cannot read {path}: {exc.strerror}") from None
+    from planner.files import read_text
+
+    text = read_text(path, "trainer config")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError:

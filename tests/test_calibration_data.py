@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from planner.cli import main
-from planner.fidelity.estimator import FULL_FEATURES, SHIFT_FEATURES, FidelityEstimator
+from planner.fidelity.estimator import FULL_FEATURES, FidelityEstimator
 from planner.fidelity.labels import OUTCOMES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def run_cli(*args):
 @pytest.mark.slow
 def test_committed_dataset_meets_the_grid_spec_and_reports():
     from planner.fidelity.dataset import read_dataset
-    from planner.fidelity.validate import cross_validate, skill_gate
+    from planner.fidelity.validate import cross_validate, skill_gate, variants
 
     rows = read_dataset(DATASET)
     grid_rows = [r for r in rows if r["source"] == "grid"]
@@ -68,7 +68,7 @@ def test_committed_dataset_meets_the_grid_spec_and_reports():
     estimator = FidelityEstimator.load(ROOT / "calibration" / "fidelity.json")
     assert estimator.info["rows"] == len(rows)
     for recipe, entry in estimator.recipes.items():
-        assert set(report["recipes"][recipe]["original"]["variants"]) == {"full", "K/E only", "recipe mean"}
+        assert set(report["recipes"][recipe]["original"]["variants"]) == set(variants(recipe)) >= {"full", "K/E only", "recipe mean"}
         assert entry["gate"]["skill"] == skill_gate(report, recipe)["skill"]
     refit = json.loads(json.dumps(FidelityEstimator.fit(rows).to_json()))
     # regenerable: the same fit on another machine may differ in the last digits (BLAS summation
@@ -80,7 +80,8 @@ def test_committed_dataset_meets_the_grid_spec_and_reports():
         f = estimator.predict(row, recipe)  # a calibrated model and plan: P only where the gate found skill
         assert f["status"] == ("calibrated" if entry["gate"]["skill"] else "no-skill")
         assert (f["p_reproduced"] is None) == (not entry["gate"]["skill"])
-    assert not estimator.recipes["router-collapse"]["gate"]["skill"]  # calibration/README.md says why
+    gate = estimator.recipes["router-collapse"]["gate"]  # the issue's goal on held-out originals (calibration/README.md)
+    assert gate["skill"] and gate["auc"] >= 0.85 and gate["auc"] > gate["auc_ke"], gate
 
 
 @pytest.mark.slow
@@ -136,8 +137,7 @@ def test_calibrate_add_updates_the_dataset_and_a_refit_changes_predictions(rl_mo
 def test_a_dead_expert_plan_is_predicted_worse_and_never_suggested(rl_model, tmp_path):
     """The K least-used experts (the dead ones) against a clustered plan of the same K, on a small
     model the grid never saw: the router-collapse shift model puts the dead-expert plan below the
-    clustered plan (it collapses earlier; the sign is fixed by the mechanism, though the gate finds
-    no plan-level skill on held-out families, so suggest prints no P for it), and suggest never
+    clustered plan (it collapses earlier; the sign is fixed by the mechanism), and suggest never
     proposes it: the method is not in its space, and the routing mass it drops breaks the hard rule."""
     from planner.fidelity.dataset import plan_row
     from planner.fidelity.estimator import default_estimator_path
@@ -157,7 +157,7 @@ def test_a_dead_expert_plan_is_predicted_worse_and_never_suggested(rl_model, tmp
     estimator = FidelityEstimator.load(default_estimator_path())
     rows = {m: plan_row(config, 8, s) for m, s in summaries.items()}
     model_of = estimator.recipes["router-collapse"]["models"]["full"]
-    x = {m: np.array([[r[n] for n in SHIFT_FEATURES]]) for m, r in rows.items()}
+    x = {m: np.array([[r[n] for n in estimator.features("router-collapse")]]) for m, r in rows.items()}
     assert model_of.predict(x["least-used"])[0] < model_of.predict(x["agglomerative"])[0]
 
     suggester = Suggester(Request(model=str(model), budget="1npu", fault="router-collapse", stats=stats, min_k_ratio=1.0, min_fidelity=0.0))

@@ -82,6 +82,7 @@ def _synthetic(signal: str, seed: int = 0) -> list[dict]:
             for plan in range(10):
                 dropped = (1 - kf) * rng.uniform(0.3, 1.3)
                 row = {f: float(rng.normal()) for f in FULL_FEATURES}
+                row.update(sigmoid_router=0.0, grouped=0.0, norm_topk=1.0, log2_experts=5.0, top_k_over_k=4 / (32 * kf))  # one routing type
                 row.update(kept_fraction=kf, frequency_dropped_mean=dropped, family="f", original=f"f-s{o}", recipe="router-collapse",
                            model=f"K{kf}-{plan}", method="m", experts=int(32 * kf), top_k=4, original_experts=32, censored=0)  # fmt: skip
                 truth = -6.0 * (dropped - (1 - kf)) if signal == "plan" else -2.0 * (1 - kf)
@@ -125,6 +126,10 @@ def test_statuses_not_applicable_and_uncalibrated():
     assert est.predict(row, "entropy-collapse")["status"] == "uncalibrated"  # a recipe never calibrated
     outside = est.predict({**row, "frequency_dropped_mean": 5.0}, "router-collapse")
     assert outside["status"] == "uncalibrated" and "frequency_dropped_mean" in outside["reason"]
+    sigmoid = est.predict({**row, "sigmoid_router": 1.0}, "router-collapse")
+    assert sigmoid["status"] == "uncalibrated" and "sigmoid_router 1 (calibrated 0 to 0)" in sigmoid["reason"]
+    other = est.predict({**row, "norm_topk": 0.0}, "router-collapse")  # E and every feature in range, the routing type not
+    assert other["status"] == "uncalibrated" and "routing type softmax top-k of 32 was never calibrated" in other["reason"]
     no_stats = est.predict({k: row[k] for k in ("kept_fraction", "experts", "top_k", "original_experts")}, "router-collapse")
     assert no_stats["status"] == "no-skill" and "--stats" in no_stats["reason"]
 

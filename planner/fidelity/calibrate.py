@@ -261,9 +261,9 @@ def fit(dataset: Path, out: Path) -> FidelityEstimator:
         raise SpecError(f"{dataset}: missing column(s) {', '.join(missing)}; not a planner calibration dataset")
     estimator = FidelityEstimator.fit(rows, info={"dataset": str(dataset)})
     if not estimator.recipes:
-        from planner.fidelity.estimator import MIN_ROWS, SHIFT_FEATURES, training_rows
+        from planner.fidelity.estimator import MIN_ROWS, recipe_features, training_rows
 
-        counts = {r: len(training_rows(rows, r, SHIFT_FEATURES)) for r in sorted({row["recipe"] for row in rows})}
+        counts = {r: len(training_rows(rows, r, recipe_features(r))) for r in sorted({row["recipe"] for row in rows})}
         raise SpecError(f"{dataset}: no recipe has {MIN_ROWS} labelled rows from 2 originals or more (labelled rows with every feature: "
                         f"{counts}); nothing was written")  # fmt: skip
     estimator.save(out)

@@ -28,8 +28,8 @@ import numpy as np
 
 from planner.errors import SpecError
 
-__all__ = ["ShiftModel", "FidelityEstimator", "FULL_FEATURES", "SHIFT_FEATURES", "BASELINES", "SIGNS", "features_of",
-           "default_estimator_path", "training_rows", "fit_shift", "knob_translation", "design"]
+__all__ = ["ShiftModel", "FidelityEstimator", "FULL_FEATURES", "SHIFT_FEATURES", "ROUTING_FEATURES", "SIGNS", "features_of",
+           "recipe_features", "baselines", "default_estimator_path", "training_rows", "fit_shift", "knob_translation", "design"]
 
 ARCH_FEATURES = ("kept_fraction", "top_k_over_k", "experts_per_group", "log2_experts", "sigmoid_router", "grouped", "norm_topk")
 STAT_FEATURES = (
@@ -42,13 +42,34 @@ FULL_FEATURES = ARCH_FEATURES + STAT_FEATURES  # the dataset's feature columns
 # the estimator's features: monotone in how much of the original the plan throws away
 SHIFT_FEATURES = ("kept_fraction", "frequency_dropped_mean", "entropy_after_mean", "load_cv_after_mean", "log_kl_original_proxy",
                   "reconstruction_error_mean")  # fmt: skip
-BASELINES = {"K/E only": ("kept_fraction",), "recipe mean": ()}
+# the routing type (architecture, known without a checkpoint): where a recipe's shift has a level of its
+# own per routing type, the model carries it. Router collapse: chosen before the third originals were
+# measured (sigmoid grouped routers collapse about 2 log2 units earlier than softmax ones, and top_k/K
+# sets how much of the kept pool every token already uses); the static recipes' shift has no such level.
+ROUTING_FEATURES = ("sigmoid_router", "grouped", "top_k_over_k")
+RECIPE_FEATURES = {"router-collapse": SHIFT_FEATURES + ROUTING_FEATURES}
 # signs the mechanism fixes (+1: the shift grows with the feature, -1: it falls). Router collapse: a
 # plan that drops routing mass (keeps dead experts) concentrates the anti-balance pressure on few
 # live experts and collapses earlier. fp16 overflow: fewer experts carry more tokens each, their
 # gradients grow and overflow at a smaller loss scale (the pilot: -0.7 bits at K=16, -1.1 at K=8 of 32).
 SIGNS = {"router-collapse": {"frequency_dropped_mean": -1}, "fp16-overflow": {"kept_fraction": +1}}
 MIN_ROWS = 20  # a recipe with fewer labelled rows (or fewer than 2 originals) is not fitted
+
+
+def recipe_features(recipe: str) -> tuple[str, ...]:
+    """The full model's features for `recipe`."""
+    return RECIPE_FEATURES.get(recipe, SHIFT_FEATURES)
+
+
+def baselines(recipe: str) -> dict[str, tuple[str, ...]]:
+    """The variants the full model is scored against: K/E alone, the recipe's mean shift, and where
+    the full model knows the routing type, K/E with the routing type (the level of each routing type
+    without any plan statistic: what the full model adds beyond it is plan-level)."""
+    out = {"K/E only": ("kept_fraction",), "recipe mean": ()}
+    routing = tuple(n for n in recipe_features(recipe) if n in ROUTING_FEATURES)
+    if routing:
+        out["K/E + routing"] = ("kept_fraction", *routing)
+    return out
 
 
 def features_of(statistics: Mapping[str, Any], architecture: Mapping[str, Any]) -> dict[str, float]:
@@ -69,6 +90,19 @@ def features_of(statistics: Mapping[str, Any], architecture: Mapping[str, Any]) 
             out[name] = float(value[agg])
     return out
 
+
+
+ROUTING_KEYS = ("sigmoid_router", "grouped", "norm_topk", "log2_experts")  # what names a routing type (with E)
+
+
+def _routing_type(row: Mapping[str, Any]) -> tuple[float, ...]:
+    return tuple(float(row[n]) for n in ROUTING_KEYS)
+
+
+def _routing_name(t) -> str:
+    sigmoid, grouped, norm, log2e = t
+    return (f"{'sigmoid' if sigmoid else 'softmax'}{' grouped' if grouped else ''} top-k{' normalised' if norm else ''} "
+            f"of {2 ** log2e:g}")  # fmt: skip
 
 
 def _finite(value) -> bool:
@@ -236,15 +270,18 @@ class FidelityEstimator:
 
         recipes: dict[str, dict[str, Any]] = {}
         for recipe in sorted({r["recipe"] for r in rows}):
-            full = fit_shift(rows, recipe, SHIFT_FEATURES)
+            names = recipe_features(recipe)
+            full = fit_shift(rows, recipe, names)
             if full is None:
                 continue
             models = {"full": full}
-            for name, names in BASELINES.items():
-                models[name] = fit_shift(rows, recipe, names)
-            used = training_rows(rows, recipe, SHIFT_FEATURES)
-            domain = {n: (float(min(r[n] for r in used)), float(max(r[n] for r in used))) for n in SHIFT_FEATURES}
-            recipes[recipe] = {"models": models, "domain": domain, "experts": sorted({int(r["original_experts"]) for r in used}),
+            for name, base in baselines(recipe).items():
+                models[name] = fit_shift(rows, recipe, base)
+            used = training_rows(rows, recipe, names)
+            domain = {n: (float(min(r[n] for r in used)), float(max(r[n] for r in used))) for n in names}
+            routing = sorted({_routing_type(r) for r in used})
+            recipes[recipe] = {"models": models, "features": list(names), "domain": domain, "routing_types": [list(t) for t in routing],
+                               "experts": sorted({int(r["original_experts"]) for r in used}),
                                "originals": sorted({str(r["original"]) for r in used}), "measured_by_k": _measured_by_k(rows, recipe),
                                "gate": {"skill": False, "reason": "not validated"}}  # fmt: skip
         estimator = cls(recipes, dict(info or {}, rows=len(rows)), TOLERANCE_LOG2)
@@ -272,11 +309,19 @@ class FidelityEstimator:
         outside = self.outside(row, recipe)
         if outside:
             return "uncalibrated", "outside the calibrated range: " + "; ".join(outside)
-        if not all(_finite(row.get(n)) for n in SHIFT_FEATURES):
+        routing = entry.get("routing_types")
+        if routing and all(_finite(row.get(n)) for n in ROUTING_KEYS) and list(_routing_type(row)) not in routing:
+            return "uncalibrated", (f"routing type {_routing_name(_routing_type(row))} was never calibrated (calibrated: "
+                                    f"{', '.join(_routing_name(t) for t in routing)})")  # fmt: skip
+        if not all(_finite(row.get(n)) for n in self.features(recipe)):
             return "no-skill", "no plan statistics (run `planner stats` and pass --stats): K/E alone ranks no plan"
         if not entry["gate"]["skill"]:
             return "no-skill", entry["gate"]["reason"]
         return "calibrated", entry["gate"]["reason"]
+
+    def features(self, recipe: str) -> tuple[str, ...]:
+        """The features the recipe's full model was fitted on (older files: SHIFT_FEATURES)."""
+        return tuple(self.recipes[recipe].get("features", SHIFT_FEATURES))
 
     def outside(self, row: Mapping[str, Any], recipe: str) -> list[str]:
         """The features of `row` outside the range the recipe's calibration data covered."""
@@ -297,7 +342,7 @@ class FidelityEstimator:
         entry = self.recipes.get(recipe)
         if status == "calibrated":
             model = entry["models"]["full"]
-            x = design([row], SHIFT_FEATURES)
+            x = design([row], self.features(recipe))
             p, low, high = model.p_within(x, self.tolerance)
             shift_low, shift_high = model.predict_interval(x)
             out.update(p_reproduced=float(p[0]), interval=[float(low[0]), float(high[0])], shift_log2=float(model.predict(x)[0]),
@@ -316,7 +361,7 @@ class FidelityEstimator:
             recipes[name] = {**{k: v for k, v in entry.items() if k != "models"},
                              "models": {v: (m.to_json() if m is not None else None) for v, m in entry["models"].items()},
                              "domain": {k: list(v) for k, v in entry["domain"].items()}}  # fmt: skip
-        return {"schema": "planner.fidelity/3", "features": list(SHIFT_FEATURES), "tolerance_log2": self.tolerance, "recipes": recipes,
+        return {"schema": "planner.fidelity/3", "tolerance_log2": self.tolerance, "recipes": recipes,
                 "info": self.info}  # fmt: skip
 
     @classmethod

@@ -8,6 +8,7 @@ import logging
 import math
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,15 @@ import click
 
 from planner.errors import InfeasibleError, PlannerError, SpecError
 from planner.files import new_output, refuse_existing, write_text_atomic
+from planner.interrupts import Terminated
 from planner.plan import SELECTION_METHODS
 
 DEFAULT_MODEL = "qwen3-30b-a3b"
 DEFAULT_HARDWARE = "ascend-910b2"
 DEMO_EXPERTS = (64, 32, 16)
+# one margin for every command that sizes devices, so the same job gets the same minimum count
+memory_margin_option = click.option("--memory-margin", type=click.FloatRange(0.0, 0.9), default=0.1, show_default=True,
+                                    help="Share of usable device memory kept free in the training phases.")  # fmt: skip
 
 
 def _json_default(obj: Any) -> Any:
@@ -42,12 +47,6 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(_clean(data), indent=2, default=_json_default))
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (what Slurm and Kubernetes send) raised like Ctrl-C, so the same cleanup runs."""
-
-    signum = signal.SIGTERM
-
-
 def _terminated(signum, frame):
     raise Terminated()
 
@@ -67,7 +66,8 @@ def _run(fn):
         sys.exit(2)
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
-        click.echo(f"interrupted ({signal.Signals(signum).name}): nothing half-written was kept; run the command again", err=True)
+        note = getattr(exc, "note", "") or "nothing half-written was kept; run the command again"
+        click.echo(f"interrupted ({signal.Signals(signum).name}): {note}", err=True)
         sys.exit(128 + signum)
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -121,8 +121,9 @@ def inspect(model: str, experts: int | None, as_json: bool) -> None:
 @click.option("--max-cards", type=click.IntRange(1, 65_536), default=4096, show_default=True, help="Search bound for --min-cards.")
 @click.option("--knobs", "knobs_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Your own `planner fit-knobs -o` output instead of the packaged efficiency knobs.")
+@memory_margin_option
 @click.option("--json", "as_json", is_flag=True)
-def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_file, as_json) -> None:
+def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_file, memory_margin, as_json) -> None:
     """Memory per device, step time by RL phase and accelerator-hours of MODEL."""
     from planner.catalog import load_accelerator, load_model
     from planner.cost.evaluate import evaluate, min_devices
@@ -138,18 +139,18 @@ def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_
         job = load_job(job_path)
         if min_cards:
             try:
-                result = min_devices(arch, accel, job, max_devices=max_cards)
+                result = min_devices(arch, accel, job, max_devices=max_cards, memory_margin=memory_margin)
             except InfeasibleError as exc:
                 if as_json:
                     _emit_json({"feasible": False, "model": arch.name, "experts": arch.moe.num_experts,
                                 "accelerator": accel.id, "reasons": [str(exc)]})
                 raise
         else:
-            result = evaluate(arch, accel, job, cards)
+            result = evaluate(arch, accel, job, cards, memory_margin=memory_margin)
         if not result.feasible and cards is not None:
             # say the smallest count that would fit, when there is one
             try:
-                smallest = min_devices(arch, accel, job, max_devices=max_cards)
+                smallest = min_devices(arch, accel, job, max_devices=max_cards, memory_margin=memory_margin)
                 result.reasons.append(
                     f"the smallest feasible count is {smallest.num_devices} {accel.device_unit}s "
                     f"({smallest.train_layout.describe()}; rollout {smallest.rollout_layout.describe()})"
@@ -174,8 +175,9 @@ def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_
 @click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True)
 @click.option("--job", "job_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--experts", default=",".join(map(str, DEMO_EXPERTS)), show_default=True, help="Comma-separated K values.")
+@memory_margin_option
 @click.option("--json", "as_json", is_flag=True)
-def demo(model, hardware, job_path, experts, as_json) -> None:
+def demo(model, hardware, job_path, experts, memory_margin, as_json) -> None:
     """The default case: original vs proxies, minimum devices, layouts, memory, time, hours."""
     from planner.catalog import load_accelerator
     from planner.specs import load_job
@@ -183,7 +185,7 @@ def demo(model, hardware, job_path, experts, as_json) -> None:
 
     def body():
         ks = [int(k) for k in str(experts).split(",") if k.strip()]
-        comparison = compare_proxies(model, load_accelerator(hardware), load_job(job_path), ks)
+        comparison = compare_proxies(model, load_accelerator(hardware), load_job(job_path), ks, memory_margin=memory_margin)
         _emit_json(comparison.to_json()) if as_json else click.echo(render_comparison(comparison))
 
     _run(body)
@@ -317,7 +319,8 @@ def plan(checkpoint, experts, method, stats_path, mtp, target_ep, seed, output, 
 @click.option("--stats", "stats_path", type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("--mtp", type=click.Choice(["drop", "prune"]), default="drop", show_default=True)
 @click.option("--verify", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
-              help="Load the proxy in transformers after building (auto: checkpoints up to 4 GiB).")
+              help="Run the proxy in transformers after building, one decoder layer at a time in the checkpoint's dtype (bounded "
+                   "memory at any size); always: the original too, for the KL between them (auto: for a keep-all plan only).")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
 @click.option("--json", "as_json", is_flag=True)
 def build(checkpoint, out_dir, plan_path, experts, method, stats_path, mtp, verify, force, as_json) -> None:
@@ -330,21 +333,24 @@ def build(checkpoint, out_dir, plan_path, experts, method, stats_path, mtp, veri
     def body():
         if (plan_path is None) == (experts is None):
             raise SpecError("give exactly one of --plan plan.yaml or --experts K")
+        start = time.perf_counter()
         ckpt = Checkpoint(checkpoint)
         if plan_path:  # a deferred plan (planner suggest without a checkpoint) chooses its experts now
             the_plan = resolve_plan(ckpt, load_plan(plan_path), stats_path=stats_path)
         else:
             the_plan = choose_plan(ckpt, experts, method, stats_path=stats_path, mtp=mtp)
+        choosing = time.perf_counter() - start  # a plan chosen now reads every expert's weights (sketches)
         report = build_proxy(ckpt, the_plan, out_dir, force=force, verify=verify, progress=_progress("writing"))
         if as_json:
-            _emit_json(report.to_json())
+            _emit_json({**report.to_json(), "seconds_choosing_experts": choosing, "seconds_total": time.perf_counter() - start})
         else:
             from planner.units import human_bytes
 
             click.echo(
                 f"built {out_dir}: K={report.experts} of {report.original_experts} experts, "
                 f"{human_bytes(report.bytes_written)} written, {human_bytes(report.bytes_skipped)} of dropped experts "
-                f"never read, {report.seconds:.1f} s"
+                f"not copied; {time.perf_counter() - start:.1f} s (choosing the experts {choosing:.1f} s, writing and checking "
+                f"{report.seconds:.1f} s)"
             )
             for key, value in report.verification.items():
                 click.echo(f"  {key}: {value}")

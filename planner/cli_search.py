@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from planner.cli import DEFAULT_HARDWARE, DEFAULT_MODEL, _emit_json, _progress, _run, calibrated, calibration_options, main
+from planner.cli import (DEFAULT_HARDWARE, DEFAULT_MODEL, _emit_json, _progress, _run, calibrated, calibration_options, main,
+                         memory_margin_option)  # fmt: skip
 from planner.errors import SpecError
 from planner.files import new_output, write_text_atomic
 
@@ -27,7 +28,7 @@ _SEARCH_OPTIONS = (
     click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
     click.option("--steps", type=int, default=20, show_default=True, help="Steps of the reproduction (for hours budgets and totals)."),
     click.option("--min-k-ratio", type=click.FloatRange(min=0.0), default=4.0, show_default=True, help="Keep K/top_k at least this (0: any legal K)."),
-    click.option("--memory-margin", type=float, default=0.1, show_default=True, help="Share of usable device memory to keep free."),
+    memory_margin_option,
 )  # fmt: skip
 
 

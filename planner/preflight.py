@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN
 from planner.errors import PlannerError, SpecError
 from planner.files import read_yaml
 
@@ -156,7 +157,7 @@ class _Context:
         if dep.get("train_layout") and dep.get("rollout_layout"):
             job = dataclasses.replace(job, train_layout=TrainLayout.from_dict(dep["train_layout"]),
                                       rollout_layout=RolloutLayout.from_dict(dep["rollout_layout"]))  # fmt: skip
-        margin = float(self.data.get("memory_margin", 0.1))  # kept free in the training phases, as `suggest` does
+        margin = float(self.data.get("memory_margin", DEFAULT_MEMORY_MARGIN))  # kept free in the training phases, as `suggest` does
         if dep.get("num_cards"):
             return evaluate(arch, self.accel, job, int(dep["num_cards"]), memory_margin=margin)
         return min_devices(arch, self.accel, job, memory_margin=margin)
@@ -273,7 +274,7 @@ def check_memory(c: _Context) -> Check:
     from planner.units import gib
 
     r = c.cost
-    margin = float(c.data.get("memory_margin", 0.1))
+    margin = float(c.data.get("memory_margin", DEFAULT_MEMORY_MARGIN))
     unit = r.device_unit
     if not r.feasible:
         return Check("memory", "FAIL", f"K={r.experts} on {r.num_devices} {unit}s does not fit: " + "; ".join(r.reasons))

@@ -114,20 +114,30 @@ def figure_phases(r: Report, path: Path) -> None:
 
 
 def figure_scaling(r: Report, path: Path) -> None:
-    """Devices and accelerator-hours per step against K."""
+    """Devices and accelerator-hours per step against K, both as a fraction of the original's on one
+    axis from zero (two truncated axes would draw a 1.2x change in hours as large as a 4x change in
+    devices); each point carries its absolute value."""
     plt, fig, ax = _figure()
     items = sorted(r.costs.values(), key=lambda c: c.experts)
     ks = [c.experts for c in items]
     unit = items[0].device_unit
-    ax.plot(ks, [c.num_devices for c in items], marker="o", color="#4C72B0", label=f"minimum {unit}s")
+    original = items[-1]  # the most experts: the original
+    series = [("minimum " + unit + "s", "#4C72B0", "o", [c.num_devices for c in items], original.num_devices, "{:g}"),
+              (f"{unit}-hours per step", "#C44E52", "s", [c.device_hours_per_step for c in items], original.device_hours_per_step, "{:.2f}")]
+    top = 1.0
+    for label, colour, marker, values, base, fmt in series:
+        rel = [v / base for v in values]
+        top = max(top, *rel)
+        ax.plot(ks, rel, marker=marker, color=colour, label=f"{label} (original: {fmt.format(base)})")
+        for k, v, y in zip(ks, values, rel):
+            ax.annotate(fmt.format(v), (k, y), fontsize=8, color=colour, xytext=(4, 4 if marker == "o" else -11), textcoords="offset points")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_ylim(0, top * 1.12)
     ax.set_xlabel("experts kept per MoE layer (K)")
-    ax.set_ylabel(f"minimum {unit}s", color="#4C72B0")
-    twin = ax.twinx()
-    twin.plot(ks, [c.device_hours_per_step for c in items], marker="s", color="#C44E52", label=f"{unit}-hours per step")
-    twin.set_ylabel(f"{unit}-hours per step", color="#C44E52")
-    ax.set_title(f"Devices and {unit}-hours per step against K")
+    ax.set_ylabel(f"fraction of the original (K={original.experts})")
+    ax.set_title(f"Devices and {unit}-hours per step against K, relative to the original")
+    ax.legend(fontsize=8, loc="lower right")
     _save(plt, fig, path)
 
 
@@ -216,9 +226,12 @@ def _markdown(r: Report) -> str:
                              "min_fidelity": req.min_fidelity, "trials": req.trials, "seed": req.seed, "steps": req.steps,
                              "calibration_files": calibration_files(), "versions": _versions()}, indent=1))  # fmt: skip
     lines += ["```", ""]
-    notes = sorted({n for c in r.costs.values() for n in c.notes})
-    if notes:
-        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    rows_of: dict[str, list[str]] = {}  # each note with the rows of the cost table it describes
+    for name, c in r.costs.items():
+        for n in c.notes:
+            rows_of.setdefault(n, []).append(f"{name} ({c.num_devices} {c.device_unit}s)")
+    if rows_of:
+        lines += ["## Notes", ""] + [f"- {'; '.join(rows)}: {n}" for n, rows in rows_of.items()] + [""]
     return "\n".join(lines)
 
 

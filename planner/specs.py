@@ -70,22 +70,41 @@ class TrainLayout:
     ep: int = 1
     cp: int = 1
     etp: int | None = None  # expert tensor parallelism; Megatron-Core's default is etp = tp
+    # decoder layers per pipeline stage, as published runs set them (MindSpeed's pipeline layer list,
+    # Megatron's first/last-stage counts); None: the balanced split
+    pipeline_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if getattr(self, f.name) is not None:
+            if f.name != "pipeline_layers" and getattr(self, f.name) is not None:
                 _int(getattr(self, f.name), f"train_layout.{f.name}")
         if self.etp is None:
             object.__setattr__(self, "etp", self.tp)
+        if self.pipeline_layers is not None:
+            layers = self.pipeline_layers
+            if isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple)) or not layers:
+                raise SpecError(f"train_layout.pipeline_layers must be a list of layer counts, one per stage, got {layers!r}")
+            counts = tuple(_int(n, f"train_layout.pipeline_layers[{i}]") for i, n in enumerate(layers))
+            if len(counts) != self.pp:
+                raise SpecError(f"train_layout.pipeline_layers has {len(counts)} stages {list(counts)}; pp is {self.pp}")
+            object.__setattr__(self, "pipeline_layers", counts)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "train_layout") -> "TrainLayout":
         check_keys(data, [f.name for f in fields(cls)], where)
-        return cls(**{k: _int(v, f"{where}.{k}") for k, v in data.items()})
+        return cls(**{k: (v if k == "pipeline_layers" else _int(v, f"{where}.{k}")) for k, v in data.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """As a job file writes it: per-stage counts as a list, and only when given."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "pipeline_layers"}
+        if self.pipeline_layers is not None:
+            out["pipeline_layers"] = list(self.pipeline_layers)
+        return out
 
     def describe(self) -> str:
         etp = f" ETP{self.etp}" if self.etp != self.tp else ""
-        return f"TP{self.tp} PP{self.pp} EP{self.ep} CP{self.cp}{etp}"
+        stages = f" layers {','.join(map(str, self.pipeline_layers))}" if self.pipeline_layers else ""
+        return f"TP{self.tp} PP{self.pp} EP{self.ep} CP{self.cp}{etp}{stages}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,7 +181,7 @@ _JOB_DOC = {
     "offload": "{params, grads, optimizer}: moved to host while another phase runs",
     "reference_model": "a frozen reference model for the KL term (one forward pass per step)",
     "skip_old_logprob": "on-policy: the old log-prob pass is skipped (equals the detached current)",
-    "train_layout": "{tp, pp, ep, cp[, etp]}; searched when absent",
+    "train_layout": "{tp, pp, ep, cp[, etp][, pipeline_layers: [layers per stage]]}; searched when absent",
     "rollout_layout": "{tp, dp, ep}; searched when absent",
     "ppo_epochs": "passes over the batch in the update (default 1)",
     "mini_batches": "optimizer steps per epoch (default 1)",
@@ -304,6 +323,8 @@ class Job:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        if self.train_layout is not None:
+            out["train_layout"] = self.train_layout.to_dict()
         for key in ("prompt_tokens", "response_tokens"):
             if out[key]["shape"] == 2.0:
                 del out[key]["shape"]

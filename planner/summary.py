@@ -7,7 +7,7 @@ from typing import Any
 
 from planner.arch import count_parameters
 from planner.catalog import catalog_accelerators, catalog_models, load_model, parse_count
-from planner.cost.evaluate import CostResult, min_devices
+from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN, CostResult, min_devices
 from planner.cost.hardware import Accelerator
 from planner.render import count, table
 from planner.specs import Job
@@ -74,10 +74,11 @@ class ProxyComparison:
         }
 
 
-def compare_proxies(model: str, accel: Accelerator, job: Job, experts: list[int], *, max_devices: int = 4096) -> ProxyComparison:
+def compare_proxies(model: str, accel: Accelerator, job: Job, experts: list[int], *, max_devices: int = 4096,
+                    memory_margin: float = DEFAULT_MEMORY_MARGIN) -> ProxyComparison:  # fmt: skip
     """Minimum devices and best layouts for the original and for proxies keeping each K."""
-    original = min_devices(load_model(model), accel, job, max_devices=max_devices)
-    proxies = [min_devices(load_model(model, experts=k), accel, job, max_devices=max_devices) for k in experts]
+    original = min_devices(load_model(model), accel, job, max_devices=max_devices, memory_margin=memory_margin)
+    proxies = [min_devices(load_model(model, experts=k), accel, job, max_devices=max_devices, memory_margin=memory_margin) for k in experts]
     return ProxyComparison(original, proxies)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from checkpoints import add_mtp_layer, corrupt_header_length, family_config, save_tiny  # noqa: E402
+import transformers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from planner.checkpoint import EXPERT_MAP_NAME, Checkpoint, build  # noqa: E402
@@ -49,7 +51,12 @@ def test_round_trip(tmp_path, family, sharded):
         out = tmp_path / f"k{k}"
         report = build(ckpt, even_plan(ckpt, k), out, verify="always")
         v = report.verification
-        assert v["load"] == "strict ok" and v["forward"] == "finite" and v["generated_tokens"] == 4
+        assert v["load"].startswith("every tensor feeds a parameter, none missing (layer by layer") and v["forward"] == "finite"
+        # transformers' own loader agrees: nothing missing, unexpected (MTP layers aside) or resized
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, local_files_only=True)
+        layer_of = (re.search(r"layers\.(\d+)\.", n) for n in info["unexpected_keys"])
+        unexpected = [m for m in layer_of if not m or int(m.group(1)) < ckpt.arch.num_layers]
+        assert not info["missing_keys"] and not unexpected and not info["mismatched_keys"], info
         if k == e:
             assert v["logits"] == "bit-identical to the original" and report.bytes_skipped == 0
         else:
@@ -64,6 +71,26 @@ def test_round_trip(tmp_path, family, sharded):
         assert all(len(layer["kept"]) == k for layer in emap["layers"].values())
         assert (out / "model.safetensors.index.json").is_file() == sharded
         assert not (tmp_path / f"k{k}.tmp").exists()
+
+
+def test_the_check_refuses_a_tensor_that_feeds_no_parameter(tmp_path):
+    """The layer-by-layer check reads every tensor into transformers' model: one that no parameter
+    takes (a stray key a converter left behind) fails the build's check, as transformers' own loader
+    would report it unexpected."""
+    from safetensors.torch import load_file, save_file
+
+    from planner.checkpoint.verify import verify_proxy
+
+    source = save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False)
+    ckpt = Checkpoint(source)
+    plan = even_plan(ckpt, ckpt.arch.legal_expert_counts()[0])
+    build(ckpt, plan, tmp_path / "proxy", verify="never")
+    shard = tmp_path / "proxy" / "model.safetensors"
+    tensors = load_file(shard)
+    tensors["model.layers.0.self_attn.stray.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) feed no parameter.*self_attn.stray.weight"):
+        verify_proxy(source, tmp_path / "proxy", plan, num_layers=ckpt.arch.num_layers)
 
 
 def test_kept_experts_are_copied_bit_for_bit_and_renumbered(tmp_path):
@@ -106,7 +133,7 @@ def test_mtp_dropped_or_pruned(tmp_path):
     assert json.loads((tmp_path / "drop" / EXPERT_MAP_NAME).read_text())["mtp"] == {"layers": [n], "choice": "drop"}
     plan = even_plan(ckpt, 4, mtp="prune")
     report = build(ckpt, plan, tmp_path / "prune", verify="always")
-    assert report.verification["load"] == "strict ok"
+    assert report.verification["load"].startswith("every tensor feeds a parameter")
     proxy = Checkpoint(tmp_path / "prune")
     assert proxy.moe_layers[n].num_experts == 4 and proxy.moe_layers[n].router.shape[0] == 4
     assert f"model.layers.{n}.eh_proj.weight" in keys(tmp_path / "prune")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import yaml
 
 from planner.arch import Architecture
 from planner.catalog import load_accelerator, load_model, load_model_config
@@ -63,3 +64,32 @@ def test_longer_responses_cost_more_rollout_and_update():
     long = evaluate(arch, accel, dataclasses.replace(Job(), response_tokens=Lengths(mean=3000, max=6144)), 32)
     assert long.phase_times_s["rollout"] > short.phase_times_s["rollout"]
     assert long.phase_times_s["update"] > short.phase_times_s["update"]
+
+
+def test_pipeline_layers_per_stage_as_published():
+    """Published runs set per-stage layer counts (cann-recipes' DeepSeek-R1: [7,7,8,8,8,8,8,7] over
+    61 layers). Given in the job, the stages hold those layers: a split that loads the last stage
+    makes it the busiest (more memory, a slower update), the result names the counts, and a list that
+    does not add up to the model's layers or has another stage count is refused with its numbers."""
+    from planner.errors import LayoutError, SpecError
+
+    arch, accel = load_model("deepseek-v3"), load_accelerator("atlas-a3")
+    layout = {"tp": 4, "pp": 8, "ep": 8, "cp": 1}
+
+    def cost(pipeline_layers):
+        lay = {**layout, **({"pipeline_layers": pipeline_layers} if pipeline_layers else {})}
+        job = Job.from_dict({"train_layout": lay, "rollout_layout": {"tp": 2, "dp": 64, "ep": 128}, "offload": True, "optimizer_swap": True})
+        return evaluate(arch, accel, job, 256, memory_margin=0.0)
+
+    balanced, given, heavy = cost(None), cost([7, 7, 8, 8, 8, 8, 8, 7]), cost([5, 7, 8, 8, 8, 8, 8, 9])
+    assert given.train_layout.pipeline_layers == (7, 7, 8, 8, 8, 8, 8, 7) and "layers 7,7,8,8,8,8,8,7" in given.train_layout.describe()
+    update = [r.memory_per_device_bytes["update"]["total"] for r in (balanced, given, heavy)]
+    assert update[1] < update[0] < update[2]  # the published split keeps a layer off the head's stage
+    assert heavy.phase_times_s["update"] > 1.1 * balanced.phase_times_s["update"]
+    assert any("pipeline stages hold [5, 7, 8, 8, 8, 8, 8, 9] layers" in n for n in heavy.notes)
+    assert Job.from_dict(yaml.safe_load(yaml.safe_dump(given.job.to_dict()))) == given.job  # written and read back as a job file
+    assert given.to_json()["train_layout"]["pipeline_layers"] == [7, 7, 8, 8, 8, 8, 8, 7]
+    with pytest.raises(SpecError, match=r"pipeline_layers has 2 stages \[30, 31\]; pp is 8"):
+        TrainLayout.from_dict({**layout, "pipeline_layers": [30, 31]})
+    with pytest.raises(LayoutError, match=r"pipeline_layers \[7, 7, 7, 7, 7, 7, 7, 7\] hold 56 layers; the model has 61"):
+        cost([7] * 8)

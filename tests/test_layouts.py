@@ -69,3 +69,15 @@ def test_enumeration_is_complete_for_a_small_case():
                     if not train_layout_problems(arch, 8, lay):
                         want.add((tp, pp, ep, etp))
     assert got == want
+
+
+def test_independent_rollout_engines_are_written_dp_1():
+    """verl's DeepSeek-V3 run on 96 H20: three independent TP32 vLLM engines. In planner's terms that
+    is tp 32, dp 1 (the device count makes the engines); dp 3 would be one engine of 96 devices with
+    the MoE spread over all of them, which the expert width refuses, and the message says how to
+    write independent engines."""
+    arch = load_model("deepseek-v3")
+    assert rollout_layout_problems(arch, 96, RolloutLayout(tp=32, dp=1)) == []
+    problems = rollout_layout_problems(arch, 96, RolloutLayout(tp=32, dp=3))
+    assert any("does not divide the expert width 2048" in p for p in problems)
+    assert any("independent engines of tp=32 devices each" in p and "dp: 1" in p and "96 devices then run 3 of them" in p for p in problems)

@@ -35,6 +35,8 @@ def test_report_writes_markdown_html_and_figures(tmp_path):
     md = (out / "report.md").read_text()
     for section in ("## Original and proxies", "## The cheapest proxy within the budget", "## Inputs and versions", "figures/pareto.png"):
         assert section in md
+    notes = md[md.index("## Notes"):].splitlines()[2:]
+    assert notes[0] and all(line.startswith(("- original (16 npus)", "- K=")) for line in notes if line)  # each note names its rows
     html = (out / "report.html").read_text()
     assert html.count("<img") == 4 and "<table>" in html
     data = json.loads((out / "report.json").read_text())

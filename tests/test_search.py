@@ -111,6 +111,42 @@ def test_two_processes_share_one_sqlite_study(tmp_path):
     assert space <= summary.n_trials < 2 * space  # covered together, not each on its own
 
 
+@pytest.mark.slow
+def test_an_interrupted_stored_study_resumes_to_the_uninterrupted_result(tmp_path):
+    """Ctrl-C, SIGTERM (Slurm, Kubernetes) and SIGKILL at several points of a stored suggest: the
+    signalled run stops between trials with a one-line message and 128 + the signal, and the same
+    command run again completes the space and prints what an uninterrupted run prints."""
+    import signal
+
+    args = [sys.executable, "-m", "planner.cli", "suggest", "--budget", "16npu", "--fault", "router-collapse"]
+
+    def result(out: str) -> dict:
+        data = json.loads(out)
+        return {k: data[k] for k in ("plans", "pareto", "diagnosis", "warnings", "evaluated_points")}
+
+    reference = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    for n, (signum, at) in enumerate([(signal.SIGINT, 20), (signal.SIGINT, 70), (signal.SIGTERM, 40), (signal.SIGTERM, 90),
+                                      (signal.SIGKILL, 50)]):  # fmt: skip
+        stored = args + ["--storage", f"sqlite:///{tmp_path / f'study{n}.db'}"]  # shows progress; the same study with --json
+        # a shell's background job starts with Ctrl-C ignored, and Python keeps an ignored SIGINT: restore it
+        proc = subprocess.Popen(stored, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        for line in proc.stderr:  # "search: N%" as the trials complete
+            if line.startswith("search:") and int(line.split()[1].rstrip("%")) >= at:
+                proc.send_signal(signum)
+                break
+        err = proc.stderr.read()
+        proc.wait(timeout=120)
+        assert proc.returncode == (-signum if signum == signal.SIGKILL else 128 + signum), err[-2000:]
+        if signum != signal.SIGKILL:
+            last = err.strip().splitlines()[-1]
+            assert "Traceback" not in err and f"interrupted ({signal.Signals(signum).name})" in last and "run the same command again" in last, err
+        again = subprocess.run(stored + ["--json"], capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert result(again.stdout) == result(reference.stdout), (signum, at)
+
+
 def test_router_collapse_never_proposes_k_at_top_k():
     """At K <= top_k every token uses every kept expert: router collapse cannot occur there."""
     result = run_cli("suggest", "--budget", "8npu", "--fault", "router-collapse", "--min-k-ratio", "0", "--json")
@@ -147,3 +183,24 @@ def test_progress_reaches_the_end_when_the_space_is_smaller_than_the_trials():
     suggest(request, progress=lambda done, total: calls.append((done, total)))
     assert calls[-1] == (space, space) and {total for _, total in calls} == {space}
     assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+
+
+def test_every_command_that_sizes_devices_finds_the_same_minimum(tmp_path):
+    """cost --min-cards, demo, suggest and report keep the same memory margin by default (10%) and
+    take the same --memory-margin: for one job and margin, one minimum device count."""
+    from planner.cli import memory_margin_option
+    from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN
+
+    assert memory_margin_option(lambda **kw: None).__click_params__[0].default == DEFAULT_MEMORY_MARGIN
+    found = {}
+    for margin in ("0.1", "0.5"):
+        cost = json.loads(run_cli("cost", "qwen3-30b-a3b", "--min-cards", "--memory-margin", margin, "--json").stdout)["num_cards"]
+        demo = json.loads(run_cli("demo", "--memory-margin", margin, "--json").stdout)["original"]["num_cards"]
+        suggested = json.loads(run_cli("suggest", "--budget", "64npu", "--memory-margin", margin, "--trials", "20", "--json").stdout)
+        report = run_cli("report", "--budget", "64npu", "--memory-margin", margin, "--trials", "20", "-o", tmp_path / margin)
+        assert report.exit_code == 0, report.output
+        reported = json.loads((tmp_path / margin / "report.json").read_text())["costs"]["original"]["num_cards"]
+        found[margin] = {cost, demo, suggested["original"]["num_cards"], reported}
+        assert len(found[margin]) == 1, (margin, found)
+    default = json.loads(run_cli("cost", "qwen3-30b-a3b", "--min-cards", "--json").stdout)["num_cards"]
+    assert found["0.1"] == {default} and found["0.5"] != found["0.1"]  # the margin matters, and 10% is the default

@@ -16,7 +16,7 @@ from planner.checkpoint import Checkpoint  # noqa: E402
 from planner.errors import SpecError  # noqa: E402
 from planner.stats.cluster import agglomerative, cosine_distance, kmeans, mds_embedding, select, silhouette  # noqa: E402
 from planner.stats.compute import compute_stats, plan_from_stats  # noqa: E402
-from planner.stats.layerwise import LayerwiseModel  # noqa: E402
+from planner.checkpoint.layerwise import LayerwiseModel  # noqa: E402
 from planner.stats.store import load_stats, save_stats  # noqa: E402
 
 

@@ -49,7 +49,7 @@ class BuildReport:
     original_experts: int
     tensors_written: int
     bytes_written: int
-    bytes_skipped: int  # dropped experts, never read
+    bytes_skipped: int  # dropped experts, not copied (the builder never reads them)
     seconds: float
     warnings: list[str] = field(default_factory=list)
     verification: dict = field(default_factory=dict)
@@ -280,8 +280,9 @@ def build(
     verify: str = "auto",
     progress: Callable[[int, int], None] | None = None,
 ) -> BuildReport:
-    """Build the proxy into `out_dir`. `verify`: auto (load in transformers when the checkpoint is
-    small enough), always, never (structural checks run in every case)."""
+    """Build the proxy into `out_dir`. `verify`: auto (run the proxy layer by layer in transformers,
+    and the original too for a keep-all plan, whose logits must be bit-identical), always (the
+    original too for every plan: the KL between them), never (structural checks run in every case)."""
     start = time.perf_counter()
     out_dir = Path(out_dir).expanduser().resolve()
     if plan.deferred:
@@ -316,18 +317,13 @@ def build(
         if proxy.arch.moe.num_experts != plan.experts or any(l.num_experts != plan.experts for l in proxy.moe_layers.values()):
             raise CheckpointError(f"{tmp}: the written checkpoint does not hold {plan.experts} experts per MoE layer")
         verification = {"structure": "ok"}
-        size_limit = 4 * 1024**3
-        if verify == "always" or (verify == "auto" and ckpt.total_bytes <= size_limit):
+        if verify == "never":
+            verification["load"] = "skipped (verify=never)"
+        else:  # layer by layer in the checkpoint's dtype: bounded memory at any size
             from planner.checkpoint.verify import verify_proxy
 
-            verification.update(verify_proxy(ckpt.path, tmp, plan, num_layers=ckpt.arch.num_layers))
-        elif verify == "never":
-            verification["load"] = "skipped (verify=never)"
-        else:
-            verification["load"] = (
-                f"skipped: the source holds {ckpt.total_bytes / 1024**3:.1f} GiB, above the {size_limit / 1024**3:.0f} GiB "
-                "that verify=auto loads in transformers (use verify=always to load it anyway)"
-            )
+            compare = verify == "always" or plan.experts == plan.original_experts  # auto: where it proves the copy exact
+            verification.update(verify_proxy(ckpt.path, tmp, plan, num_layers=ckpt.arch.num_layers, compare=compare))
         emap = _expert_map(ckpt, plan, warnings)
         emap["verification"] = verification
         _write_atomic_json(tmp / EXPERT_MAP_NAME, emap)

@@ -9,6 +9,7 @@ switch time then follows from both.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,11 @@ from planner.errors import InfeasibleError, LayoutError, SpecError
 from planner.specs import Job, RolloutLayout, TrainLayout
 from planner.units import gib
 
-__all__ = ["CostResult", "evaluate", "min_devices", "candidate_device_counts"]
+__all__ = ["CostResult", "evaluate", "min_devices", "candidate_device_counts", "DEFAULT_MEMORY_MARGIN"]
+
+# the share of usable device memory kept free in the training phases, the same for every command that
+# sizes devices (cost, demo, suggest, report, preflight): the same job gets the same minimum count
+DEFAULT_MEMORY_MARGIN = 0.1
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,7 @@ class CostResult:
             "physical_card_hours_per_step": None if not self.feasible else self.card_hours_per_step,
             "tokens_per_s_per_card": None if not self.feasible else self.tokens_per_s_per_device,
             "tokens_per_s_per_physical_card": None if not self.feasible else self.tokens_per_s_per_device * self.devices_per_card,
-            "train_layout": None if self.train_layout is None else vars(self.train_layout),
+            "train_layout": None if self.train_layout is None else self.train_layout.to_dict(),
             "rollout_layout": None if self.rollout_layout is None else vars(self.rollout_layout),
             "layouts_evaluated": self.layouts_evaluated,
             "reasons": self.reasons,
@@ -132,7 +137,7 @@ def _max_tp(accel: Accelerator) -> int:
 
 
 class _Evaluator:
-    def __init__(self, arch: Architecture, accel: Accelerator, job: Job, knobs: Knobs | None, memory_margin: float = 0.0):
+    def __init__(self, arch: Architecture, accel: Accelerator, job: Job, knobs: Knobs | None, memory_margin: float = DEFAULT_MEMORY_MARGIN):
         if not job.colocated:
             raise SpecError(
                 "colocated: false (separate rollout and training pools) is not modelled yet; "
@@ -181,7 +186,7 @@ class _Evaluator:
         ok = train_fit & host_fit
         if not ok.any():
             i = int(np.argmin(np.maximum(te.update_bytes, te.reference_bytes)))
-            lay = tc.layout(i)
+            lay = self._train_layout(tc, i)
             if not train_fit[i]:
                 reasons.append(
                     f"update phase needs {gib(te.update_bytes[i])} per {accel.device_unit} at best ({lay.describe()}: "
@@ -197,7 +202,7 @@ class _Evaluator:
                 )
             if not reasons:
                 reasons.append("no training layout fits both device and host memory")
-            return self._infeasible(devices, reasons, len(tc) + len(rc), tc.layout(i))
+            return self._infeasible(devices, reasons, len(tc) + len(rc), self._train_layout(tc, i))
         train_time = te.update_s + te.reference_s + te.old_logprob_s + te.values_s
         ti = int(np.flatnonzero(ok)[np.argmin(train_time[ok])])
         kept = float(te.kept_bytes[ti])
@@ -214,7 +219,7 @@ class _Evaluator:
                 f"{gib(max(re.kv_budget_bytes[i], 0.0))} of {job.rollout_memory_utilization:.2f} x {gib(self.usable)} "
                 f"for the KV cache; one {job.max_sequence_tokens}-token sequence needs {gib(re.kv_per_sequence_bytes[i])}"
             )
-            return self._infeasible(devices, reasons, len(tc) + len(rc), tc.layout(ti), rc.layout(i))
+            return self._infeasible(devices, reasons, len(tc) + len(rc), self._train_layout(tc, ti), rc.layout(i))
         ri = int(np.flatnonzero(roll_fit)[np.argmin(re.rollout_s[roll_fit])])
 
         switch = float(
@@ -256,7 +261,7 @@ class _Evaluator:
         for parts in memory.values():
             parts.setdefault("total", float(sum(parts.values())))
         peak_phase = max(memory, key=lambda p: memory[p]["total"])
-        notes = self._notes(tc.layout(ti), te, ti, re, ri)
+        notes = self._notes(self._train_layout(tc, ti), te, ti, re, ri)
         if job.optimizer_swap:
             notes.append("optimizer state is swapped: it lives in host memory and streams in for each optimizer step")
         return CostResult(
@@ -269,7 +274,7 @@ class _Evaluator:
             num_devices=devices,
             feasible=True,
             reasons=[],
-            train_layout=tc.layout(ti),
+            train_layout=self._train_layout(tc, ti),
             rollout_layout=rc.layout(ri),
             phase_times_s=phases,
             memory_per_device_bytes=memory,
@@ -282,14 +287,23 @@ class _Evaluator:
             job=job,
         )
 
+    def _train_layout(self, tc, i: int) -> TrainLayout:
+        """Candidate i's layout, with the job's per-stage layer counts where they apply to it."""
+        lay = tc.layout(i)
+        given = self.job.train_layout.pipeline_layers if self.job.train_layout is not None else None
+        return dataclasses.replace(lay, pipeline_layers=given) if given and len(given) == lay.pp else lay
+
     def _notes(self, lay: TrainLayout, te, ti: int, re, ri: int) -> list[str]:
         arch = self.arch
         notes = []
-        if te.uneven_pp[ti]:
+        if te.uneven_pp[ti] and lay.pipeline_layers:
+            notes.append(f"pipeline stages hold {list(lay.pipeline_layers)} layers (the job's pipeline_layers); memory and time are "
+                         "those of the busiest stage")  # fmt: skip
+        elif te.uneven_pp[ti]:
             notes.append(
                 f"pipeline split is uneven: {arch.num_layers} layers over PP{lay.pp} (stages of {arch.num_layers // lay.pp} "
-                f"and {arch.num_layers // lay.pp + 1}, as MindSpeed's pipeline layer list or Megatron's first/last-stage "
-                "layer counts set them); memory and time are those of the busiest stage"
+                f"and {arch.num_layers // lay.pp + 1}; set train_layout.pipeline_layers to the counts your MindSpeed pipeline "
+                "layer list or Megatron first/last-stage settings give); memory and time are those of the busiest stage"
             )
         if re.concurrency[ri] < re.sequences_per_rank[ri]:
             notes.append(
@@ -339,7 +353,7 @@ class _Evaluator:
 
 
 def evaluate(arch: Architecture, accel: Accelerator, job: Job, devices: int, knobs: Knobs | None = None, *,
-             memory_margin: float = 0.0) -> CostResult:  # fmt: skip
+             memory_margin: float = DEFAULT_MEMORY_MARGIN) -> CostResult:  # fmt: skip
     """Cost at `devices` devices, with the job's layouts or the best feasible ones (training phases
     leave `memory_margin` of usable memory free)."""
     if devices < 1:
@@ -348,7 +362,8 @@ def evaluate(arch: Architecture, accel: Accelerator, job: Job, devices: int, kno
 
 
 def min_devices(
-    arch: Architecture, accel: Accelerator, job: Job, *, max_devices: int = 4096, knobs: Knobs | None = None, memory_margin: float = 0.0
+    arch: Architecture, accel: Accelerator, job: Job, *, max_devices: int = 4096, knobs: Knobs | None = None,
+    memory_margin: float = DEFAULT_MEMORY_MARGIN,
 ) -> CostResult:
     """The smallest feasible device count (and the best layouts there)."""
     ev = _Evaluator(arch, accel, job, knobs, memory_margin)

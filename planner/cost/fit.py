@@ -107,7 +107,7 @@ def update_mfu_checks(path: str | Path | None = None) -> list[dict[str, Any]]:
 def predict(run: PublishedRun, knobs: Knobs) -> CostResult:
     arch = load_model(run.model)
     accel = load_accelerator(run.hardware)
-    return evaluate(arch, accel, run.job, run.devices, knobs=knobs)
+    return evaluate(arch, accel, run.job, run.devices, knobs=knobs, memory_margin=0.0)  # as the run ran: nothing kept free
 
 
 def _predicted_phases(run: PublishedRun, result: CostResult) -> dict[str, float]:

@@ -142,6 +142,9 @@ def train_layout_problems(arch: Architecture, devices: int, lay: TrainLayout) ->
             )
     if lay.pp > arch.num_layers:
         out.append(f"pp={lay.pp} exceeds the {arch.num_layers} layers")
+    if lay.pipeline_layers is not None and (sum(lay.pipeline_layers) != arch.num_layers or min(lay.pipeline_layers) < 1):
+        out.append(f"pipeline_layers {list(lay.pipeline_layers)} hold {sum(lay.pipeline_layers)} layers; the model has {arch.num_layers} "
+                   "(every stage at least one)")  # fmt: skip
     if k % lay.ep:
         out.append(f"ep={lay.ep} does not divide K={k} experts")
     if arch.moe.expert_intermediate % lay.etp:
@@ -165,6 +168,10 @@ def rollout_layout_problems(arch: Architecture, devices: int, lay: RolloutLayout
         out.append(f"ep={lay.ep} does not divide K={k} experts")
     elif lay.ep == 1 and arch.moe.expert_intermediate % inst:
         out.append(f"tensor-parallel experts: tp*dp={inst} does not divide the expert width {arch.moe.expert_intermediate}")
+    if out and lay.dp > 1:  # vLLM's data-parallel MoE mode is not how several engines are written
+        out.append(f"dp={lay.dp} makes one engine of tp*dp = {inst} devices (vLLM's data-parallel attention, the MoE spread over "
+                   f"all {inst}); independent engines of tp={lay.tp} devices each (verl's rollout replicas) are dp: 1, and "
+                   f"{devices} devices then run {devices // lay.tp if devices % lay.tp == 0 else 'a whole number of'} of them")  # fmt: skip
     return out
 
 

@@ -203,9 +203,23 @@ class CostModel:
         L = self.arch.num_layers
         lo = (stage * L) // ppf
         hi = ((stage + 1) * L) // ppf
+        given = self.job.train_layout.pipeline_layers if self.job.train_layout is not None else None
+        if given is not None:  # the job's own per-stage counts, for candidates of its stage count
+            bounds = np.concatenate([[0], np.cumsum(given)])
+            mine = ppf == len(given)
+            lo = np.where(mine, bounds[np.minimum(stage, len(given))], lo)
+            hi = np.where(mine, bounds[np.minimum(stage + 1, len(given))], hi)
         sums = {f: self._prefix[f][hi] - self._prefix[f][lo] for f in self._prefix}
         sums["layers"] = (hi - lo).astype(float)
         return owner, stage, ppf, first, sums
+
+    @staticmethod
+    def _uneven(n: int, owner: np.ndarray, layers: np.ndarray) -> np.ndarray:
+        """Per candidate: do its stages hold different numbers of layers?"""
+        most, least = np.zeros(n), np.full(n, np.inf)
+        np.maximum.at(most, owner, layers)
+        np.minimum.at(least, owner, layers)
+        return most != least
 
     def train(self, cand: TrainCandidates) -> TrainEval:
         arch, job, accel, kn = self.arch, self.job, self.accel, self.knobs
@@ -329,7 +343,7 @@ class CostModel:
             update_a2a_s=a2a_update,
             update_comm_s=tp_update + sync * steps,
             update_bubble_s=bubble,
-            uneven_pp=(arch.num_layers % cand.pp) != 0,
+            uneven_pp=self._uneven(len(cand), o, s["layers"]),
         )
 
     def _stage_activation(self, tokens, n_moe, n_layers, imbalance, in_flight, is_last, transient=True):

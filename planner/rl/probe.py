@@ -2,7 +2,7 @@
 
 The calibration grid measures the critical knob on tiny models the harness holds whole. A user's
 original has 30B-671B parameters: here the model runs one decoder layer in memory at a time
-(planner.stats.layerwise), forward and, for fp16 overflow, backward, on calibration text, so a
+(planner.checkpoint.layerwise), forward and, for fp16 overflow, backward, on calibration text, so a
 checkpoint that fits on disk can be probed on a CPU or one device. The labels are the grid's: the
 critical knob per seed (at least 4), the signed shift proxy minus original in log2 units with its
 Welch interval and the equivalence outcome (planner.fidelity.labels.knob_shift).
@@ -50,7 +50,7 @@ class Probe:
         from planner.checkpoint import Checkpoint
         from planner.rl.device import Device
         from planner.rl.recipes import recipe
-        from planner.stats.layerwise import LayerwiseModel
+        from planner.checkpoint.layerwise import LayerwiseModel
 
         if recipe_name not in PROBE_RECIPES:
             raise SpecError(f"planner probe measures the static recipes {', '.join(PROBE_RECIPES)}; {recipe_name} needs training runs "

@@ -133,7 +133,7 @@ def plan_of(s: Suggestion, o: Option) -> Plan:
         "hardware": s.accelerator.id,
         "num_cards": c.num_devices,
         "device_unit": c.device_unit,
-        "train_layout": vars(c.train_layout),
+        "train_layout": c.train_layout.to_dict(),
         "rollout_layout": vars(c.rollout_layout),
         "recompute": o.recompute,
         "offload": o.offload,

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from planner.arch import Architecture
 from planner.catalog import load_accelerator, load_model_config
-from planner.cost.evaluate import CostResult, candidate_device_counts, evaluate, min_devices
+from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN, CostResult, candidate_device_counts, evaluate, min_devices
 from planner.cost.hardware import Accelerator
 from planner.errors import PlannerError, SpecError
 from planner.search.budget import Budget, parse_budget
@@ -80,7 +80,7 @@ class Request:
     steps: int = 20  # steps of the reproduction (for hours budgets and totals)
     max_devices: int = 4096  # search bound for hours budgets
     min_k_ratio: float = 4.0  # K/top_k at least this (DESIGN 5: near-dense routing loses mismatch fragility)
-    memory_margin: float = 0.1  # keep this share of usable device memory free (as `planner preflight` checks)
+    memory_margin: float = DEFAULT_MEMORY_MARGIN  # keep this share of usable device memory free (as `planner preflight` checks)
 
     def key(self) -> str:
         """Identifies the search space and objectives: the study name on shared storage (with the
@@ -168,7 +168,7 @@ def figures(c: CostResult) -> dict[str, Any]:
         "num_cards": c.num_devices,
         "device_unit": c.device_unit,
         "physical_cards": c.num_cards,
-        "layout": {"train": vars(c.train_layout) if c.train_layout else None, "rollout": vars(c.rollout_layout) if c.rollout_layout else None},
+        "layout": {"train": c.train_layout.to_dict() if c.train_layout else None, "rollout": vars(c.rollout_layout) if c.rollout_layout else None},
         "memory_per_card_bytes": c.peak_memory_bytes if c.feasible else None,
         "usable_bytes_per_card": c.usable_bytes_per_device,
         "headroom_bytes": c.usable_bytes_per_device - c.peak_memory_bytes if c.feasible else None,
@@ -397,8 +397,14 @@ class Suggester:
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         req = self.request
         min_fid = req.min_fidelity
-        if self.space_size() <= req.trials:  # the trials cover the space: visit every point once, in a seeded order
-            sampler = optuna.samplers.BruteForceSampler(seed=req.seed)
+        space = {"experts": self.experts, "method": self.methods, "devices": self.devices, "recompute": list(RECOMPUTES),
+                 "offload": list(OFFLOADS)}  # fmt: skip
+        names = tuple(space)
+        brute = self.space_size() <= req.trials  # the trials cover the space: visit every point once, in a seeded order
+        if brute:
+            from planner.search.space import SpaceSampler
+
+            sampler = SpaceSampler(space, seed=req.seed)
         else:
             sampler = optuna.samplers.NSGAIISampler(seed=req.seed, population_size=min(40, max(4, req.trials // 6)))
         storage = None
@@ -409,31 +415,25 @@ class Suggester:
         study = optuna.create_study(study_name=f"suggest-{req.key()}", storage=storage, sampler=sampler,
                                     directions=["minimize", "maximize"], load_if_exists=True)  # fmt: skip
         seen: dict[tuple, int] = {}
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):  # earlier workers' points
-            key = tuple(t.params[n] for n in ("experts", "method", "devices", "recompute", "offload"))
-            seen.setdefault(key, t.number)
-        if not study.trials and isinstance(sampler, optuna.samplers.NSGAIISampler):
-            # warm start: every K at its own minimum count (the cheapest region), every recompute and offload setting
-            for k in self.experts:
-                m = self.minimum(k)
-                devices = m.num_devices if m is not None and m.num_devices in self.devices else self.devices[-1]
-                for recompute in RECOMPUTES:
-                    for offload in OFFLOADS:
-                        study.enqueue_trial({"experts": k, "method": self.methods[0], "devices": devices, "recompute": recompute, "offload": offload})
-
-        done = len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE])
-        # the brute-force sampler stops once the space is covered: that is 100%, not trials/asked
-        target = min(req.trials, self.space_size()) if isinstance(sampler, optuna.samplers.BruteForceSampler) else req.trials
-        counted = {"trials": done}
+        done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        for t in done:  # earlier workers' points
+            seen.setdefault(tuple(t.params[n] for n in names), t.number)
+        if brute:
+            to_run, target = len(sampler.missing(study)), self.space_size()
+        else:
+            if not study.trials:
+                # warm start: every K at its own minimum count (the cheapest region), every recompute and offload setting
+                for k in self.experts:
+                    m = self.minimum(k)
+                    devices = m.num_devices if m is not None and m.num_devices in self.devices else self.devices[-1]
+                    for recompute in RECOMPUTES:
+                        for offload in OFFLOADS:
+                            study.enqueue_trial({"experts": k, "method": self.methods[0], "devices": devices, "recompute": recompute, "offload": offload})
+            to_run, target = req.trials - len(done), req.trials
+        counted = {"trials": target - to_run}
 
         def objective(trial: optuna.Trial):
-            params = (
-                trial.suggest_categorical("experts", self.experts),
-                trial.suggest_categorical("method", self.methods),
-                trial.suggest_categorical("devices", self.devices),
-                trial.suggest_categorical("recompute", list(RECOMPUTES)),
-                trial.suggest_categorical("offload", list(OFFLOADS)),
-            )
+            params = tuple(trial.suggest_categorical(name, choices) for name, choices in space.items())
             opt = self.option(*params)
             seen.setdefault(params, trial.number)
             memory = 0.0 if opt.fits else 1.0
@@ -447,13 +447,21 @@ class Suggester:
             hours = opt.hours if opt.fits else 1e12
             return hours, opt.score
 
-        if done < req.trials:
-            study.optimize(objective, n_trials=req.trials - done)
+        if to_run > 0:
+            from planner.interrupts import deferred
+
+            # Ctrl-C or SIGTERM stops the study between trials, never inside one: a stored study keeps
+            # only whole trials, and the same command resumes it
+            note = (f"the study in {req.storage} keeps every finished trial; run the same command again to resume" if req.storage
+                    else "nothing was kept; run the command again")  # fmt: skip
+            with deferred(note) as pending:
+                stop = lambda st, tr: st.stop() if pending or getattr(sampler, "exhausted", False) else None  # noqa: E731
+                study.optimize(objective, n_trials=to_run, callbacks=[stop])
         if progress:
             progress(target, target)  # the space is covered (or the trials are spent), here or by other workers
         completed = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         for t in completed:
-            key = tuple(t.params[n] for n in ("experts", "method", "devices", "recompute", "offload"))
+            key = tuple(t.params[n] for n in names)
             seen.setdefault(key, t.number)
         return [self.option(*key) for key in seen], seen, len(completed)
 

@@ -88,7 +88,7 @@ def _kl_positions(ids: np.ndarray) -> np.ndarray:
 def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict, "object", object]:
     import torch
 
-    from planner.stats.layerwise import LayerwiseModel
+    from planner.checkpoint.layerwise import LayerwiseModel
 
     runner = LayerwiseModel(ckpt)
     scoring = ckpt.arch.moe.scoring
@@ -406,6 +406,11 @@ def choose_plan(ckpt, experts: int, method: str, *, stats_path=None, mtp: str = 
     from planner.errors import SpecError
     from planner.stats.store import load_stats
 
+    if experts == ckpt.arch.moe.num_experts and not stats_path:  # keep-all: nothing to choose, no expert to read
+        keep = list(range(experts))
+        layers = {i: keep for i, layer in ckpt.moe_layers.items() if not (layer.mtp and mtp == "drop")}
+        return Plan(model=str(ckpt.path), experts=experts, original_experts=experts, layers=layers, labels={i: keep for i in layers},
+                    method=method, mtp=mtp, checkpoint_fingerprint=ckpt.fingerprint(), target_ep=tuple(target_ep), seed=seed)  # fmt: skip
     if stats_path:
         data = load_stats(stats_path, fingerprint=ckpt.fingerprint())
     elif method in CALIBRATED_METHODS:

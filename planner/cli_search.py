@@ -29,6 +29,10 @@ _SEARCH_OPTIONS = (
     click.option("--steps", type=int, default=20, show_default=True, help="Steps of the reproduction (for hours budgets and totals)."),
     click.option("--min-k-ratio", type=click.FloatRange(min=0.0), default=4.0, show_default=True, help="Keep K/top_k at least this (0: any legal K)."),
     memory_margin_option,
+    click.option("--baseline-cards", type=click.IntRange(min=1), default=None,
+                 help="Measure reductions against the original on this many devices (as it ran), not its minimum."),
+    click.option("--baseline-job", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="The job the original ran (e.g. at production scale); the reduction is split by mechanism."),
 )  # fmt: skip
 
 
@@ -39,14 +43,16 @@ def search_options(fn):
     return fn
 
 
-def _request(budget, model, hardware, job_path, fault, stats_path, min_fidelity, trials, storage, seed, steps, min_k_ratio, memory_margin):
+def _request(budget, model, hardware, job_path, fault, stats_path, min_fidelity, trials, storage, seed, steps, min_k_ratio, memory_margin,
+             baseline_cards, baseline_job):  # fmt: skip
     from planner.search.suggest import Request
     from planner.specs import load_job
     from planner.stats.store import load_stats
 
     return Request(model=model, hardware=hardware, job=load_job(job_path), budget=budget, fault=fault,
                    stats=load_stats(stats_path) if stats_path else None, min_fidelity=min_fidelity, trials=trials,
-                   storage=storage, seed=seed, steps=steps, min_k_ratio=min_k_ratio, memory_margin=memory_margin)  # fmt: skip
+                   storage=storage, seed=seed, steps=steps, min_k_ratio=min_k_ratio, memory_margin=memory_margin,
+                   baseline_cards=baseline_cards, baseline_job=load_job(baseline_job) if baseline_job else None)  # fmt: skip
 
 
 @main.command()

@@ -208,7 +208,8 @@ def _markdown(r: Report) -> str:
     lines += ["", "## Original and proxies at their minimum device counts", "",
               f"Each at the fewest devices it fits on (keeping {req.memory_margin:.0%} of usable memory free, full recompute, offload "
               "all), with its best layouts there; proxies keep K experts per MoE layer. Reductions compare like with like, each at its "
-              "minimum count; the search below uses the original's cheapest configuration instead.", ""]
+              "minimum count; the search below measures against "
+              + (s.baseline.named + "." if s.baseline is not None and s.baseline.named else "the original's cheapest configuration."), ""]
     lines.append(f"| model | {unit}s | train layout | rollout layout | peak GiB/{unit} (phase) | step s | {unit}-h/step | fewer {unit}s | fewer hours |")
     lines.append("|---|---|---|---|---|---|---|---|---|")
     for name, c in r.costs.items():

@@ -204,3 +204,26 @@ def test_every_command_that_sizes_devices_finds_the_same_minimum(tmp_path):
         assert len(found[margin]) == 1, (margin, found)
     default = json.loads(run_cli("cost", "qwen3-30b-a3b", "--min-cards", "--json").stdout)["num_cards"]
     assert found["0.1"] == {default} and found["0.5"] != found["0.1"]  # the margin matters, and 10% is the default
+
+
+def test_reductions_against_the_baseline_the_user_names(tmp_path):
+    """--baseline-cards / --baseline-job: the original as it ran (here 64 NPUs at four times the
+    batch). The hours reduction is against that run and splits into a product: fewer devices x the
+    smaller job x the step time; a baseline the original does not fit is a usage error."""
+    prod = tmp_path / "prod.yaml"
+    prod.write_text("prompts_per_step: 2048\nsamples_per_prompt: 16\n")
+    named = run_cli("suggest", "--budget", "8npu", "--baseline-cards", "64", "--baseline-job", prod, "--json")
+    assert named.exit_code == 0, named.output
+    data = json.loads(named.stdout)
+    assert data["original"]["num_cards"] == 64 and "as you ran it: 64 npus, its own job (2048 x 16" in data["original"]["baseline"]
+    for plan in data["plans"]:
+        r, m = plan["reduction"], plan["reduction"]["by_mechanism"]
+        assert m["fewer_devices"] == pytest.approx(64 / plan["num_cards"]) and m["smaller_job"] > 1.5
+        assert m["fewer_devices"] * m["smaller_job"] * m["step_time"] == pytest.approx(r["accelerator_hours"], rel=1e-9)
+        assert r["accelerator_hours"] == pytest.approx(data["original"]["accelerator_hours_per_step"] / plan["accelerator_hours_per_step"])
+    text = run_cli("suggest", "--budget", "8npu", "--baseline-cards", "64", "--baseline-job", prod).output
+    assert "baseline: the original as you ran it" in text and "(fewer npus) x" in text and "(smaller job)" in text
+    default = json.loads(run_cli("suggest", "--budget", "8npu", "--json").stdout)
+    assert default["original"]["baseline"] == "default" and default["plans"][0]["reduction"]["by_mechanism"]["smaller_job"] == 1.0
+    bad = run_cli("suggest", "--budget", "8npu", "--baseline-cards", "3")
+    assert bad.exit_code == 2 and "--baseline-cards 3: the original does not fit there" in bad.output

@@ -7,7 +7,7 @@ from typing import Any
 
 from planner.plan import Plan
 from planner.render import table
-from planner.search.suggest import OFFLOADS, Option, Suggestion, calibration_files, figures, reduction
+from planner.search.suggest import OFFLOADS, Option, Suggestion, calibration_files, figures, mechanism_text, reduction
 from planner.units import gib
 
 __all__ = ["render_suggestion", "suggestion_json", "plan_of", "fidelity_text"]
@@ -55,7 +55,11 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
             f"(recipe {s.recipe}), calibrated P >= {req.min_fidelity} ({'plan statistics' if s.fidelity_source == 'stats' else 'no plan statistics: K/E only'})")  # fmt: skip
     lines = [head]
     lines.extend(f"WARNING: {w}" for w in s.warnings)
-    if s.baseline is not None:
+    if s.baseline is not None and s.baseline.named:
+        b = s.baseline.minimum
+        lines.append(f"baseline: {s.baseline.named}: {b.device_hours_per_step:,.2f} {unit}-hours/step ({b.step_time_s:,.0f} s on "
+                     f"{b.num_devices} {unit}s, {b.train_layout.describe()} / {b.rollout_layout.describe()}). Reductions against it.")  # fmt: skip
+    elif s.baseline is not None:
         m, c = s.baseline.minimum, s.baseline.cheapest
         lines.append(f"original, with the same {req.memory_margin:.0%} memory margin: {m.num_devices} {unit}s minimum "
                      f"({m.device_hours_per_step:,.2f} {unit}-hours/step there); cheapest {c.device_hours_per_step:,.2f} {unit}-hours/step "
@@ -77,6 +81,9 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
                 lines.append("  no calibrated P: ranked by cost among plans that pass the hard rules (see `planner calibrate report`)")
         if f.get("knob_translation"):
             lines.append("knob: " + f["knob_translation"]["text"])
+        split = mechanism_text(reduction(best.cost, s.baseline), unit)
+        if split:
+            lines.append("reduction of the best: " + split)
         lines.append("kept for the fault: " + "; ".join(s.factors))
         lines.extend(f"note: {n}" for n in best.cost.notes)
     else:
@@ -107,7 +114,7 @@ def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
                     "recipe": s.recipe, "min_fidelity": s.request.min_fidelity, "trials": s.request.trials, "seed": s.request.seed,
                     "fidelity_source": s.fidelity_source, "steps": s.request.steps, "memory_margin": s.request.memory_margin},  # fmt: skip
         "original": {**figures(b.minimum), "memory_breakdown_bytes": b.minimum.memory_per_device_bytes,
-                     "cheapest": {**figures(b.cheapest), "settings": _settings(b.cheapest)}} if b else None,  # fmt: skip
+                     "cheapest": {**figures(b.cheapest), "settings": _settings(b.cheapest)}, "baseline": b.named or "default"} if b else None,  # fmt: skip
         "plans": [o.to_json(b) for o in s.ranked[:top]],
         "pareto": [o.to_json(b) for o in s.pareto],
         "diagnosis": s.diagnosis,

@@ -81,6 +81,10 @@ class Request:
     max_devices: int = 4096  # search bound for hours budgets
     min_k_ratio: float = 4.0  # K/top_k at least this (DESIGN 5: near-dense routing loses mismatch fragility)
     memory_margin: float = DEFAULT_MEMORY_MARGIN  # keep this share of usable device memory free (as `planner preflight` checks)
+    # the original as the user ran it, to measure reductions against (not part of the search: a
+    # stored study serves any baseline): its device count and its job (e.g. production scale)
+    baseline_cards: int | None = None
+    baseline_job: Job | None = None
 
     def key(self) -> str:
         """Identifies the search space and objectives: the study name on shared storage (with the
@@ -181,20 +185,47 @@ def figures(c: CostResult) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Baseline:
-    """The original the reductions are measured against, under the proxies' own rules (the same
-    memory margin): `minimum`, its fewest devices; `cheapest`, its fewest accelerator-hours per
-    step over device counts from that minimum up to four times it, every recompute and offload."""
+    """The original the reductions are measured against. By default under the proxies' own rules
+    (the same memory margin): `minimum`, its fewest devices; `cheapest`, its fewest accelerator-hours
+    per step over device counts from that minimum up to four times it, every recompute and offload.
+    Named by the user (`--baseline-cards`, `--baseline-job`): the original as it ran, both fields
+    that run; `job_factor` is its step time over the original's on the same devices with the
+    proxies' job (1 when it ran the proxies' job; None when that job does not fit there), which
+    separates the smaller job from the rest."""
 
     minimum: CostResult
     cheapest: CostResult
+    named: str | None = None
+    job_factor: float | None = 1.0
 
 
-def reduction(c: CostResult, baseline: Baseline | None) -> dict[str, float | None]:
-    """Devices: the original's fewest over this point's; hours: the original's cheapest over this point's."""
+def reduction(c: CostResult, baseline: Baseline | None) -> dict[str, Any]:
+    """Devices: the baseline's (default: the original's fewest) over this point's; hours: the
+    baseline's (default: the original's cheapest) over this point's, split by mechanism into a
+    product: fewer devices x smaller job x step time (the rest of the step's change: fewer experts
+    and the layout at this device count)."""
     if baseline is None or not c.feasible:
-        return {"cards": None, "accelerator_hours": None}
-    return {"cards": baseline.minimum.num_devices / c.num_devices,
-            "accelerator_hours": baseline.cheapest.device_hours_per_step / c.device_hours_per_step}  # fmt: skip
+        return {"cards": None, "accelerator_hours": None, "by_mechanism": None}
+    base = baseline.cheapest
+    hours = base.device_hours_per_step / c.device_hours_per_step
+    devices = base.num_devices / c.num_devices
+    job = baseline.job_factor
+    return {"cards": baseline.minimum.num_devices / c.num_devices, "accelerator_hours": hours,
+            "by_mechanism": {"fewer_devices": devices, "smaller_job": job, "step_time": hours / (devices * (job or 1.0))}}  # fmt: skip
+
+
+def mechanism_text(r: dict[str, Any], unit: str) -> str | None:
+    """'12.0x fewer npu-hours per step = 4.0x fewer npus x 2.0x smaller job x 1.50x step time'."""
+    m = r.get("by_mechanism")
+    if not m:
+        return None
+    job = f" x {m['smaller_job']:.2f} (smaller job)" if m["smaller_job"] not in (None, 1.0) else ""
+    why = "fewer experts, this layout" if m["smaller_job"] is not None else \
+          "the smaller job, fewer experts and this layout together: the proxies' job does not fit the baseline's devices"  # fmt: skip
+    step = m["step_time"]
+    longer = f"a {1 / step:.2f}x longer step" if step < 1 else f"a {step:.2f}x shorter step"
+    return (f"{r['accelerator_hours']:.2f}x fewer {unit}-hours per step = {m['fewer_devices']:.2f} (fewer {unit}s){job} x {step:.2f} "
+            f"({longer}: {why})")  # fmt: skip
 
 
 @dataclass
@@ -466,6 +497,9 @@ class Suggester:
         return [self.option(*key) for key in seen], seen, len(completed)
 
     def baseline(self) -> Baseline | None:
+        req = self.request
+        if req.baseline_cards is not None or req.baseline_job is not None:
+            return self.named_baseline()
         e = self.arch.original_num_experts
         minimum = self.minimum(e)
         if minimum is None:
@@ -475,6 +509,29 @@ class Suggester:
         counts = sorted(set(counts[:3]) | {counts[round(i * (len(counts) - 1) / 7)] for i in range(8)})  # the first three, then spread
         fitting = [c for n in counts for r in RECOMPUTES for o in OFFLOADS if (c := self.cost(e, n, r, o)).feasible]
         return Baseline(minimum, min(fitting + [minimum], key=lambda c: c.device_hours_per_step))
+
+
+    def named_baseline(self) -> Baseline:
+        """The original as the user ran it: --baseline-cards (default: its fewest devices) with
+        --baseline-job (default: the proxies' job), costed with its own best layout there."""
+        req = self.request
+        arch = self.arch.with_experts(self.arch.original_num_experts)
+        job = req.baseline_job or req.job
+        if req.baseline_cards is None:
+            ran = min_devices(arch, self.accel, job, max_devices=req.max_devices, memory_margin=req.memory_margin)
+        else:
+            ran = evaluate(arch, self.accel, job, req.baseline_cards, memory_margin=req.memory_margin)
+            if not ran.feasible:
+                raise SpecError(f"--baseline-cards {req.baseline_cards}: the original does not fit there with "
+                                f"{'the baseline job' if req.baseline_job else 'the job'}: " + "; ".join(ran.reasons))  # fmt: skip
+        factor: float | None = 1.0
+        if req.baseline_job is not None:
+            same = evaluate(arch, self.accel, req.job, ran.num_devices, memory_margin=req.memory_margin)
+            factor = ran.step_time_s / same.step_time_s if same.feasible else None
+        unit = self.accel.device_unit
+        named = (f"the original as you ran it: {ran.num_devices} {unit}s, "
+                 + (f"its own job ({job.prompts_per_step} x {job.samples_per_prompt} per step)" if req.baseline_job else "the same job"))
+        return Baseline(ran, ran, named, factor)
 
 
 def _pareto(options: list[Option]) -> list[Option]:

@@ -63,7 +63,7 @@ class Grid:
     families: tuple[str, ...] = ("qwen3_moe", "deepseek_v3", "mixtral")
     originals: int = 3  # independently trained originals per family (model seeds 0 .. originals-1)
     recipes: tuple[str, ...] = ("fp16-overflow", "rollout-mismatch", "router-collapse")
-    dynamic_originals: int = 2  # dynamic recipes run on this many originals per family (their compute budget)
+    dynamic_originals: int = 3  # dynamic recipes run on this many originals per family (their compute budget)
     kept_fractions: tuple[float, ...] = (0.125, 0.25, 0.375, 0.5)  # K/E; K is raised to the smallest legal K >= top_k
     methods: tuple[str, ...] = ("agglomerative", "kmeans", "router", "saliency", "frequency", "least-used", "one-cluster")
     random_draws: int = 3

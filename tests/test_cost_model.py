@@ -93,3 +93,19 @@ def test_pipeline_layers_per_stage_as_published():
         TrainLayout.from_dict({**layout, "pipeline_layers": [30, 31]})
     with pytest.raises(LayoutError, match=r"pipeline_layers \[7, 7, 7, 7, 7, 7, 7, 7\] hold 56 layers; the model has 61"):
         cost([7] * 8)
+
+
+def test_small_expert_gemms_cost_time_so_big_moes_choose_expert_parallelism():
+    """Without EP one expert sees few tokens per micro-batch, and expert tensor parallelism slices
+    its width: small GEMMs run below the dense layers' efficiency (Calculon's op-size curve). The
+    same devices and pipeline, TP16 EP1 against TP4 EP4, differ in update time by that alone, and
+    the layouts chosen for DeepSeek-V3 and Qwen3-235B on Atlas A3 use expert parallelism (before the
+    curve, DeepSeek-V3's was TP16 PP16 EP1, faster on paper than the published TP4 PP8 EP8)."""
+    arch, accel = load_model("deepseek-v3"), load_accelerator("atlas-a3")
+    job = Job.from_dict({"offload": True, "optimizer_swap": True, "expert_imbalance": 1.0})  # no imbalance: the GEMMs alone
+    # (devices, tp, pp, ep, cp, etp): TP16 EP1 ETP16 against TP4 EP4 ETP4, both PP16 on 256 dies
+    te = CostModel(arch, accel, job).train(TrainCandidates.of([(256, 16, 16, 1, 1, 16), (256, 4, 16, 4, 1, 4)]))
+    assert te.update_compute_s[0] > 1.5 * te.update_compute_s[1], te.update_compute_s
+    for name in ("deepseek-v3", "qwen3-235b-a22b"):
+        chosen = min_devices(load_model(name), accel, Job())
+        assert chosen.train_layout.ep > 1, (name, chosen.train_layout)

@@ -26,6 +26,11 @@ def plans(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     assert run_cli("suggest", "--budget", "8npu", "-o", root / "plan.yaml").exit_code == 0
     data = yaml.safe_load((root / "plan.yaml").read_text())
+    # pinned to one node of 4, whatever layout the cost model prefers today: a rollout without DP
+    # (MindSpeed-RL's generate_config has none) and no expert TP
+    data["deployment"].update(num_cards=4, train_layout={"tp": 2, "pp": 2, "ep": 1, "cp": 1, "etp": 1},
+                              rollout_layout={"tp": 4, "dp": 1, "ep": 4})  # fmt: skip
+    (root / "plan.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     data["deployment"].update(num_cards=16, train_layout={"tp": 4, "pp": 2, "ep": 2, "cp": 1, "etp": 1}, recompute="full")
     data["deployment"]["job"].update(recompute="full", mini_batches=2, ppo_epochs=1, skip_old_logprob=False)
     (root / "wide.yaml").write_text(yaml.safe_dump(data, sort_keys=False))

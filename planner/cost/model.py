@@ -88,6 +88,9 @@ class RolloutEval:
     rollout_s: np.ndarray
 
 
+GEMM_HALF_FLOPS = 0.6e9  # the GEMM size at which efficiency is half its large-GEMM value (Calculon, see above)
+
+
 class CostModel:
     """Cost of one RL step of `arch` on `accel` for `job`, vectorised over layouts."""
 
@@ -289,7 +292,13 @@ class CostModel:
         peak = accel.peak_flops(job.precision)
         fwd_flops = self.forward_flops_per_step()
         expert_share = job.tokens_per_step * self.expert_flops_per_token / fwd_flops
-        slow = 1.0 + expert_share * (ep_imb - 1.0)  # the busiest EP rank sets the pace
+        # expert GEMMs: the busiest EP rank sets the pace, and a small GEMM runs below the dense
+        # layers' efficiency (Calculon's op-size curve: 0.6 at 1 GFLOP, 0.9 at 16; fitted as
+        # g / (g + 0.6 GFLOP)). Per micro-batch one expert sees micro_tokens x ep x etp / (tp x cp)
+        # tokens x top_k / E, over a width I / etp: narrow expert-TP slices and EP1 make small GEMMs
+        gemm = 2.0 * job.micro_tokens * ep * arch.moe.top_k * arch.hidden_size * arch.moe.expert_intermediate / (tp * cp * arch.moe.num_experts)
+        gemm_eff = gemm / (gemm + GEMM_HALF_FLOPS)
+        slow = 1.0 + expert_share * (ep_imb / gemm_eff - 1.0)
         moe_stage = np.maximum.reduceat(n_moe, starts)
         layers_stage = np.maximum.reduceat(s["layers"], starts)
         slow = slow * layers_stage * pp / arch.num_layers  # and the busiest pipeline stage

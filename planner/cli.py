@@ -122,14 +122,15 @@ def inspect(model: str, experts: int | None, as_json: bool) -> None:
 @click.option("--knobs", "knobs_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Your own `planner fit-knobs -o` output instead of the packaged efficiency knobs.")
 @memory_margin_option
+@click.option("--explain", is_flag=True, help="Also print the step's terms (compute, bubble, all-to-all, decode, ...) with their inputs.")
 @click.option("--json", "as_json", is_flag=True)
-def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_file, memory_margin, as_json) -> None:
+def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_file, memory_margin, explain, as_json) -> None:
     """Memory per device, step time by RL phase and accelerator-hours of MODEL."""
     from planner.catalog import load_accelerator, load_model
     from planner.cost.evaluate import evaluate, min_devices
     from planner.cost.knobs import knobs_path
     from planner.specs import load_job
-    from planner.summary import render_cost
+    from planner.summary import render_cost, render_terms
 
     def body():
         if (cards is None) == (not min_cards):
@@ -161,6 +162,8 @@ def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_
             _emit_json({**result.to_json(), "knobs_file": str(knobs_path())})
         else:
             click.echo(render_cost(result))
+            if explain and result.feasible:
+                click.echo("\n" + render_terms(result))
             click.echo(f"efficiency knobs: {knobs_path()}")
         if not result.feasible:
             if not as_json:

@@ -16,6 +16,13 @@ from planner.units import GIB, gib
 __all__ = ["render_stats", "render_cost", "ProxyComparison", "compare_proxies", "render_comparison", "catalog_listing", "render_catalog"]
 
 
+def render_terms(r: CostResult) -> str:
+    """The step's terms with the inputs of each formula (`planner cost --explain`)."""
+    rows = [[t["phase"], t["term"], f"{t['seconds']:,.1f}", t["inputs"]] for t in r.terms]
+    return table(["phase", "term", "seconds", "inputs"], rows, title=f"step terms at {r.num_devices} {r.device_unit}s "
+                 f"({r.train_layout.describe()} / {r.rollout_layout.describe()}): where the time goes")  # fmt: skip
+
+
 def render_cost(r: CostResult) -> str:
     unit = r.device_unit
     cards = f"{r.num_devices} {unit}s" + (f" ({r.num_cards:g} physical cards)" if r.devices_per_card > 1 else "")

@@ -109,3 +109,22 @@ def test_small_expert_gemms_cost_time_so_big_moes_choose_expert_parallelism():
     for name in ("deepseek-v3", "qwen3-235b-a22b"):
         chosen = min_devices(load_model(name), accel, Job())
         assert chosen.train_layout.ep > 1, (name, chosen.train_layout)
+
+
+def test_explain_lists_the_terms_that_make_each_phase():
+    """`planner cost --explain`: every phase is the sum of its printed terms, and the update's
+    compute term names the expert GEMM size and efficiency that separate EP from EP1 layouts."""
+    from click.testing import CliRunner
+
+    from planner.cli import main
+
+    result = evaluate(load_model("deepseek-v3"), load_accelerator("atlas-a3"), Job(), 256)
+    by_phase: dict[str, float] = {}
+    for t in result.terms:
+        by_phase[t["phase"]] = by_phase.get(t["phase"], 0.0) + t["seconds"]
+    for phase, seconds in result.phase_times_s.items():
+        assert by_phase.get(phase, 0.0) == pytest.approx(seconds, rel=1e-9, abs=1e-9), phase
+    compute = next(t for t in result.terms if t["term"] == "compute")
+    assert "expert GEMMs of" in compute["inputs"] and "train_mfu" in compute["inputs"]
+    text = CliRunner().invoke(main, ["cost", "deepseek-v3", "--hardware", "atlas-a3", "--cards", "256", "--explain"]).output
+    assert "where the time goes" in text and "expert all-to-all" in text and "decode_step_overhead_s" in text

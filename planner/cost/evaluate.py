@@ -60,6 +60,7 @@ class CostResult:
     layouts_evaluated: int
     notes: list[str] = field(default_factory=list)
     job: Job | None = None
+    terms: list[dict] = field(default_factory=list)  # the step's terms with their inputs (`planner cost --explain`)
 
     @property
     def num_cards(self) -> float:
@@ -116,6 +117,7 @@ class CostResult:
             "layouts_evaluated": self.layouts_evaluated,
             "reasons": self.reasons,
             "notes": self.notes,
+            "terms": self.terms,
         }
         out["units"] = (
             f"num_cards, memory_per_card_bytes, accelerator_hours_per_step and tokens_per_s_per_card count "
@@ -285,7 +287,42 @@ class _Evaluator:
             layouts_evaluated=len(tc) + len(rc),
             notes=notes,
             job=job,
+            terms=self._terms(devices, self._train_layout(tc, ti), te, ti, re, ri, phases),
         )
+
+    def _terms(self, devices: int, lay: TrainLayout, te, ti: int, re, ri: int, phases: dict[str, float]) -> list[dict]:
+        """The chosen layouts' step time as its terms, each with the inputs of its formula."""
+        m, job, accel = self.model, self.job, self.accel
+        kn = m.knobs
+        f = lambda a: float(a[ti])  # noqa: E731
+        models = 2 if job.algorithm == "ppo" else 1
+        per = f" (x{models}: actor and critic)" if models > 1 else ""
+        passes = 3 + (job.recompute == "full")
+        flops = job.ppo_epochs * m.forward_flops_per_step() * passes
+        out = [
+            ("update", "compute", f(te.update_compute_s),
+             f"{flops / 1e15:,.1f} PFLOP ({passes} passes) / ({devices} x {accel.peak_flops(job.precision) / 1e12:,.0f} TFLOP/s x "
+             f"train_mfu {kn.train_mfu:.3f}) x slowdown {f(te.compute_slowdown):.2f} (expert GEMMs of {f(te.expert_gemm_flops) / 1e9:.2f} "
+             f"GFLOP at efficiency {f(te.expert_gemm_efficiency):.2f}, expert imbalance {m.imbalance:g} where ep > 1, the busiest "
+             f"pipeline stage){per}"),
+            ("update", "pipeline bubble", f(te.update_bubble_s), f"compute x (pp - 1) / {f(te.micro_batches):.0f} micro-batches, pp {lay.pp}"),
+            ("update", "expert all-to-all", f(te.update_a2a_s), f"ep {lay.ep}; a2a_efficiency {kn.a2a_efficiency:.3f}"),
+            ("update", "tensor-parallel collectives", f(te.update_tp_s), f"tp {lay.tp}"),
+            ("update", "gradient sync (data parallel)", f(te.update_sync_s), "reduce-scatter and all-gather once per optimizer step"),
+            ("update", "optimizer swap", f(te.update_swap_s), "host link, optimizer_swap" if job.optimizer_swap else "no swap"),
+            ("rollout", "prefill", float(re.prefill_s[ri]), f"logprob_mfu {kn.logprob_mfu:.3f}"),
+            ("rollout", "decode", float(re.decode_s[ri]),
+             f"{float(re.decode_steps[ri]):,.0f} steps, {float(re.concurrency[ri]):,.0f} of {float(re.sequences_per_rank[ri]):,.0f} "
+             f"sequences at once per DP rank; weights and KV read at decode_mbu {kn.decode_mbu:.3f}; of which "
+             f"{float(re.decode_overhead_s[ri]):,.0f} s fixed overhead (decode_step_overhead_s {kn.decode_step_overhead_s:g} + "
+             f"layers x decode_layer_overhead_s {kn.decode_layer_overhead_s:g})"),
+        ]
+        for phase in ("reference", "old_logprob", "values", "reward", "switch"):
+            if phases.get(phase):
+                out.append((phase, phase.replace("_", " "), phases[phase], {"reward": "the job's reward_s", "switch":
+                            f"weights resharded between training and rollout; switch_fixed_s {kn.switch_fixed_s:g}"}.get(phase,
+                            f"forward pass at logprob_mfu {kn.logprob_mfu:.3f}")))  # fmt: skip
+        return [{"phase": p, "term": t, "seconds": s, "inputs": i} for p, t, s, i in out]
 
     def _train_layout(self, tc, i: int) -> TrainLayout:
         """Candidate i's layout, with the job's per-stage layer counts where they apply to it."""

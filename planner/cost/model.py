@@ -73,6 +73,14 @@ class TrainEval:
     update_comm_s: np.ndarray
     update_bubble_s: np.ndarray
     uneven_pp: np.ndarray
+    # what `planner cost --explain` shows: the update's terms and their inputs
+    update_tp_s: np.ndarray
+    update_sync_s: np.ndarray
+    update_swap_s: np.ndarray
+    expert_gemm_flops: np.ndarray  # one expert GEMM per micro-batch on one rank
+    expert_gemm_efficiency: np.ndarray
+    compute_slowdown: np.ndarray  # experts (imbalance, GEMM size) and the busiest pipeline stage
+    micro_batches: np.ndarray  # per DP rank per optimizer step
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,8 @@ class RolloutEval:
     prefill_s: np.ndarray
     decode_s: np.ndarray
     rollout_s: np.ndarray
+    decode_steps: np.ndarray  # decode iterations of one DP rank (the queue included)
+    decode_overhead_s: np.ndarray  # their fitted per-step and per-layer overheads (scheduler, launches)
 
 
 GEMM_HALF_FLOPS = 0.6e9  # the GEMM size at which efficiency is half its large-GEMM value (Calculon, see above)
@@ -352,6 +362,13 @@ class CostModel:
             update_a2a_s=a2a_update,
             update_comm_s=tp_update + sync * steps,
             update_bubble_s=bubble,
+            update_tp_s=tp_update,
+            update_sync_s=sync * steps,
+            update_swap_s=swap * np.ones(len(cand)),
+            expert_gemm_flops=gemm,
+            expert_gemm_efficiency=gemm_eff,
+            compute_slowdown=slow,
+            micro_batches=m,
             uneven_pp=self._uneven(len(cand), o, s["layers"]),
         )
 
@@ -492,6 +509,7 @@ class CostModel:
         # more sequences than the KV pool holds: full-batch steps until the queue drains
         extra_steps = np.maximum(n_rank - conc, 0.0) * L.mean / conc
         decode = decode + extra_steps * step_time(conc, np.full_like(tp, live_ctx))
+        n_steps = float(sum(L.bin_steps)) + extra_steps
         return RolloutEval(
             weights_bytes=weights,
             workspace_bytes=workspace,
@@ -502,6 +520,8 @@ class CostModel:
             prefill_s=prefill,
             decode_s=decode,
             rollout_s=prefill + decode,
+            decode_steps=n_steps,
+            decode_overhead_s=n_steps * (kn.decode_step_overhead_s + arch.num_layers * layer_overhead),
         )
 
     # ---- switching between phases -----------------------------------------------------------

@@ -126,7 +126,7 @@ def test_an_interrupted_stored_study_resumes_to_the_uninterrupted_result(tmp_pat
 
     reference = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr[-2000:]
-    for n, (signum, at) in enumerate([(signal.SIGINT, 20), (signal.SIGINT, 70), (signal.SIGTERM, 40), (signal.SIGTERM, 90),
+    for n, (signum, at) in enumerate([(signal.SIGINT, 20), (signal.SIGINT, 70), (signal.SIGTERM, 40), (signal.SIGTERM, 60),
                                       (signal.SIGKILL, 50)]):  # fmt: skip
         stored = args + ["--storage", f"sqlite:///{tmp_path / f'study{n}.db'}"]  # shows progress; the same study with --json
         # a shell's background job starts with Ctrl-C ignored, and Python keeps an ignored SIGINT: restore it

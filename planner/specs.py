@@ -321,6 +321,11 @@ class Job:
         except SpecError as exc:
             raise SpecError(f"{where}: {exc}") from None
 
+    @property
+    def pipeline_layers(self) -> tuple[int, ...] | None:
+        """The fixed training layout's per-stage layer counts, when the job gives them."""
+        return self.train_layout.pipeline_layers if self.train_layout is not None else None
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         if self.train_layout is not None:

@@ -25,7 +25,9 @@ from planner.checkpoint.reader import Checkpoint
 from planner.errors import CheckpointError
 from planner.hf import require_torch
 
-__all__ = ["LayerwiseModel", "MoECall"]
+__all__ = ["LayerwiseModel", "MoECall", "NATIVE_DTYPES"]
+
+NATIVE_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # safetensors dtypes torch holds as they are
 
 
 @dataclass
@@ -127,7 +129,7 @@ class LayerwiseModel:
         if n != target.numel():
             raise CheckpointError(f"{self.ckpt.path}: {info.name} holds {list(info.shape)}, the model expects {list(target.shape)}")
         self.read.add(info.name)
-        native = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(info.dtype)
+        native = getattr(torch, NATIVE_DTYPES[info.dtype]) if info.dtype in NATIVE_DTYPES else None
         if native is target.dtype and target.device.type == "cpu" and target.is_contiguous():
             buf = target.view(-1).view(torch.uint8).numpy()
             with open(info.path, "rb") as fh:

@@ -25,17 +25,16 @@ from planner.plan import Plan
 
 __all__ = ["verify_proxy", "compute_dtype"]
 
-_NATIVE = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
 def compute_dtype(ckpt: Checkpoint):
     """The dtype holding most of the checkpoint's bytes, as torch's (fp8 and others: bfloat16)."""
+    from planner.checkpoint.layerwise import NATIVE_DTYPES
+
     torch, _ = require_torch("verifying a build")
     by_dtype: dict[str, int] = {}
     for t in ckpt.tensors.values():
         by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
     main = max(by_dtype, key=by_dtype.get) if by_dtype else "BF16"
-    return getattr(torch, _NATIVE.get(main, "bfloat16"))
+    return getattr(torch, NATIVE_DTYPES.get(main, "bfloat16"))
 
 
 def _logits(ckpt: Checkpoint, ids, dtype, num_layers: int):

@@ -297,11 +297,9 @@ class _Evaluator:
         f = lambda a: float(a[ti])  # noqa: E731
         models = 2 if job.algorithm == "ppo" else 1
         per = f" (x{models}: actor and critic)" if models > 1 else ""
-        passes = 3 + (job.recompute == "full")
-        flops = job.ppo_epochs * m.forward_flops_per_step() * passes
         out = [
             ("update", "compute", f(te.update_compute_s),
-             f"{flops / 1e15:,.1f} PFLOP ({passes} passes) / ({devices} x {accel.peak_flops(job.precision) / 1e12:,.0f} TFLOP/s x "
+             f"{te.update_flops / 1e15:,.1f} PFLOP (forward, backward{', recomputed forward' if job.recompute == 'full' else ''}) / ({devices} x {accel.peak_flops(job.precision) / 1e12:,.0f} TFLOP/s x "
              f"train_mfu {kn.train_mfu:.3f}) x slowdown {f(te.compute_slowdown):.2f} (expert GEMMs of {f(te.expert_gemm_flops) / 1e9:.2f} "
              f"GFLOP at efficiency {f(te.expert_gemm_efficiency):.2f}, expert imbalance {m.imbalance:g} where ep > 1, the busiest "
              f"pipeline stage){per}"),
@@ -327,7 +325,7 @@ class _Evaluator:
     def _train_layout(self, tc, i: int) -> TrainLayout:
         """Candidate i's layout, with the job's per-stage layer counts where they apply to it."""
         lay = tc.layout(i)
-        given = self.job.train_layout.pipeline_layers if self.job.train_layout is not None else None
+        given = self.job.pipeline_layers
         return dataclasses.replace(lay, pipeline_layers=given) if given and len(given) == lay.pp else lay
 
     def _notes(self, lay: TrainLayout, te, ti: int, re, ri: int) -> list[str]:

@@ -70,10 +70,10 @@ class TrainEval:
     values_s: np.ndarray
     update_compute_s: np.ndarray
     update_a2a_s: np.ndarray
-    update_comm_s: np.ndarray
     update_bubble_s: np.ndarray
     uneven_pp: np.ndarray
     # what `planner cost --explain` shows: the update's terms and their inputs
+    update_flops: float  # model FLOPs of the update (every epoch, recomputed forwards included)
     update_tp_s: np.ndarray
     update_sync_s: np.ndarray
     update_swap_s: np.ndarray
@@ -216,7 +216,7 @@ class CostModel:
         L = self.arch.num_layers
         lo = (stage * L) // ppf
         hi = ((stage + 1) * L) // ppf
-        given = self.job.train_layout.pipeline_layers if self.job.train_layout is not None else None
+        given = self.job.pipeline_layers
         if given is not None:  # the job's own per-stage counts, for candidates of its stage count
             bounds = np.concatenate([[0], np.cumsum(given)])
             mine = ppf == len(given)
@@ -360,8 +360,8 @@ class CostModel:
             values_s=logprob if job.algorithm == "ppo" else zeros,
             update_compute_s=compute,
             update_a2a_s=a2a_update,
-            update_comm_s=tp_update + sync * steps,
             update_bubble_s=bubble,
+            update_flops=train_flops,
             update_tp_s=tp_update,
             update_sync_s=sync * steps,
             update_swap_s=swap * np.ones(len(cand)),

@@ -31,7 +31,7 @@ from sklearn.metrics import roc_auc_score
 
 from planner.fidelity.estimator import baselines, design, fit_shift, recipe_features, training_rows
 
-__all__ = ["variants", "SCHEMES", "cross_validate", "skill_gate", "render_report"]
+__all__ = ["variants", "SCHEMES", "cross_validate", "skill_gate", "render_report", "score_predictions"]
 
 MIN_GAIN = 0.10  # the skill gate asks for a shift MAE at least 10% below K/E alone's
 SCHEMES = {"original": "original", "family": "family"}  # scheme -> the row key that names a held-out group
@@ -82,7 +82,8 @@ def _held_out(rows: list[dict], recipe: str, names: tuple[str, ...], key: str, t
     return out
 
 
-def _scores(h: dict, tolerance: float) -> dict[str, Any]:
+def score_predictions(h: dict) -> dict[str, Any]:
+    """Scores of held-out predictions `h` ({rows, key, pred, low, high, p, base}): see the module's docstring."""
     rows = h["rows"]
     ok = np.isfinite(h["pred"])
     if ok.sum() < 5:
@@ -132,7 +133,7 @@ def cross_validate(rows: list[dict], schemes: tuple[str, ...] = tuple(SCHEMES), 
             if len(groups) < 2:
                 entry[scheme] = {"groups": len(groups)}
                 continue
-            entry[scheme] = {"groups": len(groups), "variants": {v: _scores(_held_out(rows, recipe, names, key, tolerance), tolerance)
+            entry[scheme] = {"groups": len(groups), "variants": {v: score_predictions(_held_out(rows, recipe, names, key, tolerance))
                                                                  for v, names in variants(recipe).items()}}  # fmt: skip
         outcomes = [r.get("outcome") for r in rows if r["recipe"] == recipe]
         entry["outcomes"] = {o: outcomes.count(o) for o in sorted({str(o) for o in outcomes})}

@@ -32,6 +32,7 @@ class SpaceSampler(optuna.samplers.BaseSampler):
             points = [p + (v,) for p in points for v in space[n]]
         self.order = random.Random(seed).sample(points, len(points))  # the seeded visiting order
         self.exhausted = False
+        self._fallback = optuna.samplers.RandomSampler(seed=seed)  # the trial that finds every point done
 
     def _points(self, study, states) -> set[tuple]:
         trials = study.get_trials(deepcopy=False, states=states)
@@ -55,4 +56,4 @@ class SpaceSampler(optuna.samplers.BaseSampler):
         return dict(zip(self.names, point))
 
     def sample_independent(self, study, trial, param_name: str, param_distribution: BaseDistribution) -> Any:
-        return optuna.samplers.RandomSampler().sample_independent(study, trial, param_name, param_distribution)
+        return self._fallback.sample_independent(study, trial, param_name, param_distribution)

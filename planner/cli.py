@@ -370,15 +370,17 @@ def build(checkpoint, out_dir, plan_path, experts, method, stats_path, mtp, veri
 def fit_knobs(runs_path, output, force) -> None:
     """Fit the efficiency knobs once per accelerator family to the published runs."""
     from planner.cost.fit import fit_all, load_runs, write_fit
+    from planner.summary import render_published_fit
 
     def body():
         if output:
             refuse_existing(output, force)
         runs = load_runs(runs_path)
-        click.echo("fitting knobs per accelerator family (about a minute) ...", err=True)
-        result = fit_all(runs)
+        click.echo(f"fitting knobs to {len(runs)} runs, then refitting without each run in turn ...", err=True)
+        result = fit_all(runs, progress=lambda n, total, run: click.echo(f"  left out and predicted {n + 1}/{total}: {run}", err=True))
         if output:
             write_fit(output, result)
+            click.echo("\n".join(render_published_fit(result)), err=True)
             click.echo(f"wrote {output}", err=True)
         else:
             _emit_json(result)

@@ -188,14 +188,25 @@ _JOB_DOC = {
     "micro_batch_tokens": "tokens per micro-batch in the update and log-prob passes (default: one longest sequence)",
     "distributed_optimizer": "optimizer state sharded over data-parallel ranks (default true)",
     "optimizer_swap": "optimizer state lives in host memory and is swapped in for the step (MindSpeed swap_optimizer, verl optimizer_cpu_offload; default false)",
+    "optimizer_offload_fraction": "share of the optimizer state and step kept on the host CPU (Megatron's hybrid "
+    "device optimizer, verl/NeMo RL optimizer_cpu_offload with optimizer_offload_fraction; default 0): the host runs "
+    "Adam on it, gradients go down and parameters come back over the host link each optimizer step",
     "optimizer_moments": "fp32 | bf16 Adam moments (default fp32)",
     "trainer_backend": "megatron | transformers (default megatron): whose kernels set the activation bytes, and the "
     "bytes per parameter (megatron: bf16 weights, fp32 main grads, fp32 master + Adam moments; transformers: torch AdamW "
     "on the model as loaded, grads and moments in the parameter dtype); sharding follows Megatron's rules for both",
+    "rollout_graphs": "the rollout engine replays captured graphs (vLLM CUDA graphs, vllm-ascend graph mode; default "
+    "true); false = eager mode (verl's enforce_eager: true), which pays the kernel launches of every layer each decode step",
+    "weight_sync": "gather | shard: how trained weights reach the rollout engine. gather (verl, NeMo RL; default): "
+    "every full tensor is gathered over the training groups and handed to the engine, tensor by tensor; shard "
+    "(cann-recipes' all-to-all-v resharding): each device receives only its rollout shard",
     "rollout_memory_utilization": "fraction of usable device memory the rollout engine may take (default 0.85)",
     "expert_imbalance": "tokens on the busiest expert-parallel rank over the mean (default: the accelerator family's fitted value for real routers; 1.0 = forced balance)",
     "reward_s": "fixed time of the reward phase per step in seconds (default 0: rule-based, overlapped)",
-    "rollout_oversampling": "responses generated per kept response (DAPO dynamic sampling; default 1.0)",
+    "rollout_oversampling": "responses generated per kept response (DAPO dynamic sampling; default 1.0): the rollout "
+    "runs this many generation rounds of the step's size, one after another, each waiting for its longest response",
+    "rollout_max_seqs": "sequences one rollout engine rank decodes at once at most (vLLM max_num_seqs; default: as many "
+    "as the KV cache holds)",
 }
 
 
@@ -219,12 +230,16 @@ class Job:
     micro_batch_tokens: int | None = None
     distributed_optimizer: bool = True
     optimizer_swap: bool = False
+    optimizer_offload_fraction: float = 0.0
     optimizer_moments: str = "fp32"
     trainer_backend: str = "megatron"
     rollout_memory_utilization: float = 0.85
+    rollout_graphs: bool = True
+    weight_sync: str = "gather"
     expert_imbalance: float | None = None
     reward_s: float = 0.0
     rollout_oversampling: float = 1.0
+    rollout_max_seqs: int | None = None
 
     def __post_init__(self) -> None:
         _choice(self.algorithm, ("grpo", "ppo", "dapo"), "algorithm")
@@ -232,6 +247,13 @@ class Job:
         _choice(self.recompute, ("none", "selective", "full"), "recompute")
         _choice(self.optimizer_moments, ("fp32", "bf16"), "optimizer_moments")
         _choice(self.trainer_backend, ("megatron", "transformers"), "trainer_backend")
+        _choice(self.weight_sync, ("gather", "shard"), "weight_sync")
+        _num(self.optimizer_offload_fraction, "optimizer_offload_fraction", 0.0, 1.0)
+        if self.optimizer_offload_fraction > 0 and self.optimizer_swap:
+            raise SpecError(
+                f"optimizer_swap streams the whole optimizer state through the device for each step; "
+                f"optimizer_offload_fraction {self.optimizer_offload_fraction:g} runs part of the step on the host: set one of them"
+            )
         _int(self.prompts_per_step, "prompts_per_step")
         _int(self.samples_per_prompt, "samples_per_prompt")
         _int(self.ppo_epochs, "ppo_epochs")
@@ -243,6 +265,8 @@ class Job:
         _num(self.rollout_oversampling, "rollout_oversampling", 1.0, 64.0)
         if self.micro_batch_tokens is not None:
             _int(self.micro_batch_tokens, "micro_batch_tokens")
+        if self.rollout_max_seqs is not None:
+            _int(self.rollout_max_seqs, "rollout_max_seqs")
         if self.mini_batches > self.num_sequences:
             raise SpecError(f"mini_batches={self.mini_batches} exceeds the {self.num_sequences} sequences per step")
         updates = self.ppo_epochs * self.mini_batches
@@ -306,13 +330,13 @@ class Job:
                 kw[key] = None if value is None else TrainLayout.from_dict(value, at)
             elif key == "rollout_layout":
                 kw[key] = None if value is None else RolloutLayout.from_dict(value, at)
-            elif key in ("colocated", "reference_model", "skip_old_logprob", "distributed_optimizer", "optimizer_swap"):
+            elif key in ("colocated", "reference_model", "skip_old_logprob", "distributed_optimizer", "optimizer_swap", "rollout_graphs"):
                 kw[key] = _bool(value, at)
             elif key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "mini_batches"):
                 kw[key] = _int(value, at)
-            elif key == "micro_batch_tokens":
+            elif key in ("micro_batch_tokens", "rollout_max_seqs"):
                 kw[key] = None if value is None else _int(value, at)
-            elif key in ("rollout_memory_utilization", "expert_imbalance", "reward_s", "rollout_oversampling"):
+            elif key in ("rollout_memory_utilization", "expert_imbalance", "reward_s", "rollout_oversampling", "optimizer_offload_fraction"):
                 kw[key] = _num(value, at)
             else:
                 kw[key] = value

@@ -12,7 +12,7 @@ from planner.catalog import load_accelerator, load_model, load_model_config
 from planner.cost.evaluate import evaluate, min_devices
 from planner.cost.layouts import TrainCandidates
 from planner.cost.model import CostModel
-from planner.specs import Job, Lengths, TrainLayout
+from planner.specs import Job, Lengths, Offload, TrainLayout
 
 
 def test_tied_head_still_costs_its_matmul():
@@ -128,3 +128,90 @@ def test_explain_lists_the_terms_that_make_each_phase():
     assert "expert GEMMs of" in compute["inputs"] and "train_mfu" in compute["inputs"]
     text = CliRunner().invoke(main, ["cost", "deepseek-v3", "--hardware", "atlas-a3", "--cards", "256", "--explain"]).output
     assert "where the time goes" in text and "expert all-to-all" in text and "decode_step_overhead_s" in text
+
+
+def test_groups_are_charged_by_the_devices_they_span():
+    """Megatron's expert rank order (etp-ep-edp-pp) puts EP ranks etp apart: EP4 x ETP8 on 8-NPU
+    910B2 nodes spans 32 NPUs, four nodes, and its all-to-all runs at the network's speed; EP4 x ETP1
+    stays in one node. The dispatcher's all-gather over the expert-TP group costs time only at ETP > 1."""
+    a2 = load_accelerator("ascend-910b2")
+    assert float(a2.a2a_bytes_per_s(4, "dispatch", 4)) == a2.intra_node_bytes_per_s
+    assert float(a2.a2a_bytes_per_s(4, "dispatch", 32)) == a2.inter_node_bytes_per_s
+    h800 = load_accelerator("h800")  # measured table: EP8 in one node, 153 GB/s; EP8 x ETP2 leaves it
+    assert float(h800.a2a_bytes_per_s(8, "dispatch")) == pytest.approx(153e9)
+    assert float(h800.a2a_bytes_per_s(8, "dispatch", 16)) == h800.inter_node_bytes_per_s
+    model = CostModel(load_model("qwen3-30b-a3b"), a2, Job())
+    te = model.train(TrainCandidates.of([(32, 8, 1, 4, 1, 8), (32, 8, 1, 4, 1, 1)]))
+    assert te.update_a2a_s[0] > 5 * te.update_a2a_s[1]
+    assert te.update_etp_s[0] > 0 and te.update_etp_s[1] == 0
+
+
+def test_decode_pays_eager_launches_and_collective_latency_by_span():
+    """Eager mode (verl's enforce_eager) pays every layer's launches per decode step; a TP group
+    across nodes pays the network's collective latency, one inside a node NVLink's."""
+    from planner.cost.layouts import RolloutCandidates
+    from planner.specs import RolloutLayout
+
+    arch, accel = load_model("deepseek-v3"), load_accelerator("h20")
+    graphs, eager = (CostModel(arch, accel, Job(rollout_graphs=g)) for g in (True, False))
+    cand = RolloutCandidates.single(96, RolloutLayout(tp=32, dp=1, ep=1))
+    rg, re_ = graphs.rollout(cand), eager.rollout(cand)
+    extra = float(re_.decode_steps[0]) * arch.num_layers * accel.eager_layer_s
+    assert float(re_.decode_s[0] - rg.decode_s[0]) == pytest.approx(extra, rel=1e-6)
+    # TP32 spans four 8-GPU nodes: per layer the attention all-reduce and the MLP's or MoE's
+    # all-reduce, at the scale-out latency
+    per_step = float(rg.decode_overhead_s[0] / rg.decode_steps[0]) - graphs.knobs.decode_step_overhead_s
+    assert per_step == pytest.approx(2 * arch.num_layers * accel.scale_out_latency_s)
+    inside = graphs.rollout(RolloutCandidates.single(96, RolloutLayout(tp=8, dp=1, ep=1)))
+    per_step_inside = float(inside.decode_overhead_s[0] / inside.decode_steps[0]) - graphs.knobs.decode_step_overhead_s
+    assert per_step_inside == pytest.approx(per_step * accel.collective_latency_s / accel.scale_out_latency_s)
+
+
+def test_weight_sync_gathers_the_full_model_or_sends_shards():
+    """verl and NeMo RL gather every full tensor over the training groups (DeepSeek-V3: 1.34 TB
+    through the network at PP > 1, plus a cost per tensor); cann-recipes' all-to-all-v sends each
+    device its rollout shard only."""
+    arch, accel = load_model("deepseek-v3"), load_accelerator("h20")
+    layouts = {"train_layout": {"tp": 8, "pp": 12, "ep": 8, "etp": 1}, "rollout_layout": {"tp": 32, "dp": 1}, "optimizer_offload_fraction": 1.0}
+    gather = evaluate(arch, accel, Job.from_dict({**layouts, "weight_sync": "gather"}), 96, memory_margin=0.0)
+    shard = evaluate(arch, accel, Job.from_dict({**layouts, "weight_sync": "shard"}), 96, memory_margin=0.0)
+    from planner.cost.layouts import RolloutCandidates
+
+    model = CostModel(arch, accel, gather.job)
+    bytes_s = model.counts.total * 2 / accel.inter_node_bytes_per_s
+    tensors = 2 * arch.num_moe_layers * arch.moe.num_experts + 10 * arch.num_layers + 3
+    assert model.weight_tensors == tensors
+    expected = bytes_s + tensors * model.knobs.switch_tensor_s
+    shard_s = float(model.rollout_weight_bytes(RolloutCandidates.single(96, gather.job.rollout_layout))[0]) / accel.inter_node_bytes_per_s
+    assert gather.phase_times_s["switch"] - shard.phase_times_s["switch"] == pytest.approx(expected - shard_s, rel=1e-6)
+    assert bytes_s > 25  # at least ~28 s of bytes on the H20's network
+
+
+def test_optimizer_offload_fraction_moves_state_and_step_to_the_host():
+    """Megatron's hybrid device optimizer: the offloaded fraction of the optimizer state leaves the
+    device for host memory, and the update pays the host's Adam and the transfers each step."""
+    from planner.errors import SpecError
+
+    arch, accel = load_model("qwen3-30b-a3b"), load_accelerator("h100-sxm")
+    cand = TrainCandidates.single(32, TrainLayout(tp=2, ep=8))
+    kept = Offload(params=False, grads=False, optimizer=False)  # nothing moved around the rollout
+    on_device, half = (CostModel(arch, accel, Job(offload=kept, optimizer_offload_fraction=f)).train(cand) for f in (0.0, 0.5))
+    assert half.optimizer_bytes[0] == pytest.approx(on_device.optimizer_bytes[0] * 0.5)
+    assert half.host_bytes_per_node[0] > on_device.host_bytes_per_node[0]
+    assert on_device.update_host_adam_s[0] == 0 and half.update_host_adam_s[0] > 0
+    assert half.update_s[0] == pytest.approx(on_device.update_s[0] + half.update_host_adam_s[0])
+    with pytest.raises(SpecError, match="set one of them"):
+        Job(optimizer_offload_fraction=0.5, optimizer_swap=True)
+    with pytest.raises(SpecError, match=r"optimizer_offload_fraction.*\[0.0, 1.0\], got 1.5"):
+        Job.from_dict({"optimizer_offload_fraction": 1.5})
+
+
+def test_a_knobs_file_without_a_new_knob_keeps_its_prior(tmp_path):
+    import json
+
+    from planner.cost.knobs import PRIOR, load_knobs
+
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps({"knobs": {"nvidia": {"train_mfu": 0.33}}}))
+    knobs = load_knobs("nvidia", path)
+    assert knobs.train_mfu == 0.33 and knobs.switch_tensor_s == PRIOR["nvidia"].switch_tensor_s

@@ -224,9 +224,7 @@ class _Evaluator:
             return self._infeasible(devices, reasons, len(tc) + len(rc), self._train_layout(tc, ti), rc.layout(i))
         ri = int(np.flatnonzero(roll_fit)[np.argmin(re.rollout_s[roll_fit])])
 
-        switch = float(
-            m.switch_seconds(te.offloaded_bytes[ti], re.weights_bytes[ri], te.reference_weight_bytes[ti], rc.instance[ri])
-        )
+        switch = m.switch_seconds(te, ti, re, ri, int(rc.instance[ri]))
         phases = {
             "rollout": float(re.rollout_s[ri]),
             "reference": float(te.reference_s[ti]),
@@ -307,18 +305,27 @@ class _Evaluator:
             ("update", "expert all-to-all", f(te.update_a2a_s), f"ep {lay.ep}; a2a_efficiency {kn.a2a_efficiency:.3f}"),
             ("update", "tensor-parallel collectives", f(te.update_tp_s), f"tp {lay.tp}"),
             ("update", "gradient sync (data parallel)", f(te.update_sync_s), "reduce-scatter and all-gather once per optimizer step"),
+            ("update", "expert-TP gather", f(te.update_etp_s), f"etp {lay.etp}: tokens all-gathered and reduce-scattered over the expert-TP group"),
             ("update", "optimizer swap", f(te.update_swap_s), "host link, optimizer_swap" if job.optimizer_swap else "no swap"),
+            ("update", "host optimizer", f(te.update_host_adam_s),
+             f"optimizer_offload_fraction {job.optimizer_offload_fraction:g}: gradients down, parameters up over the host link, "
+             f"Adam at {accel.host_adam_params_per_s / 1e9:g} G params/s per node"),
             ("rollout", "prefill", float(re.prefill_s[ri]), f"logprob_mfu {kn.logprob_mfu:.3f}"),
             ("rollout", "decode", float(re.decode_s[ri]),
              f"{float(re.decode_steps[ri]):,.0f} steps, {float(re.concurrency[ri]):,.0f} of {float(re.sequences_per_rank[ri]):,.0f} "
              f"sequences at once per DP rank; weights and KV read at decode_mbu {kn.decode_mbu:.3f}; of which "
-             f"{float(re.decode_overhead_s[ri]):,.0f} s fixed overhead (decode_step_overhead_s {kn.decode_step_overhead_s:g} + "
-             f"layers x decode_layer_overhead_s {kn.decode_layer_overhead_s:g})"),
+             f"{float(re.decode_overhead_s[ri]):,.0f} s fixed per-step cost (decode_step_overhead_s {kn.decode_step_overhead_s:g}"
+             + (f" + layers x {accel.eager_layer_s * 1e6:g} us eager launches" if not job.rollout_graphs else ", graphs")
+             + f" + each layer's collective latency, {accel.collective_latency_s * 1e6:g} us in the scale-up domain, "
+             f"{accel.scale_out_latency_s * 1e6:g} us beyond)"),
         ]
         for phase in ("reference", "old_logprob", "values", "reward", "switch"):
             if phases.get(phase):
                 out.append((phase, phase.replace("_", " "), phases[phase], {"reward": "the job's reward_s", "switch":
-                            f"weights resharded between training and rollout; switch_fixed_s {kn.switch_fixed_s:g}"}.get(phase,
+                            (f"full model gathered tensor by tensor ({m.weight_tensors:,.0f} tensors x switch_tensor_s "
+                             f"{kn.switch_tensor_s:g} + {f(te.weight_gather_s) - m.weight_tensors * kn.switch_tensor_s:,.1f} s of bytes)"
+                             if job.weight_sync == "gather" else "each device receives its rollout shard")
+                            + f"; host moves; switch_fixed_s {kn.switch_fixed_s:g}"}.get(phase,
                             f"forward pass at logprob_mfu {kn.logprob_mfu:.3f}")))  # fmt: skip
         return [{"phase": p, "term": t, "seconds": s, "inputs": i} for p, t, s, i in out]
 

@@ -36,6 +36,10 @@ _OPTIONAL = (
     "peak_from_cube",
     "host_link_gb_per_s",
     "host_memory_gib_per_node",
+    "collective_latency_us",
+    "scale_out_latency_us",
+    "host_adam_gparams_per_s",
+    "eager_layer_us",
     "a2a_dispatch_gb_per_s",
     "a2a_combine_gb_per_s",
     "sources",
@@ -59,6 +63,10 @@ class Accelerator:
     inter_node_bytes_per_s: float
     host_link_bytes_per_s: float
     host_memory_bytes_per_node: float
+    collective_latency_s: float = 10e-6  # one small-message collective inside the scale-up domain
+    scale_out_latency_s: float = 20e-6  # the same across the scale-out network
+    host_adam_params_per_s: float = 4e9  # Adam steps the host CPUs of one node apply per second
+    eager_layer_s: float = 3e-4  # what one decoder layer's kernel launches from Python add to a decode step in eager mode
     a2a_dispatch: tuple[tuple[int, float], ...] = ()  # (ep, bytes/s) measured points
     a2a_combine: tuple[tuple[int, float], ...] = ()
     sources: Mapping[str, str] = field(default_factory=dict)
@@ -79,15 +87,25 @@ class Accelerator:
         group = np.asarray(group_size, dtype=float)
         return np.where(group <= self.scale_up_devices, self.intra_node_bytes_per_s, self.inter_node_bytes_per_s)
 
-    def a2a_bytes_per_s(self, ep, kind: str = "dispatch"):
-        """Achieved all-to-all bandwidth per device at EP size `ep` (array-friendly).
+    def latency_s(self, span):
+        """Latency of one small collective over a group whose ranks spread over `span`
+        consecutive devices (array-friendly): within the scale-up domain or across the network."""
+        span = np.asarray(span, dtype=float)
+        return np.where(span <= self.scale_up_devices, self.collective_latency_s, self.scale_out_latency_s)
+
+    def a2a_bytes_per_s(self, ep, kind: str = "dispatch", span=None):
+        """Achieved all-to-all bandwidth per device at EP size `ep` (array-friendly), for an EP
+        group spread over `span` consecutive devices (default `ep`; Megatron's expert rank order
+        etp-ep-edp-pp puts EP ranks `etp` apart, so an EP4 x ETP8 group spans 32 devices).
 
         Measured points (DeepEP / DeepEP-Ascend) interpolate in log2(ep). Without them the link
         bandwidth rules. Beyond the measured range the figure is capped by the link (below the
-        smallest measured EP, the larger of the two; above the largest, the smaller).
+        smallest measured EP, the larger of the two; above the largest, the smaller). A group the
+        table measured inside one scale-up domain but that here crosses it gets at most the network.
         """
         ep = np.asarray(ep, dtype=float)
-        link = self.link_bytes_per_s(ep)
+        span = ep if span is None else np.asarray(span, dtype=float)
+        link = self.link_bytes_per_s(span)
         table = self.a2a_dispatch if kind == "dispatch" else self.a2a_combine
         if not table:
             return link
@@ -96,7 +114,8 @@ class Accelerator:
         inside = (ep >= 2 ** xs[0]) & (ep <= 2 ** xs[-1])
         measured = np.interp(np.log2(np.maximum(ep, 1)), xs, ys)
         below = ep < 2 ** xs[0]
-        return np.where(inside, measured, np.where(below, np.maximum(ys[0], link), np.minimum(ys[-1], link)))
+        value = np.where(inside, measured, np.where(below, np.maximum(ys[0], link), np.minimum(ys[-1], link)))
+        return np.where(span > np.maximum(ep, self.scale_up_devices), np.minimum(value, link), value)
 
     @classmethod
     def from_dict(cls, accel_id: str, data: Mapping[str, Any], where: str) -> "Accelerator":
@@ -161,6 +180,10 @@ class Accelerator:
             inter_node_bytes_per_s=num("inter_node_gb_per_s") * 1e9,
             host_link_bytes_per_s=num("host_link_gb_per_s", 25) * 1e9,
             host_memory_bytes_per_node=num("host_memory_gib_per_node", 1024) * GIB,
+            collective_latency_s=num("collective_latency_us", 10) * 1e-6,
+            scale_out_latency_s=num("scale_out_latency_us", 20) * 1e-6,
+            host_adam_params_per_s=num("host_adam_gparams_per_s", 4) * 1e9,
+            eager_layer_s=num("eager_layer_us", 300) * 1e-6,
             a2a_dispatch=table("a2a_dispatch_gb_per_s"),
             a2a_combine=table("a2a_combine_gb_per_s"),
             sources=dict(data.get("sources") or {}),

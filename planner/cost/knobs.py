@@ -1,9 +1,10 @@
-"""Efficiency knobs: what a peak-and-bandwidth model cannot know, fitted once per accelerator family.
+"""Efficiency knobs: what a peak-and-bandwidth model cannot know, per accelerator family.
 
 The cost model multiplies hardware peaks by these achieved fractions and adds these overheads. They
-are fitted to the published RL runs of DESIGN.md section 8 (calibration/published_runs.yaml) by
-`planner.cost.fit`, one set per family, never per run, and stored with the residuals of the fit in
-calibration/knobs.json. Without a fitted file the priors below (literature ranges, cited) apply.
+are fitted to the published RL runs (calibration/published_runs.yaml) by `planner.cost.fit`: some
+per family, some shared by the families, some left at their priors (see planner.cost.fit), never
+per run; stored with the residuals and the leave-one-run-out errors in calibration/knobs.json.
+Without a fitted file the priors below (literature ranges, cited) apply.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ class Knobs:
     logprob_mfu: float  # same for forward-only passes (reference, old log-prob, prefill)
     decode_mbu: float  # achieved fraction of HBM bandwidth reading weights and KV in decode
     decode_step_overhead_s: float  # per decode step: scheduling, sampling, host syncs
-    decode_layer_overhead_s: float  # per decode step and layer: kernel launches, collective latency
     a2a_efficiency: float  # achieved fraction of the measured (or link) all-to-all bandwidth
     switch_fixed_s: float  # per RL step: engine wake/sleep, cache release, resharding setup
+    switch_tensor_s: float  # per weight tensor gathered and handed to the rollout engine (weight_sync: gather)
     expert_imbalance: float = 1.2  # busiest EP rank's tokens / mean, for real routers (job default)
 
     def as_dict(self) -> dict[str, float]:
@@ -35,25 +36,26 @@ class Knobs:
 
 # Priors: the midpoints of public ranges (shared/reference/cost-model.md section 4):
 # MoE training MFU 0.24-0.35 on H100, ~0.10 on A3 RL updates; decode MBU 0.70-0.85 rule of thumb;
-# per-step host sync 3-14 ms (cann-recipes); A3 low-latency dispatch 132-153 us per layer.
+# per-step host sync 3-14 ms (cann-recipes); verl's per-tensor weight sync moves Qwen3-30B-A3B (~19k tensors, 61 GB) in 15.8 s
+# and Qwen3-235B-A22B (~36k tensors, 470 GB) in 58.6 s (verl fully-async docs): ~0.5 ms per tensor.
 PRIOR = {
     "ascend": Knobs(
         train_mfu=0.12,
         logprob_mfu=0.12,
         decode_mbu=0.5,
         decode_step_overhead_s=0.01,
-        decode_layer_overhead_s=3e-4,
         a2a_efficiency=0.8,
         switch_fixed_s=5.0,
+        switch_tensor_s=5e-4,
     ),
     "nvidia": Knobs(
         train_mfu=0.3,
         logprob_mfu=0.3,
         decode_mbu=0.7,
         decode_step_overhead_s=0.005,
-        decode_layer_overhead_s=1e-4,
         a2a_efficiency=0.9,
         switch_fixed_s=5.0,
+        switch_tensor_s=5e-4,
     ),
 }
 
@@ -63,9 +65,9 @@ KNOB_BOUNDS = {
     "logprob_mfu": (0.02, 0.6),
     "decode_mbu": (0.05, 0.95),
     "decode_step_overhead_s": (1e-4, 0.2),
-    "decode_layer_overhead_s": (1e-6, 5e-3),
     "a2a_efficiency": (0.2, 1.0),
     "switch_fixed_s": (0.0, 120.0),
+    "switch_tensor_s": (1e-6, 0.01),
     "expert_imbalance": (1.0, 2.0),
 }
 
@@ -123,7 +125,11 @@ def _load(path: str) -> dict[str, Knobs]:
         return dict(PRIOR)
     data = json.loads(p.read_text())
     names = {f.name for f in fields(Knobs)}
-    return {family: Knobs(**{k: v for k, v in entry.items() if k in names}) for family, entry in data["knobs"].items()}
+    # a knob the file does not have (written before the knob existed) keeps its prior
+    return {
+        family: Knobs(**{**PRIOR[family].as_dict(), **{k: v for k, v in entry.items() if k in names}})
+        for family, entry in data["knobs"].items()
+    }
 
 
 def load_knobs(family: str, path: str | Path | None = None) -> Knobs:

@@ -62,6 +62,8 @@ class TrainEval:
     reference_bytes: np.ndarray
     kept_bytes: np.ndarray  # training states that stay on the device while rolling out
     offloaded_bytes: np.ndarray  # per device, moved to host and back around the rollout
+    offloaded_param_bytes: np.ndarray  # the actor weights among them (moved again around each actor pass)
+    weight_gather_s: np.ndarray  # weight_sync gather: every full tensor gathered over the training groups
     reference_weight_bytes: np.ndarray  # reference weights per device (onloaded for its pass)
     host_bytes_per_node: np.ndarray
     update_s: np.ndarray
@@ -77,6 +79,8 @@ class TrainEval:
     update_tp_s: np.ndarray
     update_sync_s: np.ndarray
     update_swap_s: np.ndarray
+    update_host_adam_s: np.ndarray  # optimizer_offload_fraction: the host's Adam step and its transfers
+    update_etp_s: np.ndarray  # the dispatcher's all-gather / reduce-scatter over the expert-TP group
     expert_gemm_flops: np.ndarray  # one expert GEMM per micro-batch on one rank
     expert_gemm_efficiency: np.ndarray
     compute_slowdown: np.ndarray  # experts (imbalance, GEMM size) and the busiest pipeline stage
@@ -90,12 +94,12 @@ class RolloutEval:
     kv_budget_bytes: np.ndarray  # what the engine's memory share leaves for the KV pool
     kv_per_sequence_bytes: np.ndarray  # one longest sequence
     concurrency: np.ndarray  # sequences one DP rank decodes at once (KV-bound or all of them)
-    sequences_per_rank: np.ndarray
+    sequences_per_rank: np.ndarray  # in one generation round
     prefill_s: np.ndarray
     decode_s: np.ndarray
     rollout_s: np.ndarray
     decode_steps: np.ndarray  # decode iterations of one DP rank (the queue included)
-    decode_overhead_s: np.ndarray  # their fitted per-step and per-layer overheads (scheduler, launches)
+    decode_overhead_s: np.ndarray  # per-step overhead (scheduler, sampling), eager launches, collective latency
 
 
 GEMM_HALF_FLOPS = 0.6e9  # the GEMM size at which efficiency is half its large-GEMM value (Calculon, see above)
@@ -138,6 +142,10 @@ class CostModel:
         self.routed_total = c.routed_experts
         self.attn_sharded_total = self._prefix["attention_sharded"][-1]
         self.attn_kv_total = self._prefix["attention_kv"][-1]
+        # weight tensors as the trainer holds them: Megatron's grouped experts keep two per routed
+        # expert (fc1 = gate and up, fc2); about ten per layer for attention, norms, router and the
+        # dense or shared MLP; embedding, final norm and head
+        self.weight_tensors = 2.0 * arch.num_moe_layers * arch.moe.num_experts + 10.0 * arch.num_layers + 3.0
 
     def _flops(self) -> None:
         arch, job, L = self.arch, self.job, self.lengths
@@ -267,8 +275,10 @@ class CostModel:
         weights = params_local * wb + router_extra
         grads = params_local * gb + router_extra
         opt_all = dense_local * ob / dp_opt[o] + expert_local * ob / edp_opt[o] + 2 * router_extra
-        # swapped optimizer state lives on the host and streams in for the step
-        opt = opt_all * 0.0 if job.optimizer_swap else opt_all
+        # swapped optimizer state lives on the host and streams in for the step; an offloaded
+        # fraction lives (and is stepped) on the host for good
+        host_frac = job.optimizer_offload_fraction
+        opt = opt_all * 0.0 if job.optimizer_swap else opt_all * (1.0 - host_frac)
         off = job.offload
         # what stays on the device while another phase (rollout, reference) runs
         kept = weights * (not off.params) + grads * (not off.grads) + opt * (not off.optimizer)
@@ -296,7 +306,9 @@ class CostModel:
         moved = models * np.maximum.reduceat(weights + grads + opt - kept, starts)  # offloaded, per device
         ref_weights = np.maximum.reduceat(params_local * wb, starts) if job.reference_model else np.zeros(len(cand))
         swapped = models * np.maximum.reduceat(opt_all, starts) if job.optimizer_swap else 0.0
-        host_per_node = (moved + ref_weights + swapped) * np.minimum(devices, accel.devices_per_node)
+        on_host = models * np.maximum.reduceat(opt_all, starts) * host_frac  # the host optimizer's share
+        host_per_node = (moved + ref_weights + swapped + on_host) * np.minimum(devices, accel.devices_per_node)
+        moved_params = models * np.maximum.reduceat(weights, starts) * off.params
 
         # ---- time --------------------------------------------------------------------------
         peak = accel.peak_flops(job.precision)
@@ -321,11 +333,17 @@ class CostModel:
 
         # EP all-to-all: per micro-batch and MoE layer of the busiest stage, dispatch + combine in
         # forward and again in backward (and in the recomputed forward)
-        a2a_bw = 0.5 * (accel.a2a_bytes_per_s(ep, "dispatch") + accel.a2a_bytes_per_s(ep, "combine")) * kn.a2a_efficiency
+        # an EP group's ranks sit etp apart (Megatron's expert rank order etp-ep-edp-pp)
+        a2a_bw = 0.5 * (accel.a2a_bytes_per_s(ep, "dispatch", ep * etp) + accel.a2a_bytes_per_s(ep, "combine", ep * etp)) * kn.a2a_efficiency
         micro_all = m * job.mini_batches  # micro-batches per DP rank per epoch
         a2a_bytes = t_dev * arch.moe.top_k * arch.hidden_size * job.activation_bytes * (ep - 1) / ep * ep_imb
         per_pass = np.where(ep > 1, micro_all * moe_stage * 2 * a2a_bytes / a2a_bw, 0.0)
         a2a_update = job.ppo_epochs * per_pass * (2.0 + recompute_fwd)
+        # expert TP: the dispatcher all-gathers the routed tokens over the ETP group after the
+        # all-to-all and reduce-scatters them before the combine
+        etp_bytes = t_dev * arch.moe.top_k * arch.hidden_size * job.activation_bytes * (etp - 1) * ep_imb
+        etp_pass = micro_all * moe_stage * 2 * etp_bytes / accel.link_bytes_per_s(etp)
+        etp_update = job.ppo_epochs * etp_pass * (2.0 + recompute_fwd)
         # TP (sequence-parallel) all-gather / reduce-scatter: 4 per layer per forward pass
         tp_bytes = job.micro_tokens / cp * arch.hidden_size * job.activation_bytes * (tp - 1) / tp
         tp_pass = micro_all * layers_stage * 4 * tp_bytes / accel.link_bytes_per_s(tp)
@@ -338,8 +356,21 @@ class CostModel:
         sync = (dense_peak * (dp * cp - 1) / (dp * cp) + expert_peak * (edp - 1) / edp) * (gb + wb) / stage_bw
         steps = job.ppo_epochs * job.mini_batches
         swap = 2.0 * swapped / accel.host_link_bytes_per_s * steps
-        update = (compute + bubble + a2a_update + tp_update + sync * steps + swap) * models
-        logprob = fwd_compute + fwd_bubble + per_pass + tp_pass
+        # hybrid device optimizer: per step the host's share of gradients goes down (fp32), its
+        # parameters come back (bf16), and the host CPUs, shared by the node's devices, run Adam
+        # (the rank's distributed-optimizer shard: dense parameters over DP x CP, experts over EDP)
+        shard_peak = (dense_local / dp_opt[o] + expert_local / edp_opt[o])[peak_idx]
+        host_adam = steps * host_frac * shard_peak * (
+            (4.0 + wb) / accel.host_link_bytes_per_s
+            + np.minimum(devices, accel.devices_per_node) / accel.host_adam_params_per_s
+        )
+        update = (compute + bubble + a2a_update + etp_update + tp_update + sync * steps + swap + host_adam) * models
+        logprob = fwd_compute + fwd_bubble + per_pass + etp_pass + tp_pass
+        # weight_sync gather: each device receives every full tensor of the model (bf16; its own
+        # shard is a small part), through the slowest group it is gathered over; a pipeline
+        # broadcast spans the whole job (pipeline stages are Megatron's outermost ranks)
+        gather_span = np.where(pp > 1, devices, np.maximum(tp, ep * etp))
+        weight_gather = self.counts.total * 2.0 / accel.link_bytes_per_s(gather_span) + self.weight_tensors * kn.switch_tensor_s
         zeros = np.zeros(len(cand))
         return TrainEval(
             weights_bytes=weights[peak_idx],
@@ -352,6 +383,8 @@ class CostModel:
             reference_bytes=reference_bytes,
             kept_bytes=kept_max,
             offloaded_bytes=moved,
+            offloaded_param_bytes=moved_params,
+            weight_gather_s=weight_gather,
             reference_weight_bytes=ref_weights,
             host_bytes_per_node=host_per_node,
             update_s=update,
@@ -365,6 +398,8 @@ class CostModel:
             update_tp_s=tp_update,
             update_sync_s=sync * steps,
             update_swap_s=swap * np.ones(len(cand)),
+            update_host_adam_s=host_adam,
+            update_etp_s=etp_update,
             expert_gemm_flops=gemm,
             expert_gemm_efficiency=gemm_eff,
             compute_slowdown=slow,
@@ -466,8 +501,10 @@ class CostModel:
         seq_max = self.kv_sequence_bytes(cand, job.max_sequence_tokens)
         live_ctx = job.prompt_tokens.mean + L.live_context_extra
         capacity = np.maximum(budget, 0.0) / self.kv_sequence_bytes(cand, live_ctx)
-        n_rank = job.num_sequences * job.rollout_oversampling / (cand.instances.astype(float) * dp)
+        n_rank = job.num_sequences / (cand.instances.astype(float) * dp)  # per generation round
         conc = np.maximum(np.minimum(n_rank, np.floor(capacity)), 1.0)
+        if job.rollout_max_seqs is not None:
+            conc = np.minimum(conc, float(job.rollout_max_seqs))
 
         peak = accel.peak_flops("bf16")  # rollout engines serve bf16 whatever the training precision
         prompt = job.prompt_tokens.mean
@@ -482,9 +519,15 @@ class CostModel:
         kv_tok = self.kv_bytes_per_token(cand)
         inst_bw = accel.link_bytes_per_s(inst)
         tp_bw = accel.link_bytes_per_s(tp)
-        # collectives beyond the scale-up domain pay RDMA latency: DeepEP's low-latency dispatch
-        # takes 77 us within an H800 node and 118-194 us across nodes (legacy README table)
-        layer_overhead = kn.decode_layer_overhead_s * np.where(inst > accel.scale_up_devices, 2.0, 1.0)
+        # fixed cost of one decode step: the scheduler and sampler; in eager mode every layer's
+        # kernels are launched from Python; and the latency of each layer's small collectives:
+        # attention's TP all-reduce, and for the MoE block dispatch + combine (EP) or one
+        # all-reduce over the instance (two, gather and reduce-scatter, when DP ranks share it)
+        dense_layers = arch.num_layers - arch.num_moe_layers
+        moe_collectives = np.where(expert_parallel, 2.0, np.where(dp > 1, 2.0, 1.0)) * (inst > 1)
+        latency = (arch.num_layers * (tp > 1) + dense_layers * (tp > 1)) * accel.latency_s(tp) + arch.num_moe_layers * moe_collectives * accel.latency_s(inst)
+        eager = 0.0 if job.rollout_graphs else arch.num_layers * accel.eager_layer_s
+        step_fixed = kn.decode_step_overhead_s + eager + latency
 
         def step_time(batch: np.ndarray, context: np.ndarray) -> np.ndarray:
             touched = 1.0 - (1.0 - k_over_e) ** (batch * dp)
@@ -501,7 +544,7 @@ class CostModel:
                 2.0 * batch * dp * h * 2.0 * (inst - 1) / inst / inst_bw,
             )
             comm = arch.num_layers * attn_comm + arch.num_moe_layers * moe_comm
-            return t + comm + kn.decode_step_overhead_s + arch.num_layers * layer_overhead
+            return t + comm + step_fixed
 
         decode = np.zeros_like(tp)
         for steps, survival, mid in zip(L.bin_steps, L.survival, L.bin_mid):
@@ -509,7 +552,10 @@ class CostModel:
         # more sequences than the KV pool holds: full-batch steps until the queue drains
         extra_steps = np.maximum(n_rank - conc, 0.0) * L.mean / conc
         decode = decode + extra_steps * step_time(conc, np.full_like(tp, live_ctx))
-        n_steps = float(sum(L.bin_steps)) + extra_steps
+        # DAPO dynamic sampling: further rounds of the same size, each with its own long tail
+        rounds = job.rollout_oversampling
+        prefill, decode = prefill * rounds, decode * rounds
+        n_steps = (float(sum(L.bin_steps)) + extra_steps) * rounds
         return RolloutEval(
             weights_bytes=weights,
             workspace_bytes=workspace,
@@ -521,15 +567,24 @@ class CostModel:
             decode_s=decode,
             rollout_s=prefill + decode,
             decode_steps=n_steps,
-            decode_overhead_s=n_steps * (kn.decode_step_overhead_s + arch.num_layers * layer_overhead),
+            decode_overhead_s=n_steps * step_fixed,
         )
 
     # ---- switching between phases -----------------------------------------------------------
-    def switch_seconds(self, offloaded_bytes, rollout_weight_bytes, reference_weight_bytes, rollout_instance) -> np.ndarray:
-        """Offload before rollout and onload before the update, reference onload and offload (host
-        link, each both ways), resharding train -> rollout weights over the instance's links, and
-        the fixed engine costs (sleep/wake, cache release)."""
-        accel = self.accel
-        moved = 2.0 * (np.asarray(offloaded_bytes, dtype=float) + np.asarray(reference_weight_bytes, dtype=float))
-        reshard = np.asarray(rollout_weight_bytes, dtype=float) / accel.link_bytes_per_s(rollout_instance)
-        return moved / accel.host_link_bytes_per_s + reshard + self.knobs.switch_fixed_s
+    def switch_seconds(self, train: TrainEval, ti: int, rollout: RolloutEval, ri: int, rollout_instance: int) -> float:
+        """Host moves, weight sync and the fixed engine costs (sleep/wake, cache release) of one step.
+
+        Host link, each way: the offloaded training states come back for the update; the actor's
+        weights again for the old log-prob pass; the reference weights for theirs. Weight sync:
+        `gather` (verl, NeMo RL) gathers the full model tensor by tensor over the training groups;
+        `shard` (cann-recipes' all-to-all-v) sends each device its rollout shard over the
+        instance's links."""
+        accel, job = self.accel, self.job
+        moved = float(train.offloaded_bytes[ti]) + float(train.reference_weight_bytes[ti])
+        if not job.skip_old_logprob:
+            moved += float(train.offloaded_param_bytes[ti])
+        if job.weight_sync == "gather":
+            sync = float(train.weight_gather_s[ti])
+        else:
+            sync = float(rollout.weights_bytes[ri] / accel.link_bytes_per_s(rollout_instance))
+        return 2.0 * moved / accel.host_link_bytes_per_s + sync + self.knobs.switch_fixed_s

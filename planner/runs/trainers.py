@@ -109,9 +109,12 @@ def _verl(d: Deployment, replay: bool) -> dict[str, Any]:
         "actor_rollout_ref.rollout.data_parallel_size": r.dp,
         "actor_rollout_ref.rollout.expert_parallel_size": r.ep,
         "actor_rollout_ref.rollout.gpu_memory_utilization": j.rollout_memory_utilization,
+        "actor_rollout_ref.rollout.enforce_eager": not j.rollout_graphs,
         "trainer.n_gpus_per_node": d.gpus_per_node,
         "trainer.nnodes": d.nodes,
     }
+    if j.rollout_max_seqs is not None:
+        out["actor_rollout_ref.rollout.max_num_seqs"] = j.rollout_max_seqs
     if replay:
         out[f"{mega}.router_replay.mode"] = "R3"
         out["actor_rollout_ref.rollout.enable_rollout_routing_replay"] = True
@@ -330,6 +333,10 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
                                                ep=n("actor_rollout_ref.rollout.expert_parallel_size")))  # fmt: skip
         if f.get(f"{actor}.use_dynamic_bsz"):
             kw["micro_batch_tokens"] = n(f"{actor}.ppo_max_token_len_per_gpu")
+        if f.get("actor_rollout_ref.rollout.enforce_eager") is not None:
+            kw["rollout_graphs"] = not f["actor_rollout_ref.rollout.enforce_eager"]
+        if f.get("actor_rollout_ref.rollout.max_num_seqs") is not None:
+            kw["rollout_max_seqs"] = n("actor_rollout_ref.rollout.max_num_seqs")
         cards = n("trainer.n_gpus_per_node") * n("trainer.nnodes")
     elif trainer == "mindspeed-rl":
         prompts = n("megatron_training.global_batch_size")

@@ -380,7 +380,7 @@ def fit_knobs(runs_path, output, force) -> None:
         result = fit_all(runs, progress=lambda n, total, run: click.echo(f"  left out and predicted {n + 1}/{total}: {run}", err=True))
         if output:
             write_fit(output, result)
-            click.echo("\n".join(render_published_fit(result)), err=True)
+            click.echo(render_published_fit(result), err=True)
             click.echo(f"wrote {output}", err=True)
         else:
             _emit_json(result)

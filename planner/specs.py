@@ -187,7 +187,7 @@ _JOB_DOC = {
     "mini_batches": "optimizer steps per epoch (default 1)",
     "micro_batch_tokens": "tokens per micro-batch in the update and log-prob passes (default: one longest sequence)",
     "distributed_optimizer": "optimizer state sharded over data-parallel ranks (default true)",
-    "optimizer_swap": "optimizer state lives in host memory and is swapped in for the step (MindSpeed swap_optimizer, verl optimizer_cpu_offload; default false)",
+    "optimizer_swap": "optimizer state lives in host memory and is swapped in for the step on the device (MindSpeed swap_optimizer; default false)",
     "optimizer_offload_fraction": "share of the optimizer state and step kept on the host CPU (Megatron's hybrid "
     "device optimizer, verl/NeMo RL optimizer_cpu_offload with optimizer_offload_fraction; default 0): the host runs "
     "Adam on it, gradients go down and parameters come back over the host link each optimizer step",
@@ -204,7 +204,7 @@ _JOB_DOC = {
     "expert_imbalance": "tokens on the busiest expert-parallel rank over the mean (default: the accelerator family's fitted value for real routers; 1.0 = forced balance)",
     "reward_s": "fixed time of the reward phase per step in seconds (default 0: rule-based, overlapped)",
     "rollout_oversampling": "responses generated per kept response (DAPO dynamic sampling; default 1.0): the rollout "
-    "runs this many generation rounds of the step's size, one after another, each waiting for its longest response",
+    "runs this many generation rounds of the step's size on average, one after another, each waiting for its longest response",
     "rollout_max_seqs": "sequences one rollout engine rank decodes at once at most (vLLM max_num_seqs; default: as many "
     "as the KV cache holds)",
 }

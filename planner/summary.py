@@ -23,28 +23,36 @@ def render_terms(r: CostResult) -> str:
                  f"({r.train_layout.describe()} / {r.rollout_layout.describe()}): where the time goes")  # fmt: skip
 
 
-def render_published_fit(fit: dict[str, Any]) -> tuple[str, str]:
-    """`planner fit-knobs` output as (table, summary): per run and published phase, the prediction of
-    the knobs fitted to every run beside that of knobs refitted without the run (leave one out)."""
+def published_fit_rows(fit: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per run and published phase of a `planner fit-knobs` result: published seconds, the prediction
+    of the knobs fitted to every run ("fitted") and of knobs refitted without the run ("left_out")."""
+    fitted = {(r["run"], r["phase"]): r for r in fit["residuals"]}
+    return [{"run": o["run"], "family": o["family"], "phase": o["phase"], "published_s": o["published_s"],
+             "fitted_s": fitted[(o["run"], o["phase"])]["predicted_s"], "fitted_ratio": fitted[(o["run"], o["phase"])]["ratio"],
+             "left_out_s": o["predicted_s"], "left_out_ratio": o["ratio"]}
+            for o in fit["leave_one_out"] if o["published_s"] > 0]  # fmt: skip
+
+
+def published_fit_summary(fit: dict[str, Any]) -> str:
     from planner.cost.fit import loo_summary
 
-    fitted = {(r["run"], r["phase"]): r for r in fit["residuals"]}
-    ratio = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    rows = []
-    for o in fit["leave_one_out"]:
-        if o["published_s"] <= 0:
-            continue
-        f = fitted[(o["run"], o["phase"])]
-        rows.append([o["run"], o["family"], o["phase"], f"{o['published_s']:,.1f}", f"{f['predicted_s']:,.1f}", ratio(f["ratio"]),
-                     f"{o['predicted_s']:,.1f}", ratio(o["ratio"]), "ok" if o["ratio"] is not None and abs(o["ratio"] - 1) <= 0.25 else "OUT"])
     s = loo_summary(fit["leave_one_out"])
     in_step = max(abs(r["ratio"] - 1) for r in fit["residuals"] if r["phase"] == "step" and r["ratio"] is not None)
     runs = ", ".join(f"{n} {family}" for family, n in fit["runs"].items())
-    summary = (f"{s['runs']} runs ({runs}), {fit['free_parameters']} free parameters. Step error in sample: worst {in_step:.1%}. "
-               f"Leaving each run out of the fit: {s['runs_within_25']} of {s['runs']} runs within 25% on the step, "
-               f"worst step error {s['worst_step']:.1%}, worst phase error {s['worst_phase']:.1%}.")
+    return (f"{s['runs']} runs ({runs}), {fit['free_parameters']} free parameters. Step error in sample: worst {in_step:.1%}. "
+            f"Leaving each run out of the fit: {s['runs_within_25']} of {s['runs']} runs within 25% on the step, "
+            f"worst step error {s['worst_step']:.1%}, worst phase error {s['worst_phase']:.1%}.")
+
+
+def render_published_fit(fit: dict[str, Any]) -> str:
+    """`planner fit-knobs` output as a table and its summary line."""
+    ratio = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    rows = [[r["run"], r["family"], r["phase"], f"{r['published_s']:,.1f}", f"{r['fitted_s']:,.1f}", ratio(r["fitted_ratio"]),
+             f"{r['left_out_s']:,.1f}", ratio(r["left_out_ratio"]),
+             "ok" if r["left_out_ratio"] is not None and abs(r["left_out_ratio"] - 1) <= 0.25 else "OUT"]
+            for r in published_fit_rows(fit)]  # fmt: skip
     head = ["run", "family", "phase", "published s", "fitted s", "ratio", "left out s", "ratio", "+-25%"]
-    return table(head, rows), summary
+    return table(head, rows) + "\n\n" + published_fit_summary(fit)
 
 
 def render_cost(r: CostResult) -> str:

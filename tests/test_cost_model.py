@@ -119,11 +119,14 @@ def test_explain_lists_the_terms_that_make_each_phase():
     from planner.cli import main
 
     result = evaluate(load_model("deepseek-v3"), load_accelerator("atlas-a3"), Job(), 256)
-    by_phase: dict[str, float] = {}
-    for t in result.terms:
-        by_phase[t["phase"]] = by_phase.get(t["phase"], 0.0) + t["seconds"]
-    for phase, seconds in result.phase_times_s.items():
-        assert by_phase.get(phase, 0.0) == pytest.approx(seconds, rel=1e-9, abs=1e-9), phase
+    ppo = evaluate(load_model("qwen3-30b-a3b"), load_accelerator("h100-sxm"),
+                   Job(algorithm="ppo", skip_old_logprob=False, optimizer_offload_fraction=0.5, weight_sync="shard"), 32)
+    for r in (result, ppo):  # GRPO; PPO (a critic updated like the actor) with a host optimizer
+        by_phase: dict[str, float] = {}
+        for t in r.terms:
+            by_phase[t["phase"]] = by_phase.get(t["phase"], 0.0) + t["seconds"]
+        for phase, seconds in r.phase_times_s.items():
+            assert by_phase.get(phase, 0.0) == pytest.approx(seconds, rel=1e-9, abs=1e-9), (r.job.algorithm, phase)
     compute = next(t for t in result.terms if t["term"] == "compute")
     assert "expert GEMMs of" in compute["inputs"] and "train_mfu" in compute["inputs"]
     text = CliRunner().invoke(main, ["cost", "deepseek-v3", "--hardware", "atlas-a3", "--cards", "256", "--explain"]).output

@@ -205,7 +205,7 @@ class _Evaluator:
             if not reasons:
                 reasons.append("no training layout fits both device and host memory")
             return self._infeasible(devices, reasons, len(tc) + len(rc), self._train_layout(tc, i))
-        train_time = te.update_s + te.reference_s + te.old_logprob_s + te.values_s
+        train_time = te.update_s + te.reference_s + te.old_logprob_s + te.values_s + te.switch_train_s  # the switch depends on it too
         ti = int(np.flatnonzero(ok)[np.argmin(train_time[ok])])
         kept = float(te.kept_bytes[ti])
 
@@ -292,22 +292,23 @@ class _Evaluator:
         """The chosen layouts' step time as its terms, each with the inputs of its formula."""
         m, job, accel = self.model, self.job, self.accel
         kn = m.knobs
-        f = lambda a: float(a[ti])  # noqa: E731
         models = 2 if job.algorithm == "ppo" else 1
+        f = lambda a: float(a[ti])  # noqa: E731
+        u = lambda a: models * float(a[ti])  # noqa: E731  (PPO updates the critic the same way)
         per = f" (x{models}: actor and critic)" if models > 1 else ""
         out = [
-            ("update", "compute", f(te.update_compute_s),
+            ("update", "compute", u(te.update_compute_s),
              f"{te.update_flops / 1e15:,.1f} PFLOP (forward, backward{', recomputed forward' if job.recompute == 'full' else ''}) / ({devices} x {accel.peak_flops(job.precision) / 1e12:,.0f} TFLOP/s x "
              f"train_mfu {kn.train_mfu:.3f}) x slowdown {f(te.compute_slowdown):.2f} (expert GEMMs of {f(te.expert_gemm_flops) / 1e9:.2f} "
              f"GFLOP at efficiency {f(te.expert_gemm_efficiency):.2f}, expert imbalance {m.imbalance:g} where ep > 1, the busiest "
              f"pipeline stage){per}"),
-            ("update", "pipeline bubble", f(te.update_bubble_s), f"compute x (pp - 1) / {f(te.micro_batches):.0f} micro-batches, pp {lay.pp}"),
-            ("update", "expert all-to-all", f(te.update_a2a_s), f"ep {lay.ep}; a2a_efficiency {kn.a2a_efficiency:.3f}"),
-            ("update", "tensor-parallel collectives", f(te.update_tp_s), f"tp {lay.tp}"),
-            ("update", "gradient sync (data parallel)", f(te.update_sync_s), "reduce-scatter and all-gather once per optimizer step"),
-            ("update", "expert-TP gather", f(te.update_etp_s), f"etp {lay.etp}: tokens all-gathered and reduce-scattered over the expert-TP group"),
-            ("update", "optimizer swap", f(te.update_swap_s), "host link, optimizer_swap" if job.optimizer_swap else "no swap"),
-            ("update", "host optimizer", f(te.update_host_adam_s),
+            ("update", "pipeline bubble", u(te.update_bubble_s), f"compute x (pp - 1) / {f(te.micro_batches):.0f} micro-batches, pp {lay.pp}"),
+            ("update", "expert all-to-all", u(te.update_a2a_s), f"ep {lay.ep}; a2a_efficiency {kn.a2a_efficiency:.3f}"),
+            ("update", "tensor-parallel collectives", u(te.update_tp_s), f"tp {lay.tp}"),
+            ("update", "gradient sync (data parallel)", u(te.update_sync_s), "reduce-scatter and all-gather once per optimizer step"),
+            ("update", "expert-TP gather", u(te.update_etp_s), f"etp {lay.etp}: tokens all-gathered and reduce-scattered over the expert-TP group"),
+            ("update", "optimizer swap", u(te.update_swap_s), "host link, optimizer_swap" if job.optimizer_swap else "no swap"),
+            ("update", "host optimizer", u(te.update_host_adam_s),
              f"optimizer_offload_fraction {job.optimizer_offload_fraction:g}: gradients down, parameters up over the host link, "
              f"Adam at {accel.host_adam_params_per_s / 1e9:g} G params/s per node"),
             ("rollout", "prefill", float(re.prefill_s[ri]), f"logprob_mfu {kn.logprob_mfu:.3f}"),

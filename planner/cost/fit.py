@@ -238,7 +238,10 @@ def residual_table(runs: list[PublishedRun], knobs_by_family: dict[str, Knobs]) 
 def _held_out(runs: list[PublishedRun], n: int) -> list[dict[str, Any]]:
     held = runs[n]
     knobs, _ = fit(runs[:n] + runs[n + 1:])
-    return residual_table([held], {held.family: knobs.get(held.family, PRIOR[held.family])})
+    if held.family not in knobs:  # its family's only run: its own priors, the shared knobs as fitted
+        shared = {name: getattr(next(iter(knobs.values())), name) for name in SHARED_KNOBS} if knobs else {}
+        knobs[held.family] = replace(PRIOR[held.family], **shared)
+    return residual_table([held], {held.family: knobs[held.family]})
 
 
 def leave_one_out(runs: list[PublishedRun], progress=None, workers: int | None = None) -> list[dict[str, Any]]:
@@ -276,7 +279,7 @@ def fit_all(runs: list[PublishedRun] | None = None, *, loro: bool = True, progre
         "free_parameters": len(FAMILY_KNOBS) * len(families) + len(SHARED_KNOBS),
         "runs": {f: sum(r.family == f for r in runs) for f in families},
         "knobs": {fam: {n: round(getattr(k, n), 6) for n in names} for fam, k in fitted.items()},
-        "priors": {fam: {n: getattr(PRIOR[fam], n) for n in names} for fam in families},
+        "priors": {fam: {n: _prior_of((SHARED if n in SHARED_KNOBS else fam, n), families) for n in names} for fam in families},
         "loss": round(loss, 6),
         "residuals": residual_table(runs, fitted),
     }

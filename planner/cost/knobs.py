@@ -36,8 +36,9 @@ class Knobs:
 
 # Priors: the midpoints of public ranges (shared/reference/cost-model.md section 4):
 # MoE training MFU 0.24-0.35 on H100, ~0.10 on A3 RL updates; decode MBU 0.70-0.85 rule of thumb;
-# per-step host sync 3-14 ms (cann-recipes); verl's per-tensor weight sync moves Qwen3-30B-A3B (~19k tensors, 61 GB) in 15.8 s
-# and Qwen3-235B-A22B (~36k tensors, 470 GB) in 58.6 s (verl fully-async docs): ~0.5 ms per tensor.
+# per-step host sync 3-14 ms (cann-recipes); verl's per-tensor weight sync moves Qwen3-30B-A3B (12.8k
+# Megatron tensors, 61 GB) in 15.8 s and Qwen3-235B-A22B (25k, 470 GB) in 58.6 s on H20 (verl
+# fully-async docs): at most 1.2 ms per tensor with the bytes, 0.5 ms taken for the tensor alone.
 PRIOR = {
     "ascend": Knobs(
         train_mfu=0.12,

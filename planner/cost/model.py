@@ -62,8 +62,8 @@ class TrainEval:
     reference_bytes: np.ndarray
     kept_bytes: np.ndarray  # training states that stay on the device while rolling out
     offloaded_bytes: np.ndarray  # per device, moved to host and back around the rollout
-    offloaded_param_bytes: np.ndarray  # the actor weights among them (moved again around each actor pass)
     weight_gather_s: np.ndarray  # weight_sync gather: every full tensor gathered over the training groups
+    switch_train_s: np.ndarray  # the switch's part that depends on the training layout (host moves, gather)
     reference_weight_bytes: np.ndarray  # reference weights per device (onloaded for its pass)
     host_bytes_per_node: np.ndarray
     update_s: np.ndarray
@@ -308,7 +308,10 @@ class CostModel:
         swapped = models * np.maximum.reduceat(opt_all, starts) if job.optimizer_swap else 0.0
         on_host = models * np.maximum.reduceat(opt_all, starts) * host_frac  # the host optimizer's share
         host_per_node = (moved + ref_weights + swapped + on_host) * np.minimum(devices, accel.devices_per_node)
+        # host link, each way, per step: the offloaded states come back for the update, the actor's
+        # weights once more for the old log-prob pass, the reference weights for theirs
         moved_params = models * np.maximum.reduceat(weights, starts) * off.params
+        host_moves = moved + ref_weights + (0.0 if job.skip_old_logprob else moved_params)
 
         # ---- time --------------------------------------------------------------------------
         peak = accel.peak_flops(job.precision)
@@ -371,6 +374,7 @@ class CostModel:
         # broadcast spans the whole job (pipeline stages are Megatron's outermost ranks)
         gather_span = np.where(pp > 1, devices, np.maximum(tp, ep * etp))
         weight_gather = self.counts.total * 2.0 / accel.link_bytes_per_s(gather_span) + self.weight_tensors * kn.switch_tensor_s
+        switch_train = 2.0 * host_moves / accel.host_link_bytes_per_s + (weight_gather if job.weight_sync == "gather" else 0.0)
         zeros = np.zeros(len(cand))
         return TrainEval(
             weights_bytes=weights[peak_idx],
@@ -383,8 +387,8 @@ class CostModel:
             reference_bytes=reference_bytes,
             kept_bytes=kept_max,
             offloaded_bytes=moved,
-            offloaded_param_bytes=moved_params,
             weight_gather_s=weight_gather,
+            switch_train_s=switch_train,
             reference_weight_bytes=ref_weights,
             host_bytes_per_node=host_per_node,
             update_s=update,
@@ -574,17 +578,10 @@ class CostModel:
     def switch_seconds(self, train: TrainEval, ti: int, rollout: RolloutEval, ri: int, rollout_instance: int) -> float:
         """Host moves, weight sync and the fixed engine costs (sleep/wake, cache release) of one step.
 
-        Host link, each way: the offloaded training states come back for the update; the actor's
-        weights again for the old log-prob pass; the reference weights for theirs. Weight sync:
-        `gather` (verl, NeMo RL) gathers the full model tensor by tensor over the training groups;
-        `shard` (cann-recipes' all-to-all-v) sends each device its rollout shard over the
-        instance's links."""
-        accel, job = self.accel, self.job
-        moved = float(train.offloaded_bytes[ti]) + float(train.reference_weight_bytes[ti])
-        if not job.skip_old_logprob:
-            moved += float(train.offloaded_param_bytes[ti])
-        if job.weight_sync == "gather":
-            sync = float(train.weight_gather_s[ti])
-        else:
-            sync = float(rollout.weights_bytes[ri] / accel.link_bytes_per_s(rollout_instance))
-        return 2.0 * moved / accel.host_link_bytes_per_s + sync + self.knobs.switch_fixed_s
+        The training layout's part (TrainEval.switch_train_s: host moves; `gather`, verl's and NeMo
+        RL's weight sync, the full model tensor by tensor over the training groups) plus, for
+        `shard` (cann-recipes' all-to-all-v), each device's rollout shard over the instance's links."""
+        shard = 0.0
+        if self.job.weight_sync == "shard":
+            shard = float(rollout.weights_bytes[ri] / self.accel.link_bytes_per_s(rollout_instance))
+        return float(train.switch_train_s[ti]) + shard + self.knobs.switch_fixed_s

@@ -115,6 +115,9 @@ def _verl(d: Deployment, replay: bool) -> dict[str, Any]:
     }
     if j.rollout_max_seqs is not None:
         out["actor_rollout_ref.rollout.max_num_seqs"] = j.rollout_max_seqs
+    if j.optimizer_offload_fraction > 0:  # Megatron's hybrid CPU optimizer, passed through verl's open override mapping
+        out[f"{_VERL_OPTIM}.optimizer_cpu_offload"] = True
+        out[f"{_VERL_OPTIM}.optimizer_offload_fraction"] = j.optimizer_offload_fraction
     if replay:
         out[f"{mega}.router_replay.mode"] = "R3"
         out["actor_rollout_ref.rollout.enable_rollout_routing_replay"] = True
@@ -188,7 +191,8 @@ def _nemo(d: Deployment, replay: bool) -> dict[str, Any]:
         "policy.megatron_cfg.expert_tensor_parallel_size": t.etp if t.etp is not None else t.tp,
         "policy.megatron_cfg.expert_model_parallel_size": t.ep,
         "policy.megatron_cfg.sequence_parallel": t.tp > 1,
-        "policy.megatron_cfg.optimizer.optimizer_cpu_offload": j.offload.optimizer,
+        "policy.megatron_cfg.optimizer.optimizer_cpu_offload": j.optimizer_offload_fraction > 0,
+        "policy.megatron_cfg.optimizer.optimizer_offload_fraction": j.optimizer_offload_fraction,
         "policy.generation.vllm_cfg.tensor_parallel_size": r.tp,
         "policy.generation.vllm_cfg.expert_parallel_size": r.ep,
         "policy.generation.vllm_cfg.gpu_memory_utilization": j.rollout_memory_utilization,
@@ -247,7 +251,8 @@ def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = F
     if trainer == "verl":
         lines = [f"# {h}" for h in head]
         lines.append("# launch: python -m verl.trainer.main_ppo --config-name ppo_megatron_trainer $(grep -v '^#' THIS_FILE)")
-        lines += [f"{k}={_hydra(v)}" for k, v in flat.items()]
+        # keys inside a mapping verl's config leaves open are new to Hydra: `+key=value`
+        lines += [f"{'+' if k.startswith(_VERL_OPTIM + '.') else ''}{k}={_hydra(v)}" for k, v in flat.items()]
         return "\n".join(lines) + "\n", flat
     note = {"mindspeed-rl": "merge into a MindSpeed-RL GRPO config (configs/grpo_*.yaml) with the model's own defaults entry",
             "nemo-rl": "a NeMo RL config that inherits grpo_math_1B_megatron.yaml: run with examples/run_grpo_math.py --config THIS_FILE"}[trainer]  # fmt: skip
@@ -337,6 +342,8 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
             kw["rollout_graphs"] = not f["actor_rollout_ref.rollout.enforce_eager"]
         if f.get("actor_rollout_ref.rollout.max_num_seqs") is not None:
             kw["rollout_max_seqs"] = n("actor_rollout_ref.rollout.max_num_seqs")
+        if f.get(f"{_VERL_OPTIM}.optimizer_cpu_offload"):
+            kw["optimizer_offload_fraction"] = float(f.get(f"{_VERL_OPTIM}.optimizer_offload_fraction", 1.0))
         cards = n("trainer.n_gpus_per_node") * n("trainer.nnodes")
     elif trainer == "mindspeed-rl":
         prompts = n("megatron_training.global_batch_size")
@@ -370,7 +377,8 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
             notes.append(f"keys this file inherits from {f['defaults']} and does not set take planner's defaults")
         kw = dict(prompts_per_step=prompts, samples_per_prompt=samples, **lengths(prompt_max, total - prompt_max),
                   precision=precision.get(f.get("policy.precision", "bfloat16"), "bf16"),
-                  offload=Offload(params=False, grads=False, optimizer=bool(f.get(f"{mega}.optimizer.optimizer_cpu_offload", False))),
+                  optimizer_offload_fraction=float(f.get(f"{mega}.optimizer.optimizer_offload_fraction", 1.0))
+                  if f.get(f"{mega}.optimizer.optimizer_cpu_offload") else 0.0,
                   mini_batches=max(1, prompts * samples // n("policy.train_global_batch_size")),
                   rollout_memory_utilization=n("policy.generation.vllm_cfg.gpu_memory_utilization", float),
                   train_layout=TrainLayout(tp=n(f"{mega}.tensor_model_parallel_size"), pp=n(f"{mega}.pipeline_model_parallel_size"),
@@ -385,6 +393,7 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
 
 
 _VERL_MEGA = "actor_rollout_ref.actor.megatron"
+_VERL_OPTIM = "actor_rollout_ref.actor.optim.override_optimizer_config"  # verl passes it to Megatron's OptimizerConfig
 _REQUIRED = {  # what job_from reads without a default
     "verl": ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.n",
              "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.gpu_memory_utilization",

@@ -320,14 +320,21 @@ class _Evaluator:
              + f" + each layer's collective latency, {accel.collective_latency_s * 1e6:g} us in the scale-up domain, "
              f"{accel.scale_out_latency_s * 1e6:g} us beyond)"),
         ]
-        for phase in ("reference", "old_logprob", "values", "reward", "switch"):
+        for phase in ("reference", "old_logprob", "values", "reward"):
             if phases.get(phase):
-                out.append((phase, phase.replace("_", " "), phases[phase], {"reward": "the job's reward_s", "switch":
-                            (f"full model gathered tensor by tensor ({m.weight_tensors:,.0f} tensors x switch_tensor_s "
-                             f"{kn.switch_tensor_s:g} + {f(te.weight_gather_s) - m.weight_tensors * kn.switch_tensor_s:,.1f} s of bytes)"
-                             if job.weight_sync == "gather" else "each device receives its rollout shard")
-                            + f"; host moves; switch_fixed_s {kn.switch_fixed_s:g}"}.get(phase,
-                            f"forward pass at logprob_mfu {kn.logprob_mfu:.3f}")))  # fmt: skip
+                out.append((phase, phase.replace("_", " "), phases[phase], "the job's reward_s" if phase == "reward"
+                            else f"forward pass at logprob_mfu {kn.logprob_mfu:.3f}"))  # fmt: skip
+        if phases.get("switch"):
+            host, fixed = f(te.switch_host_s), kn.switch_fixed_s
+            sync = phases["switch"] - host - fixed
+            out += [
+                ("switch", "host moves", host, f"offloaded states and weights over the host link ({accel.host_link_bytes_per_s / 1e9:g} GB/s), each way"),
+                ("switch", "weight sync", sync,
+                 f"weight_sync gather: the full model tensor by tensor, {m.weight_tensors:,.0f} tensors x switch_tensor_s {kn.switch_tensor_s:g} "
+                 f"+ {sync - m.weight_tensors * kn.switch_tensor_s:,.1f} s of bytes" if job.weight_sync == "gather"
+                 else "weight_sync shard: each device receives its rollout shard over the instance's links"),
+                ("switch", "engine sleep and wake", fixed, f"switch_fixed_s {fixed:g}"),
+            ]  # fmt: skip
         return [{"phase": p, "term": t, "seconds": s, "inputs": i} for p, t, s, i in out]
 
     def _train_layout(self, tc, i: int) -> TrainLayout:

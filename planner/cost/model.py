@@ -63,6 +63,7 @@ class TrainEval:
     kept_bytes: np.ndarray  # training states that stay on the device while rolling out
     offloaded_bytes: np.ndarray  # per device, moved to host and back around the rollout
     weight_gather_s: np.ndarray  # weight_sync gather: every full tensor gathered over the training groups
+    switch_host_s: np.ndarray  # the switch's host moves (offload, onload; reference weights)
     switch_train_s: np.ndarray  # the switch's part that depends on the training layout (host moves, gather)
     reference_weight_bytes: np.ndarray  # reference weights per device (onloaded for its pass)
     host_bytes_per_node: np.ndarray
@@ -374,7 +375,8 @@ class CostModel:
         # broadcast spans the whole job (pipeline stages are Megatron's outermost ranks)
         gather_span = np.where(pp > 1, devices, np.maximum(tp, ep * etp))
         weight_gather = self.counts.total * 2.0 / accel.link_bytes_per_s(gather_span) + self.weight_tensors * kn.switch_tensor_s
-        switch_train = 2.0 * host_moves / accel.host_link_bytes_per_s + (weight_gather if job.weight_sync == "gather" else 0.0)
+        switch_host = 2.0 * host_moves / accel.host_link_bytes_per_s
+        switch_train = switch_host + (weight_gather if job.weight_sync == "gather" else 0.0)
         zeros = np.zeros(len(cand))
         return TrainEval(
             weights_bytes=weights[peak_idx],
@@ -388,6 +390,7 @@ class CostModel:
             kept_bytes=kept_max,
             offloaded_bytes=moved,
             weight_gather_s=weight_gather,
+            switch_host_s=switch_host,
             switch_train_s=switch_train,
             reference_weight_bytes=ref_weights,
             host_bytes_per_node=host_per_node,

@@ -368,7 +368,7 @@ def build(checkpoint, out_dir, plan_path, experts, method, stats_path, mtp, veri
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Where to write the fitted knobs (default: print).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 def fit_knobs(runs_path, output, force) -> None:
-    """Fit the efficiency knobs once per accelerator family to the published runs."""
+    """Fit the efficiency knobs to the published runs, then refit without each run to measure the error on it."""
     from planner.cost.fit import fit_all, load_runs, write_fit
     from planner.summary import render_published_fit
 

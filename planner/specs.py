@@ -201,7 +201,7 @@ _JOB_DOC = {
     "every full tensor is gathered over the training groups and handed to the engine, tensor by tensor; shard "
     "(cann-recipes' all-to-all-v resharding): each device receives only its rollout shard",
     "rollout_memory_utilization": "fraction of usable device memory the rollout engine may take (default 0.85)",
-    "expert_imbalance": "tokens on the busiest expert-parallel rank over the mean (default: the accelerator family's fitted value for real routers; 1.0 = forced balance)",
+    "expert_imbalance": "tokens on the busiest expert-parallel rank over the mean (default: the knobs' value for real routers, 1.2, a prior no published run pins down; 1.0 = forced balance)",
     "reward_s": "fixed time of the reward phase per step in seconds (default 0: rule-based, overlapped)",
     "rollout_oversampling": "responses generated per kept response (DAPO dynamic sampling; default 1.0): the rollout "
     "runs this many generation rounds of the step's size on average, one after another, each waiting for its longest response",

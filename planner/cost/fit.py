@@ -55,8 +55,7 @@ class PublishedRun:
     published: dict[str, float]
     sources: list[str]
     assumed: dict[str, str]
-    switch_in: str = "step"  # where the published times count the switch: step | rollout | none
-
+    switch_in: str = "step"  # where the published times count the switch: one of SWITCH_IN
 
     @property
     def family(self) -> str:
@@ -125,11 +124,9 @@ def predict(run: PublishedRun, knobs: Knobs) -> CostResult:
     return evaluate(arch, accel, run.job, run.devices, knobs=knobs, memory_margin=0.0)  # as the run ran: nothing kept free
 
 
-SWITCH_IN = {
-    "step": "the step total counts the switch (a phase of its own when published)",
-    "rollout": "the published rollout counts the switch (verl: weight sync and engine wake-up run inside generate_sequences)",
-    "none": "the published step leaves the switch out",
-}
+# step: the total counts the switch (a phase of its own when published); rollout: the published
+# rollout counts it (verl syncs weights inside generate_sequences); none: the total leaves it out
+SWITCH_IN = ("step", "rollout", "none")
 
 
 def _switch_in(r: dict, where) -> str:
@@ -244,18 +241,15 @@ def _held_out(runs: list[PublishedRun], n: int) -> list[dict[str, Any]]:
     return residual_table([held], {held.family: knobs[held.family]})
 
 
-def leave_one_out(runs: list[PublishedRun], progress=None, workers: int | None = None) -> list[dict[str, Any]]:
+def leave_one_out(runs: list[PublishedRun], progress=None) -> list[dict[str, Any]]:
     """For each run: refit without it, predict it. One row per run and published phase. The refits
-    are independent: they run in `workers` processes (default: one per CPU)."""
+    are independent: one process per CPU runs them."""
     import os
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    workers = max(1, min(workers or os.cpu_count() or 1, len(runs)))
     results: dict[int, list] = {}
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    with ProcessPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(runs)))) as pool:
         futures = {pool.submit(_held_out, runs, n): n for n in range(len(runs))}
-        from concurrent.futures import as_completed
-
         for done, future in enumerate(as_completed(futures)):
             n = futures[future]
             results[n] = future.result()
@@ -264,12 +258,12 @@ def leave_one_out(runs: list[PublishedRun], progress=None, workers: int | None =
     return [row for n in range(len(runs)) for row in results[n]]
 
 
-def fit_all(runs: list[PublishedRun] | None = None, *, loro: bool = True, progress=None) -> dict[str, Any]:
+def fit_all(runs: list[PublishedRun] | None = None, *, progress=None) -> dict[str, Any]:
     runs = runs or load_runs()
     fitted, loss = fit(runs)
     names = [f.name for f in fields(Knobs)]
     families = sorted(fitted)
-    out = {
+    return {
         "description": "Efficiency knobs fitted to calibration/published_runs.yaml (planner.cost.fit; regenerate "
         "with `planner fit-knobs -o calibration/knobs.json --force`). Per family: "
         + ", ".join(FAMILY_KNOBS) + "; shared by the families: "
@@ -282,10 +276,8 @@ def fit_all(runs: list[PublishedRun] | None = None, *, loro: bool = True, progre
         "priors": {fam: {n: _prior_of((SHARED if n in SHARED_KNOBS else fam, n), families) for n in names} for fam in families},
         "loss": round(loss, 6),
         "residuals": residual_table(runs, fitted),
+        "leave_one_out": leave_one_out(runs, progress),
     }
-    if loro:
-        out["leave_one_out"] = leave_one_out(runs, progress)
-    return out
 
 
 def loo_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

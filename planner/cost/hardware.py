@@ -63,10 +63,10 @@ class Accelerator:
     inter_node_bytes_per_s: float
     host_link_bytes_per_s: float
     host_memory_bytes_per_node: float
-    collective_latency_s: float = 10e-6  # one small-message collective inside the scale-up domain
-    scale_out_latency_s: float = 20e-6  # the same across the scale-out network
-    host_adam_params_per_s: float = 4e9  # Adam steps the host CPUs of one node apply per second
-    eager_layer_s: float = 3e-4  # what one decoder layer's kernel launches from Python add to a decode step in eager mode
+    collective_latency_s: float  # one small-message collective inside the scale-up domain
+    scale_out_latency_s: float  # the same across the scale-out network
+    host_adam_params_per_s: float  # Adam steps the host CPUs of one node apply per second
+    eager_layer_s: float  # what one decoder layer's kernel launches from Python add to a decode step in eager mode
     a2a_dispatch: tuple[tuple[int, float], ...] = ()  # (ep, bytes/s) measured points
     a2a_combine: tuple[tuple[int, float], ...] = ()
     sources: Mapping[str, str] = field(default_factory=dict)

@@ -62,9 +62,8 @@ class TrainEval:
     reference_bytes: np.ndarray
     kept_bytes: np.ndarray  # training states that stay on the device while rolling out
     offloaded_bytes: np.ndarray  # per device, moved to host and back around the rollout
-    weight_gather_s: np.ndarray  # weight_sync gather: every full tensor gathered over the training groups
     switch_host_s: np.ndarray  # the switch's host moves (offload, onload; reference weights)
-    switch_train_s: np.ndarray  # the switch's part that depends on the training layout (host moves, gather)
+    switch_gather_s: np.ndarray  # weight_sync gather: every full tensor over the training groups (0 for shard)
     reference_weight_bytes: np.ndarray  # reference weights per device (onloaded for its pass)
     host_bytes_per_node: np.ndarray
     update_s: np.ndarray
@@ -86,6 +85,11 @@ class TrainEval:
     expert_gemm_efficiency: np.ndarray
     compute_slowdown: np.ndarray  # experts (imbalance, GEMM size) and the busiest pipeline stage
     micro_batches: np.ndarray  # per DP rank per optimizer step
+
+    @property
+    def switch_train_s(self) -> np.ndarray:
+        """The part of the switch the training layout decides (host moves, the gather)."""
+        return self.switch_host_s + self.switch_gather_s
 
 
 @dataclass(frozen=True)
@@ -374,9 +378,8 @@ class CostModel:
         # shard is a small part), through the slowest group it is gathered over; a pipeline
         # broadcast spans the whole job (pipeline stages are Megatron's outermost ranks)
         gather_span = np.where(pp > 1, devices, np.maximum(tp, ep * etp))
-        weight_gather = self.counts.total * 2.0 / accel.link_bytes_per_s(gather_span) + self.weight_tensors * kn.switch_tensor_s
-        switch_host = 2.0 * host_moves / accel.host_link_bytes_per_s
-        switch_train = switch_host + (weight_gather if job.weight_sync == "gather" else 0.0)
+        gather = self.counts.total * 2.0 / accel.link_bytes_per_s(gather_span) + self.weight_tensors * kn.switch_tensor_s
+        gather = gather if job.weight_sync == "gather" else np.zeros(len(cand))
         zeros = np.zeros(len(cand))
         return TrainEval(
             weights_bytes=weights[peak_idx],
@@ -389,9 +392,8 @@ class CostModel:
             reference_bytes=reference_bytes,
             kept_bytes=kept_max,
             offloaded_bytes=moved,
-            weight_gather_s=weight_gather,
-            switch_host_s=switch_host,
-            switch_train_s=switch_train,
+            switch_host_s=2.0 * host_moves / accel.host_link_bytes_per_s,
+            switch_gather_s=gather,
             reference_weight_bytes=ref_weights,
             host_bytes_per_node=host_per_node,
             update_s=update,
@@ -531,8 +533,8 @@ class CostModel:
         # attention's TP all-reduce, and for the MoE block dispatch + combine (EP) or one
         # all-reduce over the instance (two, gather and reduce-scatter, when DP ranks share it)
         dense_layers = arch.num_layers - arch.num_moe_layers
-        moe_collectives = np.where(expert_parallel, 2.0, np.where(dp > 1, 2.0, 1.0)) * (inst > 1)
-        latency = (arch.num_layers * (tp > 1) + dense_layers * (tp > 1)) * accel.latency_s(tp) + arch.num_moe_layers * moe_collectives * accel.latency_s(inst)
+        moe_collectives = np.where(expert_parallel | (dp > 1), 2.0, 1.0) * (inst > 1)
+        latency = (arch.num_layers + dense_layers) * (tp > 1) * accel.latency_s(tp) + arch.num_moe_layers * moe_collectives * accel.latency_s(inst)
         eager = 0.0 if job.rollout_graphs else arch.num_layers * accel.eager_layer_s
         step_fixed = kn.decode_step_overhead_s + eager + latency
 

@@ -64,15 +64,19 @@ def make_checkpoint(path: Path, layers: int) -> int:
         for x in range(e):
             tensors += [(f"{p}.mlp.experts.{x}.gate_proj.weight", (inter, h)), (f"{p}.mlp.experts.{x}.up_proj.weight", (inter, h)),
                         (f"{p}.mlp.experts.{x}.down_proj.weight", (h, inter))]  # fmt: skip
+    return write_checkpoint(path, ((name, shape, _bytes(int(np.prod(shape)) * 2)) for name, shape in tensors), config)
+
+
+def write_checkpoint(path: Path, tensors, config: dict) -> int:
+    """A sharded bf16 safetensors checkpoint (shards of at most 1 GiB) from (name, shape, bytes)."""
     path.mkdir(parents=True)
     shards, current, size = [], [], 0
-    for name, shape in tensors:
-        n = int(np.prod(shape)) * 2
-        if current and size + n > GIB:
+    for name, shape, data in tensors:
+        if current and size + len(data) > GIB:
             shards.append(current)
             current, size = [], 0
-        current.append(OutTensor(name, "BF16", shape, data=_bytes(n)))
-        size += n
+        current.append(OutTensor(name, "BF16", shape, data=data))
+        size += len(data)
     shards.append(current)
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):

@@ -134,3 +134,48 @@ def test_same_seed_same_plan(trained):
     a = compute_stats(trained, experts=[4], methods=("kmeans",), calib_tokens=512, seq_len=64, seed=3)
     b = compute_stats(trained, experts=[4], methods=("kmeans",), calib_tokens=512, seq_len=64, seed=3)
     assert a["plans"]["K=4/kmeans"]["kept"] == b["plans"]["K=4/kmeans"]["kept"]
+
+
+# ---- every plan from one calibration pass (statistics version 2) ----------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_one_layer_plan_statistics_equal_the_built_proxy_run(tmp_path, family):
+    """With one MoE layer residual additivity is exact, so the plan pass's KL and reconstruction error
+    must equal what the built proxy gives when run as transformers' model on the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from planner.checkpoint import build
+    from planner.stats.compute import KL_POSITIONS, _kl_positions
+    from planner.stats.text import calibration_ids
+
+    layers = {"num_hidden_layers": 1} | ({"first_k_dense_replace": 0} if family == "deepseek_v3" else {})
+    src = Checkpoint(save_tiny(tmp_path / "src", family_config(family, **layers), sharded=False))
+    moe = next(iter(src.moe_layers))
+    e = src.arch.original_num_experts
+    k = next(x for x in sorted(src.arch.legal_expert_counts()) if src.arch.moe.top_k < x < e)
+    stats = compute_stats(src, experts=[k, e], calib_tokens=512, seq_len=64)
+    assert stats["statistics_version"] == 2
+    keep_all = stats["plans"][f"K={e}/agglomerative"]
+    assert keep_all["summary"]["kl_original_proxy"] == pytest.approx(0, abs=1e-12)
+    assert keep_all["per_layer"][str(moe)]["reconstruction_error"] == 0 and keep_all["per_layer"][str(moe)]["routing_agreement"] == 1
+    plan = plan_from_stats(stats, k, "agglomerative", model=str(src.path))
+    build(src, plan, tmp_path / "proxy", verify="never")
+    ids, _ = calibration_ids(src.path, src.arch.vocab_size, text=None, tokens=512, seq_len=64)
+    at = torch.from_numpy(_kl_positions(ids))
+    assert len(at) == min(KL_POSITIONS, ids.size)
+    x = torch.from_numpy(ids)
+    with torch.no_grad():
+        p = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32)(input_ids=x).logits
+        q = AutoModelForCausalLM.from_pretrained(tmp_path / "proxy", dtype=torch.float32)(input_ids=x).logits
+    p, q = (torch.log_softmax(t.reshape(-1, t.shape[-1])[at].double(), -1) for t in (p, q))
+    kl = float((p.exp() * (p - q)).sum(-1).mean())
+    got = stats["plans"][f"K={k}/agglomerative"]["summary"]["kl_original_proxy"]
+    assert kl > 0 and got == pytest.approx(kl, rel=1e-3)
+
+
+def test_stats_of_another_version_are_refused(tmp_path):
+    doc = {"schema": "planner.stats/1", "checkpoint": {"fingerprint": "x", "path": "p"}, "plans": {"K=4/agglomerative": {}}, "layers": {}}
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    with pytest.raises(SpecError, match="version 1, the fidelity estimator's are version 2; run planner stats again"):
+        load_stats(tmp_path / "old.json")

@@ -8,13 +8,12 @@ transformers 5's fused gate_up_proj / down_proj). Held in float32 by default, or
 own dtype (`dtype`), when tensors are read from the file straight into the parameters' memory.
 Every on-disk tensor read is recorded (`read`), so a caller can tell which ones the model never used.
 
-Hooks on each MoE block see the router's logits, the routing (top-k ids and weights) and the block's
-input and output, and can swap the block for a pruned one (a proxy pass): what the statistics need.
+Hooks on each MoE block see the block's input and output and can replace the output; `route` and
+`expert_outputs` evaluate a loaded block's router and experts on any tokens: what the statistics need.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 import re
 from contextlib import contextmanager
@@ -210,6 +209,16 @@ class LayerwiseModel:
             self._slab_user = i
         return layer
 
+    def load_block(self, i: int):
+        """Only the MoE block of decoder layer i in memory (router and experts: what evaluating
+        experts on stored activations needs), in the reused block when it is free."""
+        block = getattr(self.decoder.layers[i], self.mem_moe)
+        slab = self._slab_user is None
+        self._materialize(block, f"model.layers.{i}.{self.mem_moe}.", slab=slab)
+        if slab:
+            self._slab_user = i
+        return block
+
     def release_layer(self, i: int) -> None:
         self.decoder.layers[i].to("meta")
         if self._slab_user == i:
@@ -252,6 +261,12 @@ class LayerwiseModel:
         with self.torch.no_grad():
             return self.model(input_ids=ids, use_cache=False).logits
 
+    def hidden(self, ids) -> "object":
+        """The decoder's output (after the final norm), without the head: a pass that needs the
+        next-token distributions only at some positions applies the head there."""
+        with self.torch.no_grad():
+            return self.decoder(input_ids=ids, use_cache=False).last_hidden_state
+
     # ---- routing and experts of a loaded block -------------------------------------------------
     def route(self, block, x) -> MoECall:
         """Router logits and top-k routing of `block` on tokens `x` (tokens x hidden)."""
@@ -278,26 +293,15 @@ class LayerwiseModel:
             ones = torch.ones((x.shape[0], 1), dtype=x.dtype)
             return experts(x, ids, ones)
 
-    def pruned_block(self, block, keep: list[int]):
-        """A copy of `block` keeping experts `keep`: every expert-indexed parameter sliced."""
+    def expert_outputs(self, block, experts, x):
+        """Row n's output of expert experts[n] on x[n] (unweighted), every row in one call of
+        transformers' expert module."""
         torch = self.torch
-        cfg = copy.deepcopy(self.config)
-        setattr(cfg, self.ckpt.arch.moe.experts_key, len(keep))
-        with torch.device("meta"):
-            pruned = type(block)(cfg)
-        pruned.to_empty(device="cpu")
-        index = torch.tensor(keep, dtype=torch.long)
-        full = block.state_dict()
-        e = self.ckpt.arch.original_num_experts
+        if len(inspect.signature(block.experts.forward).parameters) == 1:  # llama4: one expert at a time
+            out = torch.empty_like(x)
+            for e in torch.unique(experts).tolist():
+                rows = torch.nonzero(experts == e).flatten()
+                out[rows] = self.expert_output(block, e, x[rows])
+            return out
         with torch.no_grad():
-            for name, tensor in pruned.state_dict().items():
-                src = full[name]
-                if src.shape == tensor.shape:
-                    tensor.copy_(src)
-                    continue
-                dims = [d for d, (a, b) in enumerate(zip(src.shape, tensor.shape)) if a != b]
-                if len(dims) != 1 or src.shape[dims[0]] != e:
-                    raise CheckpointError(f"cannot slice {name}: {list(src.shape)} -> {list(tensor.shape)}")
-                tensor.copy_(src.index_select(dims[0], index))
-        pruned.eval()
-        return pruned
+            return block.experts(x, experts[:, None].long(), torch.ones((x.shape[0], 1), dtype=x.dtype))

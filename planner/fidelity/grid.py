@@ -43,7 +43,7 @@ from typing import Any
 import yaml
 
 from planner.errors import SpecError
-from planner.files import read_yaml, write_text_atomic
+from planner.files import read_json, read_yaml, write_text_atomic
 from planner.rl.margin import DEFAULT_PROBE_STEPS
 
 __all__ = ["Grid", "prepare", "run_phase", "run_workers", "collect", "study_name"]
@@ -182,7 +182,7 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
     ORIGINAL = FAMILY-sSEED)."""
     from planner.checkpoint import Checkpoint, build
     from planner.rl.models import ModelRecipe, make_model
-    from planner.stats.compute import compute_stats, plan_from_stats
+    from planner.stats.compute import STATISTICS_VERSION, compute_stats, plan_from_stats
     from planner.stats.store import load_stats, save_stats
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -206,13 +206,20 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
                                            "experts": ckpt.arch.original_num_experts, "top_k": top_k, "method": "original",
                                            "statistics": {}}  # fmt: skip
             stats_path = root / "stats.json"
-            if not stats_path.is_file():
+            old = read_json(stats_path, "stats file") if stats_path.is_file() else None
+            if old is None or old.get("statistics_version", 1) != STATISTICS_VERSION:
                 stats = compute_stats(ckpt, experts=experts, methods=tuple(grid.methods), calib_tokens=grid.calib_tokens, seq_len=64)
                 for draw in range(grid.random_draws):
                     extra = compute_stats(ckpt, experts=experts, methods=("random",), calib_tokens=grid.calib_tokens,
                                           seq_len=64, seed=draw)  # fmt: skip
                     for key, plan in extra["plans"].items():
                         stats["plans"][f"{key}-{draw}"] = {**plan, "seed": draw}
+                if old is not None:  # statistics of another version: the proxies built (and measured) must stay the same
+                    moved = [key for key, plan in old["plans"].items() if stats["plans"].get(key, {}).get("kept") != plan["kept"]]
+                    if moved:
+                        raise SpecError(f"{stats_path}: recomputing the statistics (version {old.get('statistics_version', 1)} -> "
+                                        f"{STATISTICS_VERSION}) keeps other experts for {moved[:3]}; the proxies measured there "
+                                        "belong to the old choice: pass another --workdir")  # fmt: skip
                 save_stats(stats, stats_path, force=True)
             stats = load_stats(stats_path, fingerprint=ckpt.fingerprint())
             for key, plan in stats["plans"].items():

@@ -33,9 +33,10 @@ ROUTER_WEIGHT = 0.3
 def cosine_distance(x: np.ndarray) -> np.ndarray:
     """(1 - cos) / 2 between rows, in [0, 1]."""
     x = np.asarray(x, dtype=np.float64)
-    norm = np.linalg.norm(x, axis=1, keepdims=True)
-    unit = x / np.where(norm > 0, norm, 1.0)
-    d = (1.0 - np.clip(unit @ unit.T, -1.0, 1.0)) / 2.0
+    gram = x @ x.T  # one pass over x (rows are long: expert outputs on hundreds of tokens)
+    norm = np.sqrt(np.clip(np.diag(gram), 0.0, None))
+    norm = np.where(norm > 0, norm, 1.0)
+    d = (1.0 - np.clip(gram / np.outer(norm, norm), -1.0, 1.0)) / 2.0
     np.fill_diagonal(d, 0.0)
     return d
 

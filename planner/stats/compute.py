@@ -9,15 +9,20 @@ compute_stats(ckpt, ...) runs:
      load CV;
   3. for every K and method, the kept experts of every layer (planner.stats.cluster);
   4. per-plan statistics: share of routing frequency, gate mass and saliency dropped, intra-cluster
-     dispersion and silhouette (from the features); with calibration one more pass per plan with the
-     pruned MoE blocks swapped in: MoE-output reconstruction error, top-k agreement with the original
-     routing mapped through the clusters, router entropy and load CV after pruning, and
-     KL(original || proxy) of next-token distributions. Each per layer and as mean/min/max.
+     dispersion and silhouette (from the features); with calibration, from the same pass's
+     activations (one more visit per MoE layer, no model run per plan): top-k agreement with the
+     original routing mapped through the clusters, router entropy and load CV after pruning (the
+     family's router over the kept experts' logits, every token), MoE-output reconstruction error
+     at the evaluation positions (teacher-forced: the kept experts on the original block input), and
+     KL(original || proxy) of next-token distributions there (residual additivity). Each per layer
+     and as mean/min/max.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,11 +34,14 @@ from planner.plan import Plan
 from planner.stats.cluster import METHODS, ROUTER_WEIGHT, cosine_distance, select, silhouette
 from planner.stats.sketch import SKETCH_DIM, weight_features
 
-__all__ = ["LayerFeatures", "compute_stats", "plan_from_stats", "summarise", "default_experts"]
+__all__ = ["STATISTICS_VERSION", "LayerFeatures", "compute_stats", "plan_from_stats", "summarise", "default_experts"]
 
 PROFILE_TOKENS = 1024  # router-logit profile length per expert
 OUTPUT_PROFILE_TOKENS = 256  # shared tokens every expert is run on for its output profile
 KL_POSITIONS = 256  # positions whose original next-token distribution is kept for the KL
+# 2: every plan from the calibration pass's activations (teacher-forced per layer, the KL through
+# residual additivity); 1: one free-running proxy pass per plan
+STATISTICS_VERSION = 2
 
 
 @dataclass
@@ -85,7 +93,48 @@ def _kl_positions(ids: np.ndarray) -> np.ndarray:
     return np.linspace(0, total - 1, num=min(KL_POSITIONS, total)).astype(np.int64)
 
 
-def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict, "object", object]:
+@dataclass
+class _Trace:
+    """What the plan pass needs from the calibration pass, per MoE layer: router logits and top-k
+    routing of every token, and at the evaluation positions (_kl_positions) the block's input and
+    output; the final hidden state at those positions."""
+
+    positions: np.ndarray
+    logits: dict = field(default_factory=dict)  # layer -> router logits (tokens x E, float32)
+    topk_ids: dict = field(default_factory=dict)
+    topk_weights: dict = field(default_factory=dict)
+    x_eval: dict = field(default_factory=dict)  # layer -> block input at the positions (T x h)
+    out_eval: dict = field(default_factory=dict)  # layer -> block output at the positions
+    final: object = None  # decoder output before the final norm at the positions (T x h)
+
+
+class _RoutedNorms:
+    """Wraps a block's experts so the forward itself yields every routed expert output's norm: the
+    REAP saliency (gate x ||output||) and max activation without evaluating any expert twice. The
+    experts run one at a time through transformers' own module on the tokens routed to them, and
+    their gate-weighted outputs are summed as the block's own forward does."""
+
+    def __init__(self, experts, n: int):
+        self.experts, self.forward = experts, experts.forward
+        self.saliency_sum, self.count, self.max_act = np.zeros(n), np.zeros(n), np.zeros(n)
+
+    def __call__(self, hidden, top_k_index, top_k_weights):
+        import torch
+
+        out = torch.zeros_like(hidden)
+        for e in torch.unique(top_k_index).tolist():
+            rows, slots = torch.nonzero(top_k_index == e, as_tuple=True)
+            ids = torch.full((rows.numel(), 1), e, dtype=top_k_index.dtype)
+            y = self.forward(hidden[rows], ids, torch.ones((rows.numel(), 1), dtype=top_k_weights.dtype))
+            w = top_k_weights[rows, slots]
+            self.saliency_sum[e] += float((w.float() * y.float().norm(dim=-1)).sum())
+            self.count[e] += rows.numel()
+            self.max_act[e] = max(self.max_act[e], float(y.abs().max()))
+            out.index_add_(0, rows, (y * w[:, None]).to(out.dtype))
+        return out
+
+
+def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict, "object", _Trace]:
     import torch
 
     from planner.checkpoint.layerwise import LayerwiseModel
@@ -95,11 +144,26 @@ def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict
     trunk = [i for i, layer in ckpt.moe_layers.items() if not layer.mtp]
     raw: dict[int, dict] = {}
     rng = np.random.default_rng(0)
+    trace = _Trace(positions=_kl_positions(ids))
+    at = torch.from_numpy(trace.positions)
+    e = ckpt.arch.original_num_experts
+    wrapped: dict[int, _RoutedNorms] = {}
+
+    def wrapper(i):
+        def wrap(module, args):  # before the block runs: its experts report their outputs' norms
+            if len(inspect.signature(module.experts.forward).parameters) == 3:  # (hidden, top_k_index, top_k_weights)
+                wrapped[i] = _RoutedNorms(module.experts, e)
+                module.experts.forward = wrapped[i]
+
+        return wrap
 
     def collect(i, block, x, out):
         tokens = x.reshape(-1, x.shape[-1]).float()
+        original = (out[0] if isinstance(out, tuple) else out).reshape(-1, x.shape[-1])
+        norms = wrapped.pop(i, None)
+        if norms is not None:
+            block.experts.forward = norms.forward
         call = runner.route(block, tokens)
-        e = ckpt.arch.original_num_experts
         topk = call.topk_ids.numpy()
         weights = call.topk_weights.float().numpy()
         counts = np.bincount(topk.reshape(-1), minlength=e).astype(float)
@@ -107,17 +171,20 @@ def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict
         n_tok = tokens.shape[0]
         pick = np.sort(rng.choice(n_tok, size=min(PROFILE_TOKENS, n_tok), replace=False))
         shared = tokens[torch.from_numpy(np.sort(rng.choice(n_tok, size=min(OUTPUT_PROFILE_TOKENS, n_tok), replace=False)))]
-        saliency, max_act = np.zeros(e), np.zeros(e)
         out_profile = np.zeros((e, shared.shape[0] * tokens.shape[1]), dtype=np.float32)
-        for ex in range(e):
-            # function: the expert's output on the same shared tokens, whatever the router does
+        for ex in range(e):  # function: the expert's output on the same shared tokens, whatever the router does
             out_profile[ex] = runner.expert_output(block, ex, shared).float().reshape(-1).numpy()
-            rows, slots = np.nonzero(topk == ex)
-            if rows.size == 0:
-                continue
-            y = runner.expert_output(block, ex, tokens[torch.from_numpy(rows)]).float()
-            saliency[ex] = float((weights[rows, slots] * y.norm(dim=-1).numpy()).mean())
-            max_act[ex] = float(y.abs().max())
+        if norms is not None:
+            saliency = np.divide(norms.saliency_sum, norms.count, out=np.zeros(e), where=norms.count > 0)
+            max_act = norms.max_act
+        else:  # experts that take no routing (llama4): evaluate the routed tokens again
+            saliency, max_act = np.zeros(e), np.zeros(e)
+            for ex in range(e):
+                rows, slots = np.nonzero(topk == ex)
+                if rows.size:
+                    y = runner.expert_output(block, ex, tokens[torch.from_numpy(rows)]).float()
+                    saliency[ex] = float((weights[rows, slots] * y.norm(dim=-1).numpy()).mean())
+                    max_act[ex] = float(y.abs().max())
         onehot = np.zeros((n_tok, e))
         np.put_along_axis(onehot, topk, 1.0, axis=1)
         entropy, cv = _entropy_cv(_router_probs(call.logits, scoring), counts)
@@ -134,14 +201,24 @@ def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict
             "load_cv": cv,
             "tokens": (n_tok, len(pick), shared.shape[0]),
         }
+        trace.logits[i], trace.topk_ids[i], trace.topk_weights[i] = call.logits.float(), call.topk_ids, call.topk_weights.float()
+        trace.x_eval[i], trace.out_eval[i] = tokens[at].clone(), original[at].float().clone()
         if progress:
             progress(len(raw), len(trunk))
         return None
 
-    with runner.moe(collect):
-        logits = runner.forward(torch.from_numpy(ids))
-    reference = logits.reshape(-1, logits.shape[-1])[torch.from_numpy(_kl_positions(ids))].double()
-    return raw, runner, torch.log_softmax(reference, -1)
+    def final(module, args):
+        trace.final = args[0].reshape(-1, args[0].shape[-1])[at].float().clone()
+
+    handles = [getattr(runner.decoder.layers[i], runner.mem_moe).register_forward_pre_hook(wrapper(i)) for i in trunk]
+    handles.append(runner.decoder.norm.register_forward_pre_hook(final))
+    try:
+        with runner.moe(collect):
+            runner.hidden(torch.from_numpy(ids))  # the head runs only at the KL positions (the plan pass)
+    finally:
+        for h in handles:
+            h.remove()
+    return raw, runner, trace
 
 
 def _features(ckpt: Checkpoint, weights, raw: dict | None) -> dict[int, LayerFeatures]:
@@ -194,40 +271,101 @@ def _selection_stats(f: LayerFeatures, kept: list[int], labels: np.ndarray) -> d
     return out
 
 
-def _proxy_pass(ckpt, runner, ids, selections: dict[int, tuple[list[int], np.ndarray]], reference) -> dict:
-    """Run the model with every MoE block swapped for its pruned copy; measure each layer's swap."""
+def _pruned_router(runner, block, kept: list[int]):
+    """The family's own router over the kept experts, fed the original router logits: its weight
+    selects the kept experts' logits (their router rows are copies of the original's, so the pruned
+    router's logits are exactly those columns); per-expert buffers (a correction bias) are sliced."""
     import torch
 
-    per_layer: dict[int, dict[str, float]] = {}
+    router = getattr(block, runner.names["memory"]["router"].split(".")[0])
+    e = runner.ckpt.arch.original_num_experts
+    cfg = copy.deepcopy(runner.config)
+    setattr(cfg, runner.ckpt.arch.moe.experts_key, len(kept))
+    cfg.hidden_size = e
+    with torch.device("meta"):
+        pruned = type(router)(cfg)
+    pruned.to_empty(device="cpu")
+    index = torch.tensor(kept, dtype=torch.long)
+    full = router.state_dict()
+    with torch.no_grad():
+        for name, tensor in pruned.state_dict().items():
+            if name == "weight":
+                tensor.zero_()
+                tensor[torch.arange(len(kept)), index] = 1.0
+            elif tensor.dim() and tensor.shape[0] == len(kept) and full[name].shape[0] == e:
+                tensor.copy_(full[name].index_select(0, index))
+            else:
+                tensor.copy_(full[name])
+    return pruned.float().eval()
+
+
+def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[list[int], np.ndarray]]], progress) -> dict:
+    """Every plan from the calibration pass's activations, one more visit per MoE layer: the pruned
+    router (the family's own) on every token's router logits gives the routing after pruning (entropy,
+    load CV, agreement with the original routing mapped through the clusters); at the evaluation
+    positions the kept experts the pruned router picks run on the original block input, so each
+    layer's change of the MoE output is exact there (reconstruction error, teacher-forced). The
+    proxy's next-token distribution is the original's final hidden state plus every layer's change,
+    through the final norm and head (residual additivity: what a layer changes downstream is not
+    followed), against the original's: KL(original || proxy)."""
+    import torch
+
     scoring = ckpt.arch.moe.scoring
-
-    def swap(i, block, x, out):
-        kept, labels = selections[i]
-        tokens = x.reshape(-1, x.shape[-1]).float()
-        original = out[0] if isinstance(out, tuple) else out
-        pruned = runner.pruned_block(block, kept)
-        with torch.no_grad():
-            replaced = pruned(x)
-        new = replaced[0] if isinstance(replaced, tuple) else replaced
-        err = float((new - original).norm() / original.norm().clamp_min(1e-12))
-        before, after = runner.route(block, tokens), runner.route(pruned, tokens)
-        rep_index = {int(labels[k]): n for n, k in enumerate(kept)}
-        mapped = np.vectorize(lambda e: rep_index[int(labels[e])])(before.topk_ids.numpy())
-        proxy = after.topk_ids.numpy()
-        jaccard = [len(set(a) & set(b)) / len(set(a) | set(b)) for a, b in zip(mapped, proxy)]
-        counts = np.bincount(proxy.reshape(-1), minlength=len(kept)).astype(float)
-        entropy, cv = _entropy_cv(_router_probs(after.logits, scoring), counts)
-        per_layer[i] = {"reconstruction_error": err, "routing_agreement": float(np.mean(jaccard)),
-                        "entropy_after": entropy, "load_cv_after": cv}  # fmt: skip
-        if isinstance(out, tuple):
-            return (new, *out[1:])
-        return new
-
-    with runner.moe(swap):
-        logits = runner.forward(torch.from_numpy(ids))
-    q = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[torch.from_numpy(_kl_positions(ids))].double(), -1)
-    kl = float((reference.exp() * (reference - q)).sum(-1).mean())
-    return {"per_layer": per_layer, "kl_original_proxy": kl}
+    layers = list(trace.logits)
+    per_layer = {key: {} for key in plans}
+    delta = {key: torch.zeros_like(trace.final) for key in plans}
+    runner.auto_load = False
+    try:
+        for n, i in enumerate(layers):
+            block = runner.load_block(i)
+            logits, before = trace.logits[i], trace.topk_ids[i].numpy()
+            x, t = trace.x_eval[i], len(trace.positions)
+            e = ckpt.arch.original_num_experts
+            at = torch.from_numpy(trace.positions)
+            w_orig = torch.zeros(t, e)
+            w_orig.scatter_(1, trace.topk_ids[i][at], trace.topk_weights[i][at])
+            weights = {}
+            for key, selections in plans.items():
+                kept, labels = selections[i]
+                with torch.no_grad():
+                    pl, pw, pid = _pruned_router(runner, block, kept)(logits)
+                kept_t = torch.tensor(kept, dtype=torch.long)
+                rep_index = {int(labels[k]): m for m, k in enumerate(kept)}
+                mapped = np.vectorize(lambda x_: rep_index[int(labels[x_])])(before)
+                proxy = pid.numpy()
+                jaccard = [len(set(a) & set(b)) / len(set(a) | set(b)) for a, b in zip(mapped, proxy)]
+                counts = np.bincount(proxy.reshape(-1), minlength=len(kept)).astype(float)
+                entropy, cv = _entropy_cv(_router_probs(pl, scoring), counts)
+                per_layer[key][i] = {"routing_agreement": float(np.mean(jaccard)), "entropy_after": entropy, "load_cv_after": cv}
+                w = torch.zeros(t, e)
+                w.scatter_(1, kept_t[pid[at]], pw[at].float())
+                weights[key] = w - w_orig
+            need = torch.zeros(t, e, dtype=torch.bool)
+            for w in weights.values():
+                need |= w != 0
+            rows, cols = torch.nonzero(need, as_tuple=True)  # each needed (token, expert) once, in one call
+            y = runner.expert_outputs(block, cols, x[rows].to(runner.dtype)).float()
+            scale = trace.out_eval[i].norm().clamp_min(1e-12)
+            for key, w in weights.items():
+                d = torch.zeros_like(x).index_add_(0, rows, y * w[rows, cols][:, None])
+                per_layer[key][i]["reconstruction_error"] = float(d.norm() / scale)
+                delta[key] += d
+            runner.release_layer(i)
+            if progress:
+                progress(n + 1, len(layers))
+    finally:
+        runner.auto_load = True
+    head = runner.model.lm_head
+    norm = runner.decoder.norm
+    with torch.no_grad():
+        reference = torch.log_softmax(head(norm(trace.final.to(runner.dtype))).double(), -1)
+        p = reference.exp()
+        neg_entropy = (p * reference).sum(-1)  # KL = sum p log p - sum p log q: the first term once
+        kl = {}
+        for key in plans:
+            q = torch.log_softmax(head(norm((trace.final + delta[key]).to(runner.dtype))).double(), -1)
+            kl[key] = max(0.0, float((neg_entropy - (p * q).sum(-1)).mean()))
+    return {key: {"per_layer": per_layer[key], "kl_original_proxy": kl[key]} for key in plans}
 
 
 CALIBRATED_METHODS = ("saliency", "frequency", "least-used")  # need routing statistics from calibration text
@@ -270,12 +408,12 @@ def compute_stats(
     # data-free features for the layers the model does not run on calibration text
     data_free = [i for i, layer in ckpt.moe_layers.items() if weights_only or layer.mtp]
     weights = weight_features(ckpt, layers=data_free, progress=step("weights"))
-    raw = runner = reference = ids = provenance = None
+    raw = runner = trace = ids = provenance = None
     if not weights_only:
         from planner.stats.text import calibration_ids
 
         ids, provenance = calibration_ids(ckpt.path, arch.vocab_size, text=calib_text, tokens=calib_tokens, seq_len=seq_len)
-        raw, runner, reference = _calibration_pass(ckpt, ids, step("calibration"))
+        raw, runner, trace = _calibration_pass(ckpt, ids, step("calibration"))
     features = _features(ckpt, weights, raw)
     spec = []
     if raw:
@@ -302,39 +440,35 @@ def compute_stats(
             entry.update(entropy=f.entropy, load_cv=f.load_cv, super_experts=f.super_experts)
         layers_doc[str(i)] = entry
 
-    plans: dict[str, dict] = {}
+    chosen: dict[str, tuple[int, str, dict]] = {}
     for k in sorted(set(experts)):
         for method in methods:
-            key = f"K={k}/{method}"
-            selections = {
+            chosen[f"K={k}/{method}"] = (k, method, {
                 i: select(method, k, distance=f.distance, router_distance=f.router_distance, saliency=f.saliency,
                           frequency=f.frequency, protected=set(f.super_experts), n_group=arch.moe.n_group, seed=seed)
                 for i, f in features.items()
-            }  # fmt: skip
-            per_layer = {i: _selection_stats(features[i], kept, lab) for i, (kept, lab) in selections.items()}
-            kl = None
-            if runner is not None:
-                measured = _proxy_pass(ckpt, runner, ids, selections, reference)
-                for i, values in measured["per_layer"].items():
-                    per_layer[i].update(values)
-                kl = measured["kl_original_proxy"]
-                if progress:
-                    progress(f"proxy {key}", 1, 1)
-            names = sorted({n for v in per_layer.values() for n in v})
-            plans[key] = {
-                "experts": k,
-                "method": method,
-                "kept": {str(i): kept for i, (kept, _) in selections.items()},
-                "labels": {str(i): [int(x) for x in lab] for i, (_, lab) in selections.items()},
-                "per_layer": {str(i): v for i, v in per_layer.items()},
-                "summary": {
-                    "kept_fraction": k / arch.original_num_experts,
-                    "top_k_over_k": arch.moe.top_k / k,
-                    "experts_per_group": k // arch.moe.n_group,
-                    **{n: summarise({i: v[n] for i, v in per_layer.items() if n in v}) for n in names},
-                    **({"kl_original_proxy": kl} if kl is not None else {}),
-                },
-            }
+            })  # fmt: skip
+    measured = _plan_pass(ckpt, runner, trace, {key: sel for key, (_, _, sel) in chosen.items()}, step("plans")) if runner else {}
+    plans: dict[str, dict] = {}
+    for key, (k, method, selections) in chosen.items():
+        per_layer = {i: _selection_stats(features[i], kept, lab) for i, (kept, lab) in selections.items()}
+        for i, values in measured.get(key, {}).get("per_layer", {}).items():
+            per_layer[i].update(values)
+        names = sorted({n for v in per_layer.values() for n in v})
+        plans[key] = {
+            "experts": k,
+            "method": method,
+            "kept": {str(i): kept for i, (kept, _) in selections.items()},
+            "labels": {str(i): [int(x) for x in lab] for i, (_, lab) in selections.items()},
+            "per_layer": {str(i): v for i, v in per_layer.items()},
+            "summary": {
+                "kept_fraction": k / arch.original_num_experts,
+                "top_k_over_k": arch.moe.top_k / k,
+                "experts_per_group": k // arch.moe.n_group,
+                **{n: summarise({i: v[n] for i, v in per_layer.items() if n in v}) for n in names},
+                **({"kl_original_proxy": measured[key]["kl_original_proxy"]} if key in measured else {}),
+            },
+        }
     return {
         "checkpoint": {
             "path": str(ckpt.path),
@@ -351,6 +485,7 @@ def compute_stats(
         "calibration": provenance,
         "feature_spec": "; ".join(spec),
         "seed": seed,
+        "statistics_version": STATISTICS_VERSION,
         "weights": {"bytes_read": weights.bytes_read, "seconds": weights.seconds},
         "seconds": time.perf_counter() - start,
         "layers": layers_doc,

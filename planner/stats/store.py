@@ -59,6 +59,11 @@ def load_stats(path: str | Path, *, fingerprint: str | None = None) -> dict:
     if not isinstance(doc, dict) or doc.get("schema") != STATS_SCHEMA:
         raise SpecError(f"{p}: schema {doc.get('schema') if isinstance(doc, dict) else None!r} is not {STATS_SCHEMA}")
     stats = _decode(doc)
+    from planner.stats.compute import STATISTICS_VERSION
+
+    if stats.get("statistics_version", 1) != STATISTICS_VERSION and stats.get("plans"):
+        raise SpecError(f"{p}: its plan statistics are version {stats.get('statistics_version', 1)}, the fidelity estimator's "
+                        f"are version {STATISTICS_VERSION}; run planner stats again")  # fmt: skip
     have = stats["checkpoint"]["fingerprint"]
     if fingerprint is not None and have != fingerprint:
         raise SpecError(

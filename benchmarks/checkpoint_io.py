@@ -1,8 +1,8 @@
 """Build and weight-statistics speed on synthetic checkpoints with Qwen3-30B-A3B's real layout.
 
 Makes checkpoints of Qwen3-30B-A3B's tensor shapes (128 experts of 768 x 2048, bf16, per-expert keys
-as on the Hub) with 2 and 4 decoder layers (about 3.6 and 6.0 GB; shards of 1 GiB), then measures in
-the same run:
+as on the Hub) with 2 and 4 decoder layers by default (about 3.6 and 6.0 GB, shards of 1 GiB;
+--layers for other sizes), then measures in the same run:
   1. `planner build` to K=32 (structural verification on) vs `cp -r` of the very bytes it wrote:
      speed ratio (goal >= 0.7 of cp);
   2. peak RSS of the build process at both sizes (goal: bounded by about a shard plus a layer and
@@ -10,13 +10,14 @@ the same run:
   2b. the same build with its default check (the proxy run layer by layer in transformers, bf16; a
      pruned plan is not compared with the original, whose bytes are E/K times the proxy's experts):
      wall time against cp (goal <= 3x) and peak RSS against the largest shard plus two decoder
-     layers (goal: at most that, at both sizes);
+     layers (goal: at most that, at both sizes); between sizes, the cost of the added layers alone
+     against cp's, and the fixed cost that remains (imports, model construction);
   3. weight-only statistics (router rows and count sketches of every expert) vs a plain sequential
      read of the same files: throughput ratio.
 Files are fresh in the page cache for every contender alike; where the kernel lets us drop caches
 (root) the cold-cache build is measured as well.
 
-    python benchmarks/checkpoint_io.py [--workdir DIR]
+    python benchmarks/checkpoint_io.py [--workdir DIR] [--layers 2,4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", default="2,4", help="decoder layers of each synthetic checkpoint (1.2 GB each, plus 1.2 GB)")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="planner-bench-"))
     py = sys.executable
@@ -133,8 +135,9 @@ def main() -> None:
             shutil.rmtree(work / d, ignore_errors=True)
         os.sync()  # no writeback of earlier runs competes with the next measurement
 
+    checked_by_size: list[tuple[int, float]] = []  # (proxy bytes, seconds of the check alone)
     try:
-        for layers in (2, 4):
+        for layers in [int(x) for x in args.layers.split(",")]:
             src = work / f"qwen3-{layers}l"
             start = time.perf_counter()
             total = make_checkpoint(src, layers)
@@ -152,7 +155,8 @@ def main() -> None:
             b, c = _median(builds), _median(cps)
             print(f"  build to K=32 (median of {args.repeats}): {b:.2f} s for {written / GIB:.2f} GiB ({written / GIB / b:.2f} GiB/s), "
                   f"peak RSS {max(rss):.0f} MiB")  # fmt: skip
-            print(f"  cp -r of the same {written / GIB:.2f} GiB (median): {c:.2f} s -> build runs at {c / b:.2f} of cp's speed")
+            print(f"  cp -r of the same {written / GIB:.2f} GiB (median): {c:.2f} s -> build runs at {c / b:.2f} of cp's speed "
+                  f"(cp runs: {', '.join(f'{x:.2f}' for x in cps)} s; its writes meet whatever the page cache holds)")  # fmt: skip
             checked, checked_rss = [], []
             for _ in range(args.repeats):
                 clean("proxy")
@@ -167,6 +171,14 @@ def main() -> None:
             print(f"  build with its default check (the proxy run layer by layer in bf16 in transformers, its import included; median): {k:.2f} s = {k / c:.1f}x cp "
                   f"(goal <= 3x); peak RSS {max(checked_rss):.0f} MiB = {max(checked_rss) / bound:.2f} of the largest shard "
                   f"({largest / 2**20:.0f} MiB) + 2 decoder layers ({layer / 2**20:.0f} MiB each) (goal <= 1)")  # fmt: skip
+            print(f"  the check alone (build with check - build without): {k - b:.2f} s = {(k - b) / c:.1f}x cp; against the "
+                  f"fastest cp run ({min(cps):.2f} s) build with check is {k / min(cps):.1f}x")  # fmt: skip
+            checked_by_size.append((written, k - b))
+            if len(checked_by_size) > 1:  # how the check's cost grows with the proxy: per GiB, and what stays fixed
+                (w0, k0), (w1, k1) = checked_by_size[0], checked_by_size[-1]
+                per_gib = (k1 - k0) / ((w1 - w0) / GIB)
+                print(f"  the check from {w0 / GIB:.2f} to {w1 / GIB:.2f} GiB of proxy: {k0:.2f} -> {k1:.2f} s, i.e. {per_gib:.2f} s per GiB "
+                      f"and {k0 - per_gib * w0 / GIB:.1f} s fixed (imports of torch and transformers, the model on the meta device)")  # fmt: skip
             clean("proxy-cp")
             if drop_caches():
                 clean("proxy")

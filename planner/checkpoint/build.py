@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib
 import json
 import logging
 import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,6 +273,15 @@ def _swap_in(tmp: Path, out_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _import_model_code(model_type: str) -> None:
+    """torch, transformers and the family's modeling module, imported ahead of the check (which
+    reports anything missing itself)."""
+    try:
+        importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except Exception:  # best effort: the check itself names what is missing
+        pass
+
+
 def build(
     ckpt: Checkpoint,
     plan: Plan,
@@ -295,6 +306,8 @@ def build(
             f"{ckpt.fingerprint()[:12]}...; make the plan again from this checkpoint"
         )
     tmp, lock = _prepare_output(out_dir, ckpt.path.resolve(), force)
+    if verify != "never":  # the check's imports (seconds) overlap the writing instead of following it
+        threading.Thread(target=_import_model_code, args=(ckpt.arch.model_type,), daemon=True).start()
     try:
         per_shard, skipped = _plan_tensors(ckpt, plan)
         non_empty = [(name, ts) for name, ts in per_shard.items() if ts]

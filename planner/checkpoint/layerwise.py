@@ -15,6 +15,7 @@ Hooks on each MoE block see the block's input and output and can replace the out
 from __future__ import annotations
 
 import inspect
+import mmap
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -154,7 +155,39 @@ class LayerwiseModel:
             for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
                 if name not in persistent:
                     raise CheckpointError(f"{prefix}{name} is a non-persistent buffer; cannot rebuild it layer by layer")
-                self._fill(prefix + name, tensor)
+                mapped = self._mapped(prefix + name, tensor)
+                if mapped is None:
+                    self._fill(prefix + name, tensor)
+                else:
+                    self._place(module, name, mapped)
+
+    def _mapped(self, mem_key: str, target):
+        """The on-disk tensor for `mem_key` as a view of the file (a private mapping of its pages:
+        no copy, no fresh memory, unmapped when the tensor goes), where it can stand for `target` as
+        it is: same dtype and size, on the CPU, aligned, not transformed. Else None."""
+        torch = self.torch
+        info = self.ckpt.tensors.get(self._disk_name(mem_key))
+        if info is None or self.transform is not None or target.device.type != "cpu" or info.nbytes == 0:
+            return None
+        native = getattr(torch, NATIVE_DTYPES[info.dtype]) if info.dtype in NATIVE_DTYPES else None
+        n = 1
+        for d in info.shape:
+            n *= d
+        if native is not target.dtype or n != target.numel() or info.begin % target.element_size():
+            return None
+        start = info.begin - info.begin % mmap.ALLOCATIONGRANULARITY
+        with open(info.path, "rb") as fh:
+            pages = mmap.mmap(fh.fileno(), info.begin + info.nbytes - start, offset=start, access=mmap.ACCESS_COPY)
+        self.read.add(info.name)
+        return torch.frombuffer(pages, dtype=torch.uint8, count=info.nbytes, offset=info.begin - start).view(target.dtype).view(target.shape)
+
+    def _place(self, module, name: str, tensor) -> None:
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        if leaf in sub._parameters:
+            sub._parameters[leaf] = self.torch.nn.Parameter(tensor, requires_grad=sub._parameters[leaf].requires_grad)
+        else:
+            sub._buffers[leaf] = tensor
 
     def _load_outside_layers(self) -> None:
         torch = self.torch
@@ -181,23 +214,16 @@ class LayerwiseModel:
         cache runs at a fifth of the speed), while the block, sized for the largest layer, is
         touched once."""
         torch = self.torch
-        entries = [(module, name, t, True) for name, t in module.named_parameters()] + \
-                  [(module, name, t, False) for name, t in module.named_buffers()]  # fmt: skip
+        entries = list(module.named_parameters()) + list(module.named_buffers())
         offsets, total = [], 0
-        for _, _, t, _ in entries:
+        for _, t in entries:
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // 64) * 64  # 64-byte aligned
         if self._slab is None or self._slab.numel() < total:
             self._slab = None
             self._slab = torch.empty(total, dtype=torch.uint8, device=self.device)
-        for (_, name, t, is_param), off in zip(entries, offsets):
-            view = self._slab[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            owner, _, leaf = name.rpartition(".")
-            sub = module.get_submodule(owner) if owner else module
-            if is_param:
-                sub._parameters[leaf] = torch.nn.Parameter(view, requires_grad=t.requires_grad)
-            else:
-                sub._buffers[leaf] = view
+        for (name, t), off in zip(entries, offsets):
+            self._place(module, name, self._slab[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
 
     def load_layer(self, i: int):
         """Decoder layer i in memory: in the reused block unless another layer holds it (then in

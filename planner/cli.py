@@ -128,7 +128,7 @@ def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_
     """Memory per device, step time by RL phase and accelerator-hours of MODEL."""
     from planner.catalog import load_accelerator, load_model
     from planner.cost.evaluate import evaluate, min_devices
-    from planner.cost.knobs import knobs_path
+    from planner.cost.knobs import knobs_path, step_validation, validation_text
     from planner.specs import load_job
     from planner.summary import render_cost, render_terms
 
@@ -158,13 +158,15 @@ def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_
                 )
             except PlannerError as exc:
                 result.reasons.append(str(exc))
+        validation = step_validation(accel.family)
         if as_json:
-            _emit_json({**result.to_json(), "knobs_file": str(knobs_path())})
+            _emit_json({**result.to_json(), "knobs_file": str(knobs_path()), "step_time_validation": validation})
         else:
             click.echo(render_cost(result))
             if explain and result.feasible:
                 click.echo("\n" + render_terms(result))
             click.echo(f"efficiency knobs: {knobs_path()}")
+            click.echo(validation_text(validation))
         if not result.feasible:
             if not as_json:
                 click.echo("error: infeasible: " + "; ".join(result.reasons), err=True)

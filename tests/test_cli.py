@@ -86,6 +86,20 @@ def test_cost_min_cards_on_atlas_a3_reports_both_units():
     assert "physical cards" in text and "card-hours" in text
 
 
+def test_cost_says_what_backs_its_step_times(tmp_path):
+    """The leave-one-run-out check of the knobs in use, for the accelerator's family; none: uncalibrated."""
+    knobs = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "knobs.json").read_text())
+    steps = [r for r in knobs["leave_one_out"] if r["phase"] == "step" and r["family"] == "ascend"]
+    within = sum(abs(r["ratio"] - 1) <= 0.25 for r in steps)
+    text = run("cost", "deepseek-v3", "--hardware", "atlas-a3", "--min-cards").output
+    assert f"step times out of sample: {within} of {len(steps)} published ascend runs within 25%" in text
+    data = json.loads(run("cost", "deepseek-v3", "--hardware", "atlas-a3", "--min-cards", "--json").output)
+    assert data["step_time_validation"]["runs"] == len(steps) and data["step_time_validation"]["runs_within_25"] == within
+    (tmp_path / "k.json").write_text(json.dumps({k: v for k, v in knobs.items() if k != "leave_one_out"}))
+    text = run("cost", "deepseek-v3", "--hardware", "atlas-a3", "--min-cards", "--knobs", tmp_path / "k.json").output
+    assert "step times: uncalibrated" in text
+
+
 def test_proxy_needs_fewer_cards():
     full = json.loads(run("cost", "qwen3-30b-a3b", "--min-cards", "--json").output)
     proxy = json.loads(run("cost", "qwen3-30b-a3b", "--min-cards", "--experts", "32", "--json").output)

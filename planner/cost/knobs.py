@@ -16,7 +16,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["Knobs", "PRIOR", "KNOB_BOUNDS", "load_knobs", "knobs_path"]
+__all__ = ["Knobs", "PRIOR", "KNOB_BOUNDS", "load_knobs", "knobs_path", "step_validation", "validation_text"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,3 +137,25 @@ def load_knobs(family: str, path: str | Path | None = None) -> Knobs:
     """The fitted knobs of an accelerator family (the prior when no fit is stored)."""
     table = _load(str(path or knobs_path()))
     return table.get(family, PRIOR[family])
+
+
+def step_validation(family: str | None = None, path: str | Path | None = None) -> dict | None:
+    """What backs the step times: the knobs file's leave-one-run-out check (each published run's step
+    total predicted by a fit without that run), over every run or one accelerator family's. None
+    when the file holds no such check."""
+    from planner.cost.fit import loo_summary
+
+    p = Path(path or knobs_path())
+    rows = json.loads(p.read_text()).get("leave_one_out") if p.is_file() else None
+    rows = [r for r in rows or [] if family is None or r.get("family") == family]
+    if not any(r["phase"] == "step" for r in rows):
+        return None
+    return {"family": family, **loo_summary(rows)}
+
+
+def validation_text(v: dict | None) -> str:
+    if v is None:
+        return "step times: uncalibrated (the knobs file holds no leave-one-run-out check; `planner fit-knobs` writes one)"
+    who = f"published {v['family']} runs" if v["family"] else "published runs"
+    return (f"step times out of sample: {v['runs_within_25']} of {v['runs']} {who} within 25% of their step time when left "
+            f"out of the fit (worst {v['worst_step']:.0%}; calibration/published_runs.md)")

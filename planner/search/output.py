@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from planner.cost.knobs import step_validation, validation_text
 from planner.plan import Plan
 from planner.render import table
 from planner.search.suggest import OFFLOADS, Option, Suggestion, calibration_files, figures, mechanism_text, reduction
@@ -104,7 +105,7 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
 
 def calibration_line() -> str:
     files = calibration_files()
-    return f"calibration files: knobs {files['knobs']}; fidelity estimator {files['estimator']}"
+    return f"calibration files: knobs {files['knobs']}; fidelity estimator {files['estimator']}\n{validation_text(step_validation())}"
 
 
 def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
@@ -120,6 +121,7 @@ def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
         "diagnosis": s.diagnosis,
         "warnings": s.warnings,
         "calibration_files": calibration_files(),
+        "step_time_validation": step_validation(),
         "fault_relevant_factors": s.factors,
         "device_counts": s.device_counts,
         "trials": s.trials,

@@ -42,6 +42,7 @@ from typing import Any, Callable
 from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN
 from planner.errors import PlannerError, SpecError
 from planner.files import read_yaml
+from planner.stats.store import plan_statistics, stale_note
 
 __all__ = ["Check", "REQUEST_KEYS", "preflight", "render_preflight"]
 
@@ -341,8 +342,8 @@ def check_fidelity(c: _Context) -> Check:
         return Check("fidelity", "WARN" if other else "PASS", "the plan keeps every expert: the original itself" + other)
     statistics = plan.statistics
     stats = c.stats
-    if not statistics and stats and f"K={plan.experts}/{plan.method}" in stats.get("plans", {}):
-        statistics = stats["plans"][f"K={plan.experts}/{plan.method}"]["summary"]
+    if not statistics and stats:
+        statistics = plan_statistics(stats, f"K={plan.experts}/{plan.method}")
     f = FidelityEstimator.load(default_estimator_path()).predict(plan_row(c.config[1], plan.experts, statistics), recipe)
     knob = f"; knob: {f['knob_translation']['text']}" if f.get("knob_translation") else ""
     if f["status"] == "not-applicable":
@@ -412,6 +413,8 @@ def check_stats(c: _Context) -> Check:
         return Check("stats", "FAIL", f"the stats are of checkpoint {have[:12]}, not this one ({ckpt.fingerprint()[:12]}): recompute them")
     if plan.checkpoint_fingerprint and plan.checkpoint_fingerprint != have:
         return Check("stats", "FAIL", f"the plan was made from checkpoint {plan.checkpoint_fingerprint[:12]}, the stats from {have[:12]}")
+    if stale_note(stats):
+        return Check("stats", "WARN", stale_note(stats))
     if ckpt is not None and c.path("stats").stat().st_mtime < max(p.stat().st_mtime for p in ckpt.path.glob("*.safetensors")):
         return Check("stats", "WARN", "the stats file is older than the checkpoint's weights (same fingerprint, so the weights agree)")
     return Check("stats", "PASS", f"stats of checkpoint {have[:12]}" + (", which is this checkpoint" if ckpt is not None else ""))

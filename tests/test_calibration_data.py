@@ -142,7 +142,7 @@ def test_a_dead_expert_plan_is_predicted_worse_and_never_suggested(rl_model, tmp
     from planner.fidelity.dataset import plan_row
     from planner.fidelity.estimator import default_estimator_path
     from planner.search.suggest import Request, Suggester
-    from planner.stats.store import load_stats
+    from planner.stats.store import load_stats, plan_statistics
 
     model = rl_model[0]
     stats_path = tmp_path / "stats.json"
@@ -151,7 +151,7 @@ def test_a_dead_expert_plan_is_predicted_worse_and_never_suggested(rl_model, tmp
     assert made.exit_code == 0, made.output
     stats = load_stats(stats_path)
     config = json.loads((model / "config.json").read_text())
-    summaries = {m: stats["plans"][f"K=8/{m}"]["summary"] for m in ("least-used", "agglomerative")}
+    summaries = {m: plan_statistics(stats, f"K=8/{m}") for m in ("least-used", "agglomerative")}
     assert summaries["least-used"]["frequency_dropped"]["mean"] > 1 - 8 / 32 > summaries["agglomerative"]["frequency_dropped"]["mean"]
 
     estimator = FidelityEstimator.load(default_estimator_path())

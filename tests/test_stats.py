@@ -138,20 +138,26 @@ def test_same_seed_same_plan(trained):
 
 # ---- every plan from one calibration pass (statistics version 2) ----------------------------------
 
+# routers of every kind: softmax, grouped sigmoid with a correction bias, a linear bias (gpt_oss), a
+# 2-D correction bias (ernie4_5_moe), scores-and-logits (llama4_text)
+ONE_LAYER = {"qwen3_moe": {}, "deepseek_v3": {"first_k_dense_replace": 0}, "gpt_oss": {"layer_types": ["full_attention"]}, "ernie4_5_moe": {"moe_layer_start_index": 0},
+             "llama4_text": {}}  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", list(ONE_LAYER))
 def test_one_layer_plan_statistics_equal_the_built_proxy_run(tmp_path, family):
-    """With one MoE layer residual additivity is exact, so the plan pass's KL and reconstruction error
-    must equal what the built proxy gives when run as transformers' model on the same tokens."""
+    """With one MoE layer residual additivity is exact, so the plan pass's KL must equal what the
+    built proxy gives when run as transformers' model on the same tokens."""
     from transformers import AutoModelForCausalLM
 
     from planner.checkpoint import build
     from planner.stats.compute import KL_POSITIONS, _kl_positions
     from planner.stats.text import calibration_ids
 
-    layers = {"num_hidden_layers": 1} | ({"first_k_dense_replace": 0} if family == "deepseek_v3" else {})
-    src = Checkpoint(save_tiny(tmp_path / "src", family_config(family, **layers), sharded=False))
-    moe = next(iter(src.moe_layers))
+    src = Checkpoint(save_tiny(tmp_path / "src", family_config(family, num_hidden_layers=1, **ONE_LAYER[family]), sharded=False))
+    assert list(src.moe_layers) == [0]
+    moe = 0
     e = src.arch.original_num_experts
     k = next(x for x in sorted(src.arch.legal_expert_counts()) if src.arch.moe.top_k < x < e)
     stats = compute_stats(src, experts=[k, e], calib_tokens=512, seq_len=64)
@@ -174,8 +180,21 @@ def test_one_layer_plan_statistics_equal_the_built_proxy_run(tmp_path, family):
     assert kl > 0 and got == pytest.approx(kl, rel=1e-3)
 
 
-def test_stats_of_another_version_are_refused(tmp_path):
-    doc = {"schema": "planner.stats/1", "checkpoint": {"fingerprint": "x", "path": "p"}, "plans": {"K=4/agglomerative": {}}, "layers": {}}
+def test_plan_measures_of_another_version_are_not_used(tmp_path):
+    """A stats file of version 1 still loads (its experts and selection figures hold), but the measures
+    taken by running the plan, defined otherwise then, never reach the estimator."""
+    from planner.fidelity.estimator import features_of
+    from planner.stats.store import plan_statistics, stale_note
+
+    summary = {"frequency_dropped": {"mean": 0.2, "max": 0.3}, "reconstruction_error": {"mean": 0.5, "max": 0.6}, "kl_original_proxy": 0.1}
+    doc = {"schema": "planner.stats/1", "checkpoint": {"fingerprint": "x", "path": "p"}, "layers": {},
+           "plans": {"K=4/agglomerative": {"summary": summary}}}  # fmt: skip
     (tmp_path / "old.json").write_text(json.dumps(doc))
-    with pytest.raises(SpecError, match="version 1, the fidelity estimator's are version 2; run planner stats again"):
-        load_stats(tmp_path / "old.json")
+    old = load_stats(tmp_path / "old.json")
+    f = features_of(plan_statistics(old, "K=4/agglomerative"), {})
+    assert f["frequency_dropped_mean"] == 0.2 and "reconstruction_error_mean" not in f and "log_kl_original_proxy" not in f
+    assert "version 1" in stale_note(old) and "run planner stats again" in stale_note(old)
+    new = {**old, "statistics_version": 2}
+    f = features_of(plan_statistics(new, "K=4/agglomerative"), {})
+    assert f["reconstruction_error_mean"] == 0.5 and f["log_kl_original_proxy"] == -1 and stale_note(new) is None
+    assert features_of(summary, {}).keys() == {"frequency_dropped_mean", "frequency_dropped_max"}  # no version: a plan made before

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib
 import json
 import logging
 import math
@@ -274,11 +273,14 @@ def _swap_in(tmp: Path, out_dir: Path) -> None:
 
 
 def _import_model_code(model_type: str) -> None:
-    """torch, transformers and the family's modeling module, imported ahead of the check (which
-    reports anything missing itself)."""
+    """torch, transformers and the family's causal-LM class (its modeling module), imported ahead
+    of the check, which reports anything missing itself."""
     try:
-        importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    except Exception:  # best effort: the check itself names what is missing
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    except Exception:  # best effort
         pass
 
 
@@ -306,8 +308,9 @@ def build(
             f"{ckpt.fingerprint()[:12]}...; make the plan again from this checkpoint"
         )
     tmp, lock = _prepare_output(out_dir, ckpt.path.resolve(), force)
+    importing = threading.Thread(target=_import_model_code, args=(ckpt.arch.model_type,), daemon=True)
     if verify != "never":  # the check's imports (seconds) overlap the writing instead of following it
-        threading.Thread(target=_import_model_code, args=(ckpt.arch.model_type,), daemon=True).start()
+        importing.start()
     try:
         per_shard, skipped = _plan_tensors(ckpt, plan)
         non_empty = [(name, ts) for name, ts in per_shard.items() if ts]
@@ -333,6 +336,7 @@ def build(
         if verify == "never":
             verification["load"] = "skipped (verify=never)"
         else:  # layer by layer in the checkpoint's dtype: bounded memory at any size
+            importing.join()  # no import races the one under way
             from planner.checkpoint.verify import verify_proxy
 
             compare = verify == "always" or plan.experts == plan.original_experts  # auto: where it proves the copy exact

@@ -5,7 +5,9 @@ decoder layer is loaded from the checkpoint just before its forward (a forward p
 back to meta just after (a forward hook), so peak memory is about one layer plus activations. On-disk
 names map to the in-memory modules through the family data (per-expert tensors stacked into
 transformers 5's fused gate_up_proj / down_proj). Held in float32 by default, or in the checkpoint's
-own dtype (`dtype`), when tensors are read from the file straight into the parameters' memory.
+own dtype (`dtype`); a tensor stored as its parameter holds it (same dtype and size) is a private
+mapping of the file's pages, no copy, and the others (fused experts, casts) are read into a reused
+block of memory.
 Every on-disk tensor read is recorded (`read`), so a caller can tell which ones the model never used.
 
 Hooks on each MoE block see the block's input and output and can replace the output; `route` and
@@ -37,6 +39,13 @@ class MoECall:
     logits: Any
     topk_ids: Any
     topk_weights: Any
+
+
+def _numel(info) -> int:
+    n = 1
+    for d in info.shape:
+        n *= d
+    return n
 
 
 class LayerwiseModel:
@@ -123,14 +132,10 @@ class LayerwiseModel:
         """The tensor `info` from disk into `target`: straight from the file into its memory when the
         dtypes match on the CPU (no copy, no float32 detour), else decoded and cast."""
         torch = self.torch
-        n = 1
-        for d in info.shape:
-            n *= d
-        if n != target.numel():
+        if _numel(info) != target.numel():
             raise CheckpointError(f"{self.ckpt.path}: {info.name} holds {list(info.shape)}, the model expects {list(target.shape)}")
         self.read.add(info.name)
-        native = getattr(torch, NATIVE_DTYPES[info.dtype]) if info.dtype in NATIVE_DTYPES else None
-        if native is target.dtype and target.device.type == "cpu" and target.is_contiguous():
+        if self._native(info) is target.dtype and target.device.type == "cpu" and target.is_contiguous():
             buf = target.view(-1).view(torch.uint8).numpy()
             with open(info.path, "rb") as fh:
                 fh.seek(info.begin)
@@ -169,17 +174,17 @@ class LayerwiseModel:
         info = self.ckpt.tensors.get(self._disk_name(mem_key))
         if info is None or self.transform is not None or target.device.type != "cpu" or info.nbytes == 0:
             return None
-        native = getattr(torch, NATIVE_DTYPES[info.dtype]) if info.dtype in NATIVE_DTYPES else None
-        n = 1
-        for d in info.shape:
-            n *= d
-        if native is not target.dtype or n != target.numel() or info.begin % target.element_size():
+        if self._native(info) is not target.dtype or _numel(info) != target.numel() or info.begin % target.element_size():
             return None
         start = info.begin - info.begin % mmap.ALLOCATIONGRANULARITY
         with open(info.path, "rb") as fh:
             pages = mmap.mmap(fh.fileno(), info.begin + info.nbytes - start, offset=start, access=mmap.ACCESS_COPY)
         self.read.add(info.name)
         return torch.frombuffer(pages, dtype=torch.uint8, count=info.nbytes, offset=info.begin - start).view(target.dtype).view(target.shape)
+
+    def _native(self, info):
+        """The torch dtype a tensor's bytes are as stored (None: one torch does not hold as is)."""
+        return getattr(self.torch, NATIVE_DTYPES[info.dtype]) if info.dtype in NATIVE_DTYPES else None
 
     def _place(self, module, name: str, tensor) -> None:
         owner, _, leaf = name.rpartition(".")
@@ -212,7 +217,7 @@ class LayerwiseModel:
         """Place `module`'s parameters and buffers in one reused block of memory: a decoder layer
         loaded into fresh memory pays a page fault per 4 KiB on first touch (reading from the page
         cache runs at a fifth of the speed), while the block, sized for the largest layer, is
-        touched once."""
+        touched once. Parameters then mapped from the file (_mapped) leave their part untouched."""
         torch = self.torch
         entries = list(module.named_parameters()) + list(module.named_buffers())
         offsets, total = [], 0
@@ -228,22 +233,19 @@ class LayerwiseModel:
     def load_layer(self, i: int):
         """Decoder layer i in memory: in the reused block unless another layer holds it (then in
         memory of its own)."""
-        layer = self.decoder.layers[i]
-        slab = self._slab_user is None
-        self._materialize(layer, f"model.layers.{i}.", slab=slab)
-        if slab:
-            self._slab_user = i
-        return layer
+        return self._load(i, self.decoder.layers[i], f"model.layers.{i}.")
 
     def load_block(self, i: int):
         """Only the MoE block of decoder layer i in memory (router and experts: what evaluating
-        experts on stored activations needs), in the reused block when it is free."""
-        block = getattr(self.decoder.layers[i], self.mem_moe)
+        experts on stored activations needs)."""
+        return self._load(i, getattr(self.decoder.layers[i], self.mem_moe), f"model.layers.{i}.{self.mem_moe}.")
+
+    def _load(self, i: int, module, prefix: str):
         slab = self._slab_user is None
-        self._materialize(block, f"model.layers.{i}.{self.mem_moe}.", slab=slab)
+        self._materialize(module, prefix, slab=slab)
         if slab:
             self._slab_user = i
-        return block
+        return module
 
     def release_layer(self, i: int) -> None:
         self.decoder.layers[i].to("meta")
@@ -294,10 +296,14 @@ class LayerwiseModel:
             return self.decoder(input_ids=ids, use_cache=False).last_hidden_state
 
     # ---- routing and experts of a loaded block -------------------------------------------------
-    def route(self, block, x) -> MoECall:
-        """Router logits and top-k routing of `block` on tokens `x` (tokens x hidden)."""
+    def router(self, block):
+        return getattr(block, self.names["memory"]["router"].split(".")[0])
+
+    def route(self, block, x, router=None) -> MoECall:
+        """Router logits and top-k routing of `block` on tokens `x` (tokens x hidden), by its own
+        router or by `router` (one of the same class)."""
         torch = self.torch
-        router = getattr(block, self.names["memory"]["router"].split(".")[0])
+        router = router or self.router(block)
         with torch.no_grad():
             out = router(x)
         if len(out) == 3:  # (logits, weights, ids)
@@ -319,15 +325,22 @@ class LayerwiseModel:
             ones = torch.ones((x.shape[0], 1), dtype=x.dtype)
             return experts(x, ids, ones)
 
-    def expert_outputs(self, block, experts, x):
-        """Row n's output of expert experts[n] on x[n] (unweighted), every row in one call of
-        transformers' expert module."""
+    def weights_inputs(self, block) -> bool:
+        """Does the block scale each expert's input by its routing weight (llama4) rather than its
+        output? Then an expert's contribution is not linear in its weight."""
+        return len(inspect.signature(block.experts.forward).parameters) == 1
+
+    def expert_outputs(self, block, experts, x, weights=None):
+        """Row n's contribution of expert experts[n] on x[n] at routing weight weights[n] as the block
+        applies it (None: unweighted output), every row in one call of transformers' expert module."""
         torch = self.torch
-        if len(inspect.signature(block.experts.forward).parameters) == 1:  # llama4: one expert at a time
+        if self.weights_inputs(block):  # llama4: one expert at a time, the weight scales its input
+            x = x if weights is None else x * weights[:, None].to(x.dtype)
             out = torch.empty_like(x)
             for e in torch.unique(experts).tolist():
                 rows = torch.nonzero(experts == e).flatten()
                 out[rows] = self.expert_output(block, e, x[rows])
             return out
+        w = torch.ones((x.shape[0], 1), dtype=x.dtype) if weights is None else weights[:, None].to(x.dtype)
         with torch.no_grad():
-            return block.experts(x, experts[:, None].long(), torch.ones((x.shape[0], 1), dtype=x.dtype))
+            return block.experts(x, experts[:, None].long(), w)

@@ -144,11 +144,12 @@ def step_validation(family: str | None = None, path: str | Path | None = None) -
     total predicted by a fit without that run), over every run or one accelerator family's. None
     when the file holds no such check."""
     from planner.cost.fit import loo_summary
+    from planner.files import read_json
 
     p = Path(path or knobs_path())
-    rows = json.loads(p.read_text()).get("leave_one_out") if p.is_file() else None
-    rows = [r for r in rows or [] if family is None or r.get("family") == family]
-    if not any(r["phase"] == "step" for r in rows):
+    data = read_json(p, "knobs file") if p.is_file() else {}
+    rows = [r for r in data.get("leave_one_out") or [] if family is None or r.get("family") == family]
+    if not any(r.get("phase") == "step" and r.get("ratio") is not None for r in rows):
         return None
     return {"family": family, **loo_summary(rows)}
 
@@ -158,4 +159,4 @@ def validation_text(v: dict | None) -> str:
         return "step times: uncalibrated (the knobs file holds no leave-one-run-out check; `planner fit-knobs` writes one)"
     who = f"published {v['family']} runs" if v["family"] else "published runs"
     return (f"step times out of sample: {v['runs_within_25']} of {v['runs']} {who} within 25% of their step time when left "
-            f"out of the fit (worst {v['worst_step']:.0%}; calibration/published_runs.md)")
+            f"out of the fit (worst {v['worst_step']:.0%}; `planner fit-knobs` lists them)")

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from planner.errors import SpecError
+from planner.stats.store import STATISTICS_VERSION
 
 __all__ = ["ShiftModel", "FidelityEstimator", "FULL_FEATURES", "SHIFT_FEATURES", "ROUTING_FEATURES", "SIGNS", "features_of",
            "recipe_features", "baselines", "default_estimator_path", "training_rows", "fit_shift", "knob_translation", "design"]
@@ -39,6 +40,8 @@ STAT_FEATURES = (
     "load_cv_after_mean", "log_kl_original_proxy",
 )  # fmt: skip
 FULL_FEATURES = ARCH_FEATURES + STAT_FEATURES  # the dataset's feature columns
+# measured by running the pruned plan (their definitions change with planner.stats.store.STATISTICS_VERSION)
+PLAN_PASS_MEASURES = ("reconstruction_error", "routing_agreement", "entropy_after", "load_cv_after", "log_kl_original_proxy")
 # the estimator's features: monotone in how much of the original the plan throws away
 SHIFT_FEATURES = ("kept_fraction", "frequency_dropped_mean", "entropy_after_mean", "load_cv_after_mean", "log_kl_original_proxy",
                   "reconstruction_error_mean")  # fmt: skip
@@ -74,12 +77,16 @@ def baselines(recipe: str) -> dict[str, tuple[str, ...]]:
 
 def features_of(statistics: Mapping[str, Any], architecture: Mapping[str, Any]) -> dict[str, float]:
     """The feature row of one plan: plan-statistics summary (planner.stats) + architecture (the
-    recipe is a column of its own; each recipe has its own model)."""
+    recipe is a column of its own; each recipe has its own model). Measures of another statistics
+    version than the estimator's are left out (the plan then counts as one without them)."""
     out = {name: float(architecture[name]) for name in ARCH_FEATURES if name in architecture}
     for key in ("kept_fraction", "top_k_over_k", "experts_per_group"):
         if key in statistics:
             out[key] = float(statistics[key])
+    stale = statistics.get("statistics_version", 1) != STATISTICS_VERSION
     for name in STAT_FEATURES:
+        if stale and name.startswith(PLAN_PASS_MEASURES):
+            continue
         if name == "log_kl_original_proxy":
             if "kl_original_proxy" in statistics:
                 out[name] = math.log10(max(float(statistics["kl_original_proxy"]), 1e-8))

@@ -182,8 +182,8 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
     ORIGINAL = FAMILY-sSEED)."""
     from planner.checkpoint import Checkpoint, build
     from planner.rl.models import ModelRecipe, make_model
-    from planner.stats.compute import STATISTICS_VERSION, compute_stats, plan_from_stats
-    from planner.stats.store import load_stats, save_stats
+    from planner.stats.compute import compute_stats, plan_from_stats
+    from planner.stats.store import STATISTICS_VERSION, load_stats, plan_statistics, save_stats
 
     workdir.mkdir(parents=True, exist_ok=True)
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(grid).items() if k in _MODEL_FIELDS}
@@ -232,7 +232,7 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
                     p = plan_from_stats(stored, k, kind, model=str(original), seed=int(plan.get("seed", 0)))
                     build(ckpt, p, path, verify="never", force=True)
                 records[f"{base}/{model}"] = {"family": family, "original": base, "seed": seed, "model": model, "path": str(path),
-                                              "experts": k, "top_k": top_k, "method": method, "statistics": plan["summary"]}  # fmt: skip
+                                              "experts": k, "top_k": top_k, "method": method, "statistics": plan_statistics(stats, key)}  # fmt: skip
             if progress:
                 progress(base)
     write_text_atomic(workdir / "models.json", json.dumps(records, indent=1))

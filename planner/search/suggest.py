@@ -346,8 +346,12 @@ class Suggester:
 
     @cached_property
     def warnings(self) -> list[str]:
-        """Faults the job as given cannot show (a proxy then reproduces nothing, however faithful)."""
-        return fault_conflicts(self.recipe, self.request.job.precision)
+        """Faults the job as given cannot show (a proxy then reproduces nothing, however faithful),
+        and plan measures of a stats file the estimator was not fitted on."""
+        from planner.stats.store import stale_note
+
+        stale = stale_note(self.request.stats) if self.request.stats else None
+        return fault_conflicts(self.recipe, self.request.job.precision) + ([stale] if stale else [])
 
     @cached_property
     def factors(self) -> list[str]:
@@ -397,9 +401,9 @@ class Suggester:
 
     def features(self, experts: int, method: str) -> dict[str, float]:
         from planner.fidelity.dataset import plan_row
+        from planner.stats.store import plan_statistics
 
-        plan = (self.request.stats or {}).get("plans", {}).get(f"K={experts}/{method}")
-        return plan_row(self.config, experts, plan["summary"] if plan else None)
+        return plan_row(self.config, experts, plan_statistics(self.request.stats or {}, f"K={experts}/{method}"))
 
     def option(self, experts: int, method: str, devices: int, recompute: str, offload: str) -> Option:
         cost = self.cost(experts, devices, recompute, offload)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,18 +29,17 @@ from typing import Callable
 import numpy as np
 
 from planner.checkpoint.reader import Checkpoint
+from planner.errors import CheckpointError
 from planner.plan import Plan
 from planner.stats.cluster import METHODS, ROUTER_WEIGHT, cosine_distance, select, silhouette
 from planner.stats.sketch import SKETCH_DIM, weight_features
+from planner.stats.store import STATISTICS_VERSION, load_stats, plan_statistics
 
-__all__ = ["STATISTICS_VERSION", "LayerFeatures", "compute_stats", "plan_from_stats", "summarise", "default_experts"]
+__all__ = ["LayerFeatures", "compute_stats", "plan_from_stats", "summarise", "default_experts"]
 
 PROFILE_TOKENS = 1024  # router-logit profile length per expert
 OUTPUT_PROFILE_TOKENS = 256  # shared tokens every expert is run on for its output profile
 KL_POSITIONS = 256  # positions whose original next-token distribution is kept for the KL
-# 2: every plan from the calibration pass's activations (teacher-forced per layer, the KL through
-# residual additivity); 1: one free-running proxy pass per plan
-STATISTICS_VERSION = 2
 
 
 @dataclass
@@ -109,29 +107,40 @@ class _Trace:
 
 
 class _RoutedNorms:
-    """Wraps a block's experts so the forward itself yields every routed expert output's norm: the
-    REAP saliency (gate x ||output||) and max activation without evaluating any expert twice. The
-    experts run one at a time through transformers' own module on the tokens routed to them, and
-    their gate-weighted outputs are summed as the block's own forward does."""
+    """Per expert, REAP's saliency (mean over its routed tokens of gate x ||output||) and max
+    activation, accumulated from the outputs the forward computes anyway (`wrap`), so no expert
+    runs twice."""
 
-    def __init__(self, experts, n: int):
-        self.experts, self.forward = experts, experts.forward
+    def __init__(self, n: int):
         self.saliency_sum, self.count, self.max_act = np.zeros(n), np.zeros(n), np.zeros(n)
 
-    def __call__(self, hidden, top_k_index, top_k_weights):
+    def add(self, e: int, y, w) -> None:
+        """Expert e's unweighted outputs y on its routed tokens, whose gates are w."""
+        self.saliency_sum[e] += float((w.float() * y.float().norm(dim=-1)).sum())
+        self.count[e] += y.shape[0]
+        self.max_act[e] = max(self.max_act[e], float(y.abs().max()))
+
+    @property
+    def saliency(self) -> np.ndarray:
+        return np.divide(self.saliency_sum, self.count, out=np.zeros_like(self.count), where=self.count > 0)
+
+    def wrap(self, forward):
+        """The experts' forward (hidden, top_k_index, top_k_weights) run one expert at a time through
+        the module's own forward on its routed tokens, gate-weighted and summed as the block does."""
         import torch
 
-        out = torch.zeros_like(hidden)
-        for e in torch.unique(top_k_index).tolist():
-            rows, slots = torch.nonzero(top_k_index == e, as_tuple=True)
-            ids = torch.full((rows.numel(), 1), e, dtype=top_k_index.dtype)
-            y = self.forward(hidden[rows], ids, torch.ones((rows.numel(), 1), dtype=top_k_weights.dtype))
-            w = top_k_weights[rows, slots]
-            self.saliency_sum[e] += float((w.float() * y.float().norm(dim=-1)).sum())
-            self.count[e] += rows.numel()
-            self.max_act[e] = max(self.max_act[e], float(y.abs().max()))
-            out.index_add_(0, rows, (y * w[:, None]).to(out.dtype))
-        return out
+        def run(hidden, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden)
+            for e in torch.unique(top_k_index).tolist():
+                rows, slots = torch.nonzero(top_k_index == e, as_tuple=True)
+                y = forward(hidden[rows], torch.full((rows.numel(), 1), e, dtype=top_k_index.dtype),
+                            torch.ones((rows.numel(), 1), dtype=top_k_weights.dtype))  # fmt: skip
+                w = top_k_weights[rows, slots]
+                self.add(e, y, w)
+                out.index_add_(0, rows, (y * w[:, None]).to(out.dtype))
+            return out
+
+        return run
 
 
 def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict, "object", _Trace]:
@@ -147,22 +156,21 @@ def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict
     trace = _Trace(positions=_kl_positions(ids))
     at = torch.from_numpy(trace.positions)
     e = ckpt.arch.original_num_experts
-    wrapped: dict[int, _RoutedNorms] = {}
+    norms: dict[int, _RoutedNorms] = {}
 
     def wrapper(i):
         def wrap(module, args):  # before the block runs: its experts report their outputs' norms
-            if len(inspect.signature(module.experts.forward).parameters) == 3:  # (hidden, top_k_index, top_k_weights)
-                wrapped[i] = _RoutedNorms(module.experts, e)
-                module.experts.forward = wrapped[i]
+            if not runner.weights_inputs(module):  # experts that take the routing (all but llama4)
+                norms[i] = _RoutedNorms(e)
+                module.experts.forward = norms[i].wrap(module.experts.forward)
 
         return wrap
 
     def collect(i, block, x, out):
         tokens = x.reshape(-1, x.shape[-1]).float()
         original = (out[0] if isinstance(out, tuple) else out).reshape(-1, x.shape[-1])
-        norms = wrapped.pop(i, None)
-        if norms is not None:
-            block.experts.forward = norms.forward
+        if i in norms:
+            del block.experts.forward  # the module's own forward again
         call = runner.route(block, tokens)
         topk = call.topk_ids.numpy()
         weights = call.topk_weights.float().numpy()
@@ -174,17 +182,13 @@ def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict
         out_profile = np.zeros((e, shared.shape[0] * tokens.shape[1]), dtype=np.float32)
         for ex in range(e):  # function: the expert's output on the same shared tokens, whatever the router does
             out_profile[ex] = runner.expert_output(block, ex, shared).float().reshape(-1).numpy()
-        if norms is not None:
-            saliency = np.divide(norms.saliency_sum, norms.count, out=np.zeros(e), where=norms.count > 0)
-            max_act = norms.max_act
-        else:  # experts that take no routing (llama4): evaluate the routed tokens again
-            saliency, max_act = np.zeros(e), np.zeros(e)
+        routed = norms.pop(i, None)
+        if routed is None:  # experts that take no routing (llama4): evaluate the routed tokens again
+            routed = _RoutedNorms(e)
             for ex in range(e):
                 rows, slots = np.nonzero(topk == ex)
                 if rows.size:
-                    y = runner.expert_output(block, ex, tokens[torch.from_numpy(rows)]).float()
-                    saliency[ex] = float((weights[rows, slots] * y.norm(dim=-1).numpy()).mean())
-                    max_act[ex] = float(y.abs().max())
+                    routed.add(ex, runner.expert_output(block, ex, tokens[torch.from_numpy(rows)]), torch.from_numpy(weights[rows, slots]))
         onehot = np.zeros((n_tok, e))
         np.put_along_axis(onehot, topk, 1.0, axis=1)
         entropy, cv = _entropy_cv(_router_probs(call.logits, scoring), counts)
@@ -192,8 +196,8 @@ def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict
         raw[i] = {  # distances now, so no layer's expert outputs outlive its forward
             "frequency": counts / n_tok,
             "gate_mass": gate / n_tok,
-            "saliency": saliency,
-            "max_activation": max_act,
+            "saliency": routed.saliency,
+            "max_activation": routed.max_act,
             "output_distance": cosine_distance(out_profile),
             "router_distance": cosine_distance(profile),
             "coactivation": (onehot.T @ onehot) / n_tok,
@@ -274,10 +278,11 @@ def _selection_stats(f: LayerFeatures, kept: list[int], labels: np.ndarray) -> d
 def _pruned_router(runner, block, kept: list[int]):
     """The family's own router over the kept experts, fed the original router logits: its weight
     selects the kept experts' logits (their router rows are copies of the original's, so the pruned
-    router's logits are exactly those columns); per-expert buffers (a correction bias) are sliced."""
+    router's logits are exactly those columns); a linear bias is already in those logits (zeroed),
+    other per-expert tensors (a correction bias) are sliced."""
     import torch
 
-    router = getattr(block, runner.names["memory"]["router"].split(".")[0])
+    router = runner.router(block)
     e = runner.ckpt.arch.original_num_experts
     cfg = copy.deepcopy(runner.config)
     setattr(cfg, runner.ckpt.arch.moe.experts_key, len(kept))
@@ -289,13 +294,19 @@ def _pruned_router(runner, block, kept: list[int]):
     full = router.state_dict()
     with torch.no_grad():
         for name, tensor in pruned.state_dict().items():
+            src = full[name]
+            dims = [d for d, (a, b) in enumerate(zip(src.shape, tensor.shape)) if a != b]
             if name == "weight":
                 tensor.zero_()
                 tensor[torch.arange(len(kept)), index] = 1.0
-            elif tensor.dim() and tensor.shape[0] == len(kept) and full[name].shape[0] == e:
-                tensor.copy_(full[name].index_select(0, index))
+            elif name == "bias":
+                tensor.zero_()
+            elif dims:
+                if len(dims) != 1 or src.shape[dims[0]] != e:
+                    raise CheckpointError(f"cannot slice router tensor {name}: {list(src.shape)} -> {list(tensor.shape)}")
+                tensor.copy_(src.index_select(dims[0], index))
             else:
-                tensor.copy_(full[name])
+                tensor.copy_(src)
     return pruned.float().eval()
 
 
@@ -314,49 +325,47 @@ def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[lis
     layers = list(trace.logits)
     per_layer = {key: {} for key in plans}
     delta = {key: torch.zeros_like(trace.final) for key in plans}
-    runner.auto_load = False
-    try:
-        for n, i in enumerate(layers):
-            block = runner.load_block(i)
-            logits, before = trace.logits[i], trace.topk_ids[i].numpy()
-            x, t = trace.x_eval[i], len(trace.positions)
-            e = ckpt.arch.original_num_experts
-            at = torch.from_numpy(trace.positions)
-            w_orig = torch.zeros(t, e)
-            w_orig.scatter_(1, trace.topk_ids[i][at], trace.topk_weights[i][at])
-            weights = {}
-            for key, selections in plans.items():
-                kept, labels = selections[i]
-                with torch.no_grad():
-                    pl, pw, pid = _pruned_router(runner, block, kept)(logits)
-                kept_t = torch.tensor(kept, dtype=torch.long)
-                rep_index = {int(labels[k]): m for m, k in enumerate(kept)}
-                mapped = np.vectorize(lambda x_: rep_index[int(labels[x_])])(before)
-                proxy = pid.numpy()
-                jaccard = [len(set(a) & set(b)) / len(set(a) | set(b)) for a, b in zip(mapped, proxy)]
-                counts = np.bincount(proxy.reshape(-1), minlength=len(kept)).astype(float)
-                entropy, cv = _entropy_cv(_router_probs(pl, scoring), counts)
-                per_layer[key][i] = {"routing_agreement": float(np.mean(jaccard)), "entropy_after": entropy, "load_cv_after": cv}
-                w = torch.zeros(t, e)
-                w.scatter_(1, kept_t[pid[at]], pw[at].float())
-                weights[key] = w - w_orig
-            need = torch.zeros(t, e, dtype=torch.bool)
-            for w in weights.values():
-                need |= w != 0
-            rows, cols = torch.nonzero(need, as_tuple=True)  # each needed (token, expert) once, in one call
-            y = runner.expert_outputs(block, cols, x[rows].to(runner.dtype)).float()
-            scale = trace.out_eval[i].norm().clamp_min(1e-12)
-            for key, w in weights.items():
-                d = torch.zeros_like(x).index_add_(0, rows, y * w[rows, cols][:, None])
-                per_layer[key][i]["reconstruction_error"] = float(d.norm() / scale)
-                delta[key] += d
-            runner.release_layer(i)
-            if progress:
-                progress(n + 1, len(layers))
-    finally:
-        runner.auto_load = True
-    head = runner.model.lm_head
-    norm = runner.decoder.norm
+    e, t = ckpt.arch.original_num_experts, len(trace.positions)
+    at = torch.from_numpy(trace.positions)
+    for n, i in enumerate(layers):
+        block = runner.load_block(i)
+        logits, before, x = trace.logits[i], trace.topk_ids[i].numpy(), trace.x_eval[i]
+        w_orig = torch.zeros(t, e).scatter_(1, trace.topk_ids[i][at], trace.topk_weights[i][at])
+        weights = {}
+        for key, selections in plans.items():
+            kept, labels = selections[i]
+            call = runner.route(block, logits, router=_pruned_router(runner, block, kept))
+            pl, pw, pid = call.logits, call.topk_weights.float(), call.topk_ids
+            kept_t = torch.tensor(kept, dtype=torch.long)
+            rep_index = {int(labels[k]): m for m, k in enumerate(kept)}
+            mapped = np.array([rep_index[int(labels[x_])] for x_ in range(e)])[before]  # original routing through the clusters
+            proxy = pid.numpy()
+            jaccard = [len(set(a) & set(b)) / len(set(a) | set(b)) for a, b in zip(mapped, proxy)]
+            counts = np.bincount(proxy.reshape(-1), minlength=len(kept)).astype(float)
+            entropy, cv = _entropy_cv(_router_probs(pl, scoring), counts)
+            per_layer[key][i] = {"routing_agreement": float(np.mean(jaccard)), "entropy_after": entropy, "load_cv_after": cv}
+            weights[key] = torch.zeros(t, e).scatter_(1, kept_t[pid[at]], pw[at])
+        if runner.weights_inputs(block):  # the change is not linear in the weights: each routing in full
+
+            def routed(w):  # the routed part of the block's output at the positions, for routing weights w
+                r, c = torch.nonzero(w, as_tuple=True)
+                return torch.zeros_like(x).index_add_(0, r, runner.expert_outputs(block, c, x[r], w[r, c]).float())
+
+            original = routed(w_orig)
+            change = {key: routed(w) - original for key, w in weights.items()}
+        else:  # linear: each needed (token, expert) once, in one call, scaled by each plan's change of weight
+            diff = {key: w - w_orig for key, w in weights.items()}
+            rows, cols = torch.nonzero(torch.stack(list(diff.values())).ne(0).any(0), as_tuple=True)
+            y = runner.expert_outputs(block, cols, x[rows]).float()
+            change = {key: torch.zeros_like(x).index_add_(0, rows, y * d[rows, cols][:, None]) for key, d in diff.items()}
+        scale = trace.out_eval[i].norm().clamp_min(1e-12)
+        for key, d in change.items():
+            per_layer[key][i]["reconstruction_error"] = float(d.norm() / scale)
+            delta[key] += d
+        runner.release_layer(i)
+        if progress:
+            progress(n + 1, len(layers))
+    head, norm = runner.model.lm_head, runner.decoder.norm  # the causal LMs here apply nothing after the head
     with torch.no_grad():
         reference = torch.log_softmax(head(norm(trace.final.to(runner.dtype))).double(), -1)
         p = reference.exp()
@@ -502,7 +511,7 @@ def plan_from_stats(stats: dict, experts: int, method: str, *, model: str, mtp: 
     if key in stats["plans"] and stats.get("seed", 0) == seed:
         kept = {int(i): v for i, v in stats["plans"][key]["kept"].items()}
         labels = {int(i): v for i, v in stats["plans"][key]["labels"].items()}
-        statistics = stats["plans"][key].get("summary")
+        statistics = plan_statistics(stats, key)
     else:
         kept, labels = {}, {}
         for i, entry in stats["layers"].items():
@@ -539,7 +548,6 @@ def choose_plan(ckpt, experts: int, method: str, *, stats_path=None, mtp: str = 
                 seed: int = 0) -> Plan:  # fmt: skip
     """A plan for the checkpoint: from a stats file when given, else from data-free features computed now."""
     from planner.errors import SpecError
-    from planner.stats.store import load_stats
 
     if experts == ckpt.arch.moe.num_experts and not stats_path:  # keep-all: nothing to choose, no expert to read
         keep = list(range(experts))

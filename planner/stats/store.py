@@ -47,6 +47,27 @@ def _decode(obj: Any) -> Any:
     return obj
 
 
+# 2: every plan measured from the calibration pass's activations (teacher-forced per layer, the KL
+# through residual additivity); 1 (files without the key): one free-running proxy pass per plan
+STATISTICS_VERSION = 2
+
+
+def plan_statistics(stats: dict, key: str) -> dict | None:
+    """The summary of plan `key` ("K=32/agglomerative") with the version its measures were taken
+    by, so the fidelity estimator can tell measures it was not fitted on (None: no such plan)."""
+    plan = stats.get("plans", {}).get(key)
+    return {**plan["summary"], "statistics_version": stats.get("statistics_version", 1)} if plan else None
+
+
+def stale_note(stats: dict) -> str | None:
+    """Why a stats file's plan measures are not used, or None when they are."""
+    version = stats.get("statistics_version", 1)
+    if version == STATISTICS_VERSION:
+        return None
+    return (f"the stats file's plan measures are version {version}, the fidelity estimator's version {STATISTICS_VERSION}: "
+            "they are not used (routing mass and selection figures are); run planner stats again")
+
+
 def save_stats(stats: dict, path: str | Path, *, force: bool = False) -> None:
     p = Path(path)
     refuse_existing(p, force)
@@ -59,11 +80,6 @@ def load_stats(path: str | Path, *, fingerprint: str | None = None) -> dict:
     if not isinstance(doc, dict) or doc.get("schema") != STATS_SCHEMA:
         raise SpecError(f"{p}: schema {doc.get('schema') if isinstance(doc, dict) else None!r} is not {STATS_SCHEMA}")
     stats = _decode(doc)
-    from planner.stats.compute import STATISTICS_VERSION
-
-    if stats.get("statistics_version", 1) != STATISTICS_VERSION and stats.get("plans"):
-        raise SpecError(f"{p}: its plan statistics are version {stats.get('statistics_version', 1)}, the fidelity estimator's "
-                        f"are version {STATISTICS_VERSION}; run planner stats again")  # fmt: skip
     have = stats["checkpoint"]["fingerprint"]
     if fingerprint is not None and have != fingerprint:
         raise SpecError(

@@ -310,6 +310,14 @@ def _pruned_router(runner, block, kept: list[int]):
     return pruned.float().eval()
 
 
+def _jaccard(a: np.ndarray, b: np.ndarray, n: int) -> float:
+    """Mean over rows of |A & B| / |A | B|, A and B the sets of ids (< n) in each row of a and b."""
+    rows = np.arange(len(a))[:, None]
+    sa, sb = np.zeros((len(a), n), bool), np.zeros((len(b), n), bool)
+    sa[rows, a], sb[rows, b] = True, True
+    return float(((sa & sb).sum(1) / (sa | sb).sum(1)).mean())
+
+
 def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[list[int], np.ndarray]]], progress) -> dict:
     """Every plan from the calibration pass's activations, one more visit per MoE layer: the pruned
     router (the family's own) on every token's router logits gives the routing after pruning (entropy,
@@ -340,10 +348,9 @@ def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[lis
             rep_index = {int(labels[k]): m for m, k in enumerate(kept)}
             mapped = np.array([rep_index[int(labels[x_])] for x_ in range(e)])[before]  # original routing through the clusters
             proxy = pid.numpy()
-            jaccard = [len(set(a) & set(b)) / len(set(a) | set(b)) for a, b in zip(mapped, proxy)]
             counts = np.bincount(proxy.reshape(-1), minlength=len(kept)).astype(float)
             entropy, cv = _entropy_cv(_router_probs(pl, scoring), counts)
-            per_layer[key][i] = {"routing_agreement": float(np.mean(jaccard)), "entropy_after": entropy, "load_cv_after": cv}
+            per_layer[key][i] = {"routing_agreement": _jaccard(mapped, proxy, len(kept)), "entropy_after": entropy, "load_cv_after": cv}
             weights[key] = torch.zeros(t, e).scatter_(1, kept_t[pid[at]], pw[at])
         if runner.weights_inputs(block):  # the change is not linear in the weights: each routing in full
 
@@ -367,13 +374,15 @@ def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[lis
             progress(n + 1, len(layers))
     head, norm = runner.model.lm_head, runner.decoder.norm  # the causal LMs here apply nothing after the head
     with torch.no_grad():
-        reference = torch.log_softmax(head(norm(trace.final.to(runner.dtype))).double(), -1)
-        p = reference.exp()
-        neg_entropy = (p * reference).sum(-1)  # KL = sum p log p - sum p log q: the first term once
+        # KL = sum p log p - sum p log q, log q = z - logsumexp(z): per plan one dot and one logsumexp (float64)
+        z = head(norm(trace.final.to(runner.dtype))).double()
+        lse = torch.logsumexp(z, -1)
+        p = torch.exp(z - lse[:, None])
+        neg_entropy = (p * z).sum(-1) - lse
         kl = {}
         for key in plans:
-            q = torch.log_softmax(head(norm((trace.final + delta[key]).to(runner.dtype))).double(), -1)
-            kl[key] = max(0.0, float((neg_entropy - (p * q).sum(-1)).mean()))
+            z = head(norm((trace.final + delta[key]).to(runner.dtype))).double()
+            kl[key] = max(0.0, float((neg_entropy - (p * z).sum(-1) + torch.logsumexp(z, -1)).mean()))
     return {key: {"per_layer": per_layer[key], "kl_original_proxy": kl[key]} for key in plans}
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from planner.cost.fit import fit_all, load_runs, update_mfu_checks
 from planner.cost.knobs import knobs_path
 from planner.render import table
-from planner.summary import published_fit_rows, published_fit_summary, render_published_fit
+from planner.summary import fmt_ratio, published_fit_rows, published_fit_summary, render_published_fit
 
 OUT = Path(__file__).resolve().parents[1] / "calibration" / "published_runs.md"
 
@@ -27,7 +27,6 @@ def main() -> None:
     stored = json.loads(knobs_path().read_text())
     fit = fit_all(load_runs()) if "--recompute" in sys.argv else stored
     print(render_published_fit(fit))
-    ratio = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     lines = [
         "# Predicted vs published RL step times",
         "",
@@ -44,8 +43,8 @@ def main() -> None:
         "| run | family | phase | published s | fitted s | ratio | left out s | ratio |",
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
-    lines += [f"| {r['run']} | {r['family']} | {r['phase']} | {r['published_s']:,.2f} | {r['fitted_s']:,.2f} | {ratio(r['fitted_ratio'])} | "
-              f"{r['left_out_s']:,.2f} | {ratio(r['left_out_ratio'])} |" for r in published_fit_rows(fit)]
+    lines += [f"| {r['run']} | {r['family']} | {r['phase']} | {r['published_s']:,.2f} | {r['fitted_s']:,.2f} | {fmt_ratio(r['fitted_ratio'])} | "
+              f"{r['left_out_s']:,.2f} | {fmt_ratio(r['left_out_ratio'])} |" for r in published_fit_rows(fit)]
     checks = update_mfu_checks()
     print()
     print(table(["check (not fitted)", "GPUs", "published MFU", "predicted MFU", "ratio"],

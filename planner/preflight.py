@@ -413,8 +413,8 @@ def check_stats(c: _Context) -> Check:
         return Check("stats", "FAIL", f"the stats are of checkpoint {have[:12]}, not this one ({ckpt.fingerprint()[:12]}): recompute them")
     if plan.checkpoint_fingerprint and plan.checkpoint_fingerprint != have:
         return Check("stats", "FAIL", f"the plan was made from checkpoint {plan.checkpoint_fingerprint[:12]}, the stats from {have[:12]}")
-    if stale_note(stats):
-        return Check("stats", "WARN", stale_note(stats))
+    if stale := stale_note(stats):
+        return Check("stats", "WARN", stale)
     if ckpt is not None and c.path("stats").stat().st_mtime < max(p.stat().st_mtime for p in ckpt.path.glob("*.safetensors")):
         return Check("stats", "WARN", "the stats file is older than the checkpoint's weights (same fingerprint, so the weights agree)")
     return Check("stats", "PASS", f"stats of checkpoint {have[:12]}" + (", which is this checkpoint" if ckpt is not None else ""))

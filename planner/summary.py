@@ -23,6 +23,19 @@ def render_terms(r: CostResult) -> str:
                  f"({r.train_layout.describe()} / {r.rollout_layout.describe()}): where the time goes")  # fmt: skip
 
 
+def fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def validation_text(v: dict | None) -> str:
+    """The line under step times: the leave-one-run-out check behind them (planner.cost.knobs.step_validation)."""
+    if v is None:
+        return "step times: uncalibrated (the knobs file holds no leave-one-run-out check; `planner fit-knobs` writes one)"
+    who = f"published {v['family']} runs" if v["family"] else "published runs"
+    return (f"step times out of sample: {v['runs_within_25']} of {v['runs']} {who} within 25% of their step time when left "
+            f"out of the fit (worst {v['worst_step']:.0%}; `planner fit-knobs` lists them)")
+
+
 def published_fit_rows(fit: dict[str, Any]) -> list[dict[str, Any]]:
     """Per run and published phase of a `planner fit-knobs` result: published seconds, the prediction
     of the knobs fitted to every run ("fitted") and of knobs refitted without the run ("left_out")."""
@@ -46,9 +59,8 @@ def published_fit_summary(fit: dict[str, Any]) -> str:
 
 def render_published_fit(fit: dict[str, Any]) -> str:
     """`planner fit-knobs` output as a table and its summary line."""
-    ratio = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    rows = [[r["run"], r["family"], r["phase"], f"{r['published_s']:,.1f}", f"{r['fitted_s']:,.1f}", ratio(r["fitted_ratio"]),
-             f"{r['left_out_s']:,.1f}", ratio(r["left_out_ratio"]),
+    rows = [[r["run"], r["family"], r["phase"], f"{r['published_s']:,.1f}", f"{r['fitted_s']:,.1f}", fmt_ratio(r["fitted_ratio"]),
+             f"{r['left_out_s']:,.1f}", fmt_ratio(r["left_out_ratio"]),
              "ok" if r["left_out_ratio"] is not None and abs(r["left_out_ratio"] - 1) <= 0.25 else "OUT"]
             for r in published_fit_rows(fit)]  # fmt: skip
     head = ["run", "family", "phase", "published s", "fitted s", "ratio", "left out s", "ratio", "+-25%"]

@@ -16,7 +16,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["Knobs", "PRIOR", "KNOB_BOUNDS", "load_knobs", "knobs_path", "step_validation", "validation_text"]
+__all__ = ["Knobs", "PRIOR", "KNOB_BOUNDS", "load_knobs", "knobs_path", "step_validation"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,19 +144,17 @@ def step_validation(family: str | None = None, path: str | Path | None = None) -
     total predicted by a fit without that run), over every run or one accelerator family's. None
     when the file holds no such check."""
     from planner.cost.fit import loo_summary
-    from planner.files import read_json
 
-    p = Path(path or knobs_path())
-    data = read_json(p, "knobs file") if p.is_file() else {}
-    rows = [r for r in data.get("leave_one_out") or [] if family is None or r.get("family") == family]
+    rows = [r for r in _leave_one_out(str(path or knobs_path())) if family is None or r.get("family") == family]
     if not any(r.get("phase") == "step" and r.get("ratio") is not None for r in rows):
         return None
     return {"family": family, **loo_summary(rows)}
 
 
-def validation_text(v: dict | None) -> str:
-    if v is None:
-        return "step times: uncalibrated (the knobs file holds no leave-one-run-out check; `planner fit-knobs` writes one)"
-    who = f"published {v['family']} runs" if v["family"] else "published runs"
-    return (f"step times out of sample: {v['runs_within_25']} of {v['runs']} {who} within 25% of their step time when left "
-            f"out of the fit (worst {v['worst_step']:.0%}; `planner fit-knobs` lists them)")
+@lru_cache(maxsize=4)
+def _leave_one_out(path: str) -> tuple[dict, ...]:
+    from planner.files import read_json
+
+    p = Path(path)
+    return tuple(read_json(p, "knobs file").get("leave_one_out") or []) if p.is_file() else ()
+

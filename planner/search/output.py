@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from planner.cost.knobs import step_validation, validation_text
+from planner.cost.knobs import step_validation
 from planner.plan import Plan
 from planner.render import table
 from planner.search.suggest import OFFLOADS, Option, Suggestion, calibration_files, figures, mechanism_text, reduction
+from planner.summary import validation_text
 from planner.units import gib
 
 __all__ = ["render_suggestion", "suggestion_json", "plan_of", "fidelity_text"]

@@ -44,6 +44,7 @@ from planner.errors import PlannerError, SpecError
 from planner.search.budget import Budget, parse_budget
 from planner.specs import Job, Offload
 from planner.plan import BAD_METHODS
+from planner.stats.store import plan_statistics, stale_note
 
 __all__ = ["FAULTS", "OFFLOADS", "RECOMPUTES", "Request", "Option", "Suggestion", "Suggester", "suggest", "fault_conflicts"]
 
@@ -348,8 +349,6 @@ class Suggester:
     def warnings(self) -> list[str]:
         """Faults the job as given cannot show (a proxy then reproduces nothing, however faithful),
         and plan measures of a stats file the estimator was not fitted on."""
-        from planner.stats.store import stale_note
-
         stale = stale_note(self.request.stats) if self.request.stats else None
         return fault_conflicts(self.recipe, self.request.job.precision) + ([stale] if stale else [])
 
@@ -401,7 +400,6 @@ class Suggester:
 
     def features(self, experts: int, method: str) -> dict[str, float]:
         from planner.fidelity.dataset import plan_row
-        from planner.stats.store import plan_statistics
 
         return plan_row(self.config, experts, plan_statistics(self.request.stats or {}, f"K={experts}/{method}"))
 

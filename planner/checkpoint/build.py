@@ -308,10 +308,10 @@ def build(
             f"{ckpt.fingerprint()[:12]}...; make the plan again from this checkpoint"
         )
     tmp, lock = _prepare_output(out_dir, ckpt.path.resolve(), force)
-    importing = threading.Thread(target=_import_model_code, args=(ckpt.arch.model_type,), daemon=True)
-    if verify != "never":  # the check's imports (seconds) overlap the writing instead of following it
-        importing.start()
-    try:
+    try:  # from here on an interrupt (even while the import thread starts) removes OUT_DIR.tmp
+        importing = threading.Thread(target=_import_model_code, args=(ckpt.arch.model_type,), daemon=True)
+        if verify != "never":  # the check's imports (seconds) overlap the writing instead of following it
+            importing.start()
         per_shard, skipped = _plan_tensors(ckpt, plan)
         non_empty = [(name, ts) for name, ts in per_shard.items() if ts]
         total = sum(t.nbytes for _, ts in non_empty for t in ts)

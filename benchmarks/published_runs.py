@@ -34,7 +34,7 @@ def main() -> None:
         "`planner fit-knobs -o calibration/knobs.json --force` from `published_runs.yaml`). *Fitted*: the knobs",
         "fitted to every run. *Left out*: knobs refitted without that run, then used to predict it: the",
         "error on a run the model was not fitted to. Per family the fit frees the compute fractions of the",
-        "update and of forward passes and the decode bandwidth fraction; the engine's per-step overhead and",
+        "update and of forward passes, attention's rate relative to theirs and the decode bandwidth fraction; the engine's per-step overhead and",
         "the switch costs are shared by the families; everything else is a mechanism with sourced inputs.",
         "Why the runs outside 25% miss: calibration/README.md.",
         "",

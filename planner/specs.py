@@ -15,7 +15,13 @@ import yaml
 
 from planner.errors import SpecError
 
-__all__ = ["Job", "TrainLayout", "RolloutLayout", "Offload", "Lengths", "load_job", "check_keys"]
+__all__ = ["Job", "TrainLayout", "RolloutLayout", "Offload", "Lengths", "load_job", "check_keys", "RECOMPUTE_MODES"]
+
+# Activation recomputation in the update: none; selective (Megatron --recompute-modules moe_act
+# layernorm); moe (also the whole MoE layer, rebuilt from its input in backward: Megatron's `moe`
+# module; MindSpeed's --moe-zero-memory is the NPU form); full (every layer, from its input)
+RECOMPUTE_MODES = ("none", "selective", "moe", "full")
+DISPATCH_PASSES = ("reference", "old_logprob", "update")  # passes a job's dispatch_s may delay
 
 
 def check_keys(data: Mapping[str, Any], allowed: list[str], where: str, required: tuple[str, ...] = ()) -> None:
@@ -176,7 +182,7 @@ _JOB_DOC = {
     "prompt_tokens": "mean prompt length, or {mean, max}",
     "response_tokens": "{mean, max[, shape]}: response lengths; gamma-shaped, truncated at max",
     "precision": "bf16 | fp16 | fp32 (training compute and weights)",
-    "recompute": "none | selective | full (activation recomputation in the update)",
+    "recompute": "none | selective | moe | full (activation recomputation in the update; moe: each MoE layer rebuilt from its input in backward)",
     "colocated": "actor, reference and rollout share the devices (time-shared); false is not modelled yet",
     "offload": "{params, grads, optimizer}: moved to host while another phase runs",
     "reference_model": "a frozen reference model for the KL term (one forward pass per step)",
@@ -186,6 +192,8 @@ _JOB_DOC = {
     "ppo_epochs": "passes over the batch in the update (default 1)",
     "mini_batches": "optimizer steps per epoch (default 1)",
     "micro_batch_tokens": "tokens per micro-batch in the update and log-prob passes (default: one longest sequence)",
+    "logprob_padded_seqs": "sequences per log-prob micro-batch when the trainer pads each micro-batch to its longest "
+    "sequence (verl's Megatron path without dynamic batching or packing: log_prob_micro_batch_size_per_gpu); default none: packed, no padding",
     "distributed_optimizer": "optimizer state sharded over data-parallel ranks (default true)",
     "optimizer_swap": "optimizer state lives in host memory and is swapped in for the step on the device (MindSpeed swap_optimizer; default false)",
     "optimizer_offload_fraction": "share of the optimizer state and step kept on the host CPU (Megatron's hybrid "
@@ -203,6 +211,9 @@ _JOB_DOC = {
     "rollout_memory_utilization": "fraction of usable device memory the rollout engine may take (default 0.85)",
     "expert_imbalance": "tokens on the busiest expert-parallel rank over the mean (default: the knobs' value for real routers, 1.2, a prior no published run pins down; 1.0 = forced balance)",
     "reward_s": "fixed time of the reward phase per step in seconds (default 0: rule-based, overlapped)",
+    "dispatch_s": "{reference, old_logprob, update}: seconds a pass waits for its data to reach every rank before "
+    "its first collective (verl's single controller dispatching through the host; cann-recipes measured 57 s and 73 s "
+    "on 256 dies, under 1 s and 5 s with device-to-device transfer); added as given, default none",
     "rollout_oversampling": "responses generated per kept response (DAPO dynamic sampling; default 1.0): the rollout "
     "runs this many generation rounds of the step's size on average, one after another, each waiting for its longest response",
     "rollout_max_seqs": "sequences one rollout engine rank decodes at once at most (vLLM max_num_seqs; default: as many "
@@ -228,6 +239,7 @@ class Job:
     ppo_epochs: int = 1
     mini_batches: int = 1
     micro_batch_tokens: int | None = None
+    logprob_padded_seqs: int | None = None
     distributed_optimizer: bool = True
     optimizer_swap: bool = False
     optimizer_offload_fraction: float = 0.0
@@ -238,13 +250,14 @@ class Job:
     weight_sync: str = "gather"
     expert_imbalance: float | None = None
     reward_s: float = 0.0
+    dispatch_s: tuple[tuple[str, float], ...] = ()  # (pass, seconds) pairs; a mapping in YAML
     rollout_oversampling: float = 1.0
     rollout_max_seqs: int | None = None
 
     def __post_init__(self) -> None:
         _choice(self.algorithm, ("grpo", "ppo", "dapo"), "algorithm")
         _choice(self.precision, ("bf16", "fp16", "fp32"), "precision")
-        _choice(self.recompute, ("none", "selective", "full"), "recompute")
+        _choice(self.recompute, RECOMPUTE_MODES, "recompute")
         _choice(self.optimizer_moments, ("fp32", "bf16"), "optimizer_moments")
         _choice(self.trainer_backend, ("megatron", "transformers"), "trainer_backend")
         _choice(self.weight_sync, ("gather", "shard"), "weight_sync")
@@ -262,11 +275,16 @@ class Job:
         if self.expert_imbalance is not None:
             _num(self.expert_imbalance, "expert_imbalance", 1.0, 64.0)
         _num(self.reward_s, "reward_s")
+        for phase, seconds in self.dispatch_s:
+            _choice(phase, DISPATCH_PASSES, "dispatch_s key")
+            _num(seconds, f"dispatch_s.{phase}")
         _num(self.rollout_oversampling, "rollout_oversampling", 1.0, 64.0)
         if self.micro_batch_tokens is not None:
             _int(self.micro_batch_tokens, "micro_batch_tokens")
         if self.rollout_max_seqs is not None:
             _int(self.rollout_max_seqs, "rollout_max_seqs")
+        if self.logprob_padded_seqs is not None:
+            _int(self.logprob_padded_seqs, "logprob_padded_seqs")
         if self.mini_batches > self.num_sequences:
             raise SpecError(f"mini_batches={self.mini_batches} exceeds the {self.num_sequences} sequences per step")
         updates = self.ppo_epochs * self.mini_batches
@@ -326,6 +344,11 @@ class Job:
                 else:
                     check_keys(value, ["params", "grads", "optimizer"], at)
                     kw[key] = Offload(**{k: _bool(v, f"{at}.{k}") for k, v in value.items()})
+            elif key == "dispatch_s":
+                if not isinstance(value, Mapping):
+                    raise SpecError(f"{at}: expected a mapping of {', '.join(DISPATCH_PASSES)} to seconds, got {value!r}")
+                check_keys(value, list(DISPATCH_PASSES), at)
+                kw[key] = tuple((k, _num(v, f"{at}.{k}")) for k, v in value.items())
             elif key == "train_layout":
                 kw[key] = None if value is None else TrainLayout.from_dict(value, at)
             elif key == "rollout_layout":
@@ -334,7 +357,7 @@ class Job:
                 kw[key] = _bool(value, at)
             elif key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "mini_batches"):
                 kw[key] = _int(value, at)
-            elif key in ("micro_batch_tokens", "rollout_max_seqs"):
+            elif key in ("micro_batch_tokens", "rollout_max_seqs", "logprob_padded_seqs"):
                 kw[key] = None if value is None else _int(value, at)
             elif key in ("rollout_memory_utilization", "expert_imbalance", "reward_s", "rollout_oversampling", "optimizer_offload_fraction"):
                 kw[key] = _num(value, at)
@@ -354,6 +377,7 @@ class Job:
         out = asdict(self)
         if self.train_layout is not None:
             out["train_layout"] = self.train_layout.to_dict()
+        out["dispatch_s"] = dict(self.dispatch_s) or None
         for key in ("prompt_tokens", "response_tokens"):
             if out[key]["shape"] == 2.0:
                 del out[key]["shape"]

@@ -218,3 +218,39 @@ def test_a_knobs_file_without_a_new_knob_keeps_its_prior(tmp_path):
     path.write_text(json.dumps({"knobs": {"nvidia": {"train_mfu": 0.33}}}))
     knobs = load_knobs("nvidia", path)
     assert knobs.train_mfu == 0.33 and knobs.switch_tensor_s == PRIOR["nvidia"].switch_tensor_s
+
+
+def test_recompute_moe_sits_between_selective_and_full():
+    """recompute moe keeps of each MoE layer only its input (less memory than selective) and reruns
+    the routed experts and their all-to-all in backward (more time, less than a full recompute)."""
+    arch, accel = load_model("qwen3-235b-a22b"), load_accelerator("atlas-a3")
+    cand = TrainCandidates.single(128, TrainLayout(tp=4, pp=4, ep=32, cp=4, etp=1))
+    job = Job(prompt_tokens=Lengths(mean=73.7, max=2048), response_tokens=Lengths(mean=7345, max=32768), micro_batch_tokens=34816)
+    te = {mode: CostModel(arch, accel, dataclasses.replace(job, recompute=mode)).train(cand) for mode in ("selective", "moe", "full")}
+    assert te["full"].activations_bytes[0] < te["moe"].activations_bytes[0] < te["selective"].activations_bytes[0]
+    assert te["selective"].update_compute_s[0] < te["moe"].update_compute_s[0] < te["full"].update_compute_s[0]
+    assert te["selective"].update_a2a_s[0] < te["moe"].update_a2a_s[0] == pytest.approx(te["full"].update_a2a_s[0])
+    assert te["moe"].update_tp_s[0] == pytest.approx(te["selective"].update_tp_s[0])
+
+
+def test_padded_log_prob_micro_batches_and_dispatch_delay():
+    """Micro-batches padded to their longest sequence cost the log-prob passes E[max of n] over the
+    mean length; a job's dispatch_s adds to the passes it names, and --explain shows both."""
+    arch, accel = load_model("deepseek-v3"), load_accelerator("atlas-a3")
+    cand = TrainCandidates.single(256, TrainLayout(tp=4, pp=8, ep=8))
+    packed = Job(prompt_tokens=Lengths(mean=77.8, max=1024), response_tokens=Lengths(mean=1576.6, max=3072))
+    padded = dataclasses.replace(packed, logprob_padded_seqs=8)
+    model = CostModel(arch, accel, padded)
+    assert 1.5 < model.logprob_padding < (77.8 + 3072) / (77.8 + 1576.6)
+    a, b = (CostModel(arch, accel, j).train(cand) for j in (packed, padded))
+    assert b.reference_s[0] > a.reference_s[0] and b.update_s[0] == pytest.approx(a.update_s[0])
+    delayed = dataclasses.replace(padded, dispatch_s=(("reference", 57.0), ("update", 73.0)))
+    c = CostModel(arch, accel, delayed).train(cand)
+    assert c.reference_s[0] == pytest.approx(b.reference_s[0] + 57.0) and c.update_s[0] == pytest.approx(b.update_s[0] + 73.0)
+    result = evaluate(arch, accel, delayed, 256)
+    by_phase: dict[str, float] = {}
+    for t in result.terms:
+        by_phase[t["phase"]] = by_phase.get(t["phase"], 0.0) + t["seconds"]
+    assert by_phase["update"] == pytest.approx(result.phase_times_s["update"])
+    reference = next(t for t in result.terms if t["phase"] == "reference")["inputs"]
+    assert "padded to their longest" in reference and "57 s data dispatch" in reference

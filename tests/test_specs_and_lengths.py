@@ -51,3 +51,27 @@ def test_mean_at_the_cap_means_every_response_runs_to_it():
     assert model.mean == 3072 and np.all(model.survival == 1.0)
     near = LengthModel.from_spec(Lengths(mean=3039.8, max=3072))  # the random-weight DeepSeek run
     assert near.mean == pytest.approx(3039.8, rel=1e-3) and near.p_at_max > 0.8
+
+
+@pytest.mark.parametrize("mean,cap", [(1576.6, 3072), (7344.973, 32768), (3072, 3072)])
+def test_expected_longest_of_a_micro_batch(mean, cap):
+    """E[max of n lengths] against sampling the same distribution: n = 1 is the mean, it grows with n
+    and never passes the cap."""
+    model = LengthModel.from_spec(Lengths(mean=mean, max=cap))
+    assert model.expected_max(1) == pytest.approx(model.mean, rel=1e-9)
+    draws = np.random.default_rng(0).choice(model.pmf_lengths, p=model.pmf, size=(20000, 8)).max(axis=1)
+    assert model.expected_max(8) == pytest.approx(draws.mean(), rel=0.01)
+    values = [model.expected_max(n) for n in (1, 2, 8, 64)]
+    assert values == sorted(values) and values[-1] <= cap
+
+
+def test_dispatch_delays_name_their_passes():
+    job = Job.from_dict({"dispatch_s": {"reference": 57, "update": 73}})
+    assert dict(job.dispatch_s) == {"reference": 57.0, "update": 73.0}
+    assert Job.from_dict(job.to_dict()) == job
+    with pytest.raises(SpecError, match=r"unknown key\(s\) 'rollout'"):
+        Job.from_dict({"dispatch_s": {"rollout": 5}})
+    with pytest.raises(SpecError, match="expected a mapping"):
+        Job.from_dict({"dispatch_s": 5})
+    with pytest.raises(SpecError, match="dispatch_s.update"):
+        Job.from_dict({"dispatch_s": {"update": -1}})

@@ -129,3 +129,25 @@ def test_export_and_job_refuse_what_they_cannot_write(plans, tmp_path):
     (tmp_path / "part.yaml").write_text("data:\n  train_batch_size: 64\n")
     result = run_cli("job", "--from", "verl", tmp_path / "part.yaml")
     assert result.exit_code == 2 and "not a complete verl config: missing data.max_prompt_length, data.max_response_length" in result.output
+
+
+def test_moe_recompute_exports_as_megatron_recompute_modules(plans, tmp_path):
+    """recompute moe is Megatron's selective recompute of the `moe` module (and the norms): verl's
+    override_transformer_config carries it and reads back; MindSpeed-RL's published configs cannot."""
+    from planner.plan import load_plan
+    from planner.runs.trainers import export_plan
+
+    data = yaml.safe_load(plans[0].read_text())
+    data["deployment"]["job"]["recompute"] = "moe"
+    path = tmp_path / "moe.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    _, flat = export_plan(load_plan(path), "verl", "/ckpt/proxy")
+    mega = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    assert flat[f"{mega}.recompute_granularity"] == "selective" and flat[f"{mega}.recompute_modules"] == ["moe", "layernorm"]
+    assert f"{mega}.recompute_modules" in verl_config()
+    out = tmp_path / "verl.cfg"
+    assert run_cli("export", path, "--to", "verl", "--model-path", "/p", "-o", out).exit_code == 0
+    assert run_cli("job", "--from", "verl", out, "-o", tmp_path / "job.yaml").exit_code == 0
+    assert yaml.safe_load((tmp_path / "job.yaml").read_text())["recompute"] == "moe"
+    result = run_cli("export", path, "--to", "mindspeed-rl", "--model-path", "/p")
+    assert result.exit_code == 2 and "no key for recomputing the MoE layers" in result.output

@@ -19,7 +19,9 @@ inputs unfused; grouped expert matmuls keep their inputs; three index tensors ro
 
 Recompute: `none` keeps all of it; `full` keeps each layer's input (checkpointing) and rebuilds one
 layer at a time in backward (`transient`); `selective` (Megatron --recompute-modules moe_act
-layernorm) drops the norm outputs and the SwiGLU outputs of routed copies.
+layernorm) drops the norm outputs and the SwiGLU outputs of routed copies; `moe` (--recompute-modules
+moe layernorm; MindSpeed's --moe-zero-memory) keeps of each MoE layer only its input: router,
+dispatched copies, experts and combine are rebuilt in backward.
 
 Everything here is per token of one micro-batch on one device before tensor/sequence parallelism
 (the caller divides by TP: Megatron requires sequence parallelism with TP for MoE).
@@ -127,11 +129,14 @@ def layer_activation_bytes(arch: Architecture, *, act_bytes: int, backend: str, 
             shared += act_bytes * (1 + h)  # sigmoid gate value and the shared output it scales
     dense = _swiglu_mlp(arch.dense_intermediate, act_bytes, backend) if arch.dense_intermediate else 0.0
 
-    if recompute == "selective":
+    if recompute in ("selective", "moe"):
         # recompute norms and the routed SwiGLU: drop the normalised outputs and the SwiGLU output
         attention -= act_bytes * h
         post_norm -= act_bytes * h
         per_copy -= act_bytes * moe.expert_intermediate
+    if recompute == "moe":  # the MoE layer checkpointed: its input stays, nothing inside it
+        post_norm += act_bytes * h
+        router = per_copy = shared = 0.0
     return LayerActivations(
         attention=attention + post_norm,
         moe_fixed=router + shared,

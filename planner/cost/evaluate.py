@@ -296,12 +296,16 @@ class _Evaluator:
         f = lambda a: float(a[ti])  # noqa: E731
         u = lambda a: models * float(a[ti])  # noqa: E731  (PPO updates the critic the same way)
         per = f" (x{models}: actor and critic)" if models > 1 else ""
+        recomputed = {"full": ", recomputed forward", "moe": ", recomputed MoE layers"}.get(job.recompute, "")
+        dispatch = dict(job.dispatch_s)
         out = [
             ("update", "compute", u(te.update_compute_s),
-             f"{te.update_flops / 1e15:,.1f} PFLOP (forward, backward{', recomputed forward' if job.recompute == 'full' else ''}) / ({devices} x {accel.peak_flops(job.precision) / 1e12:,.0f} TFLOP/s x "
-             f"train_mfu {kn.train_mfu:.3f}) x slowdown {f(te.compute_slowdown):.2f} (expert GEMMs of {f(te.expert_gemm_flops) / 1e9:.2f} "
+             f"{te.update_flops / 1e15:,.1f} PFLOP (forward, backward{recomputed}) / ({devices} x {accel.peak_flops(job.precision) / 1e12:,.0f} TFLOP/s x "
+             f"train_mfu {kn.train_mfu:.3f}), attention ({m.attention_share():.0%} of the FLOPs) at attention_efficiency "
+             f"{kn.attention_efficiency:.3f} of that rate, x slowdown {f(te.compute_slowdown):.2f} (expert GEMMs of {f(te.expert_gemm_flops) / 1e9:.2f} "
              f"GFLOP at efficiency {f(te.expert_gemm_efficiency):.2f}, expert imbalance {m.imbalance:g} where ep > 1, the busiest "
              f"pipeline stage){per}"),
+            ("update", "data dispatch", dispatch.get("update", 0.0), "the job's dispatch_s"),
             ("update", "pipeline bubble", u(te.update_bubble_s), f"compute x (pp - 1) / {f(te.micro_batches):.0f} micro-batches, pp {lay.pp}"),
             ("update", "expert all-to-all", u(te.update_a2a_s), f"ep {lay.ep}; a2a_efficiency {kn.a2a_efficiency:.3f}"),
             ("update", "tensor-parallel collectives", u(te.update_tp_s), f"tp {lay.tp}"),
@@ -323,7 +327,9 @@ class _Evaluator:
         for phase in ("reference", "old_logprob", "values", "reward"):
             if phases.get(phase):
                 out.append((phase, phase.replace("_", " "), phases[phase], "the job's reward_s" if phase == "reward"
-                            else f"forward pass at logprob_mfu {kn.logprob_mfu:.3f}"))  # fmt: skip
+                            else f"forward pass at logprob_mfu {kn.logprob_mfu:.3f}"
+                            + (f", micro-batches of {job.logprob_padded_seqs} padded to their longest (x{m.logprob_padding:.2f} FLOPs)" if job.logprob_padded_seqs else "")
+                            + (f", {dispatch[phase]:g} s data dispatch (the job's dispatch_s)" if dispatch.get(phase) else "")))  # fmt: skip
         if phases.get("switch"):
             host, fixed = f(te.switch_host_s), kn.switch_fixed_s
             sync = phases["switch"] - host - fixed

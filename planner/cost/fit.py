@@ -1,12 +1,13 @@
 """Fit the efficiency knobs to the published RL runs, and say how well they predict a run left out.
 
 Free parameters, fewer than the runs of each family: per accelerator family the achieved compute
-fraction in the update and in forward-only passes and the decode bandwidth fraction, which belong
-to the chip and its kernels; shared by both families the knobs that belong to the RL software
-rather than the chip (the inference engine's per-step overhead, the per-tensor and fixed switch
-costs). The all-to-all efficiency and the expert imbalance of real routers stay at their priors:
-no published pair of runs separates them from the compute fraction (the one balanced-routing run,
-ds-r1-a3-random, also turned on optimisations the model does not represent). Everything else is a
+fraction in the update and in forward-only passes, attention's rate relative to theirs (long
+sequences separate it: the 32K runs against the 3K ones) and the decode bandwidth fraction, which
+belong to the chip and its kernels; shared by both families the knobs that belong to the RL
+software rather than the chip (the inference engine's per-step overhead, the per-tensor and fixed
+switch costs). The all-to-all efficiency and the expert imbalance of real routers stay at their
+priors: no published pair of runs separates them from the compute fraction (the one
+balanced-routing run, ds-r1-a3-random, also differs in recompute and data dispatch). Everything else is a
 mechanism with sourced inputs (accelerator profiles: bandwidths, collective latencies, eager launch
 cost per layer, host Adam rate).
 
@@ -39,7 +40,7 @@ __all__ = ["PublishedRun", "load_runs", "predict", "fit", "fit_all", "leave_one_
 
 PHASES = ("rollout", "reference", "old_logprob", "update", "switch", "step")
 PRIOR_WEIGHT = 0.05
-FAMILY_KNOBS = ("train_mfu", "logprob_mfu", "decode_mbu")
+FAMILY_KNOBS = ("train_mfu", "logprob_mfu", "decode_mbu", "attention_efficiency")
 SHARED_KNOBS = ("decode_step_overhead_s", "switch_tensor_s", "switch_fixed_s")
 SHARED = "shared"
 

@@ -7,7 +7,8 @@ at the cap means every response runs to the cap (random-weight runs that never e
 
 What the cost model reads from it:
   survival(j)  P(R >= j): the share of sequences still decoding at step j (the shrinking batch)
-  moments      E[R], E[(P+R)^2] for attention FLOPs, the length-biased mean context for KV
+  moments      E[R], E[(P+R)^2] for attention FLOPs, the length-biased mean context for KV,
+               E[max of n R] for micro-batches padded to their longest sequence
 It is discretised once into `bins` equal-width decode-step bins, so rollout time is a sum over bins,
 vectorised over layouts.
 """
@@ -110,6 +111,11 @@ class LengthModel:
     def expect(self, fn) -> float:
         """E[fn(R)] over the discrete length distribution."""
         return float((fn(self.pmf_lengths) * self.pmf).sum())
+
+    def expected_max(self, n: int) -> float:
+        """E[max of n independent lengths]: what a micro-batch of n sequences is padded to."""
+        cdf = np.cumsum(self.pmf)
+        return float((self.pmf_lengths * np.diff(np.concatenate([[0.0], np.minimum(cdf, 1.0) ** n]))).sum())
 
     @property
     def live_context_extra(self) -> float:

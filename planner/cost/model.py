@@ -172,6 +172,13 @@ class CostModel:
         # E[sum over layers of attended pairs of one training sequence]
         self.train_pairs_per_seq = L.expect(lambda r: self._pairs(prompt + r))
         self.prefill_pairs_per_seq = float(self._pairs(np.array([prompt]))[0])
+        # log-prob passes over micro-batches padded to their longest sequence (no packing): every
+        # sequence computes as long as the expected longest of its micro-batch, attention dense over it
+        self.logprob_padding = 1.0
+        if job.logprob_padded_seqs:
+            padded = prompt + L.expected_max(job.logprob_padded_seqs)
+            flops = padded * self.matmul_flops_per_token + float(self._pairs(np.array([padded]))[0]) * self.attn_flops_per_pair
+            self.logprob_padding = flops / (job.mean_sequence_tokens * self.matmul_flops_per_token + self.train_pairs_per_seq * self.attn_flops_per_pair)
 
     def _pairs(self, seq_len: np.ndarray) -> np.ndarray:
         """Attended (query, key) pairs of causal attention over a sequence, summed over layers."""
@@ -332,10 +339,16 @@ class CostModel:
         moe_stage = np.maximum.reduceat(n_moe, starts)
         layers_stage = np.maximum.reduceat(s["layers"], starts)
         slow = slow * layers_stage * pp / arch.num_layers  # and the busiest pipeline stage
-        recompute_fwd = {"none": 0.0, "selective": 0.0, "full": 1.0}[job.recompute]
+        # recomputation: full reruns every layer's forward; moe reruns the MoE layers (routed
+        # experts, and their dispatch and combine); selective's norms and SwiGLU are not counted
+        recompute_fwd = {"full": 1.0, "moe": expert_share}.get(job.recompute, 0.0)
+        recompute_moe = 1.0 if job.recompute in ("full", "moe") else 0.0
+        recompute_tp = 1.0 if job.recompute == "full" else 0.0
         train_flops = job.ppo_epochs * fwd_flops * (3.0 + recompute_fwd)
-        compute = train_flops / (devices * peak * kn.train_mfu) * slow
-        fwd_compute = fwd_flops / (devices * peak * kn.logprob_mfu) * slow
+        # attention runs at its own fraction of the GEMMs' rate: time counts its FLOPs at that rate
+        timed = 1.0 + self.attention_share() * (1.0 / kn.attention_efficiency - 1.0)
+        compute = train_flops * timed / (devices * peak * kn.train_mfu) * slow
+        fwd_compute = fwd_flops * timed * self.logprob_padding / (devices * peak * kn.logprob_mfu) * slow
         bubble = compute * (pp - 1) / m
         fwd_bubble = fwd_compute * (pp - 1) / m
 
@@ -346,16 +359,16 @@ class CostModel:
         micro_all = m * job.mini_batches  # micro-batches per DP rank per epoch
         a2a_bytes = t_dev * arch.moe.top_k * arch.hidden_size * job.activation_bytes * (ep - 1) / ep * ep_imb
         per_pass = np.where(ep > 1, micro_all * moe_stage * 2 * a2a_bytes / a2a_bw, 0.0)
-        a2a_update = job.ppo_epochs * per_pass * (2.0 + recompute_fwd)
+        a2a_update = job.ppo_epochs * per_pass * (2.0 + recompute_moe)
         # expert TP: the dispatcher all-gathers the routed tokens over the ETP group after the
         # all-to-all and reduce-scatters them before the combine
         etp_bytes = t_dev * arch.moe.top_k * arch.hidden_size * job.activation_bytes * (etp - 1) * ep_imb
         etp_pass = micro_all * moe_stage * 2 * etp_bytes / accel.link_bytes_per_s(etp)
-        etp_update = job.ppo_epochs * etp_pass * (2.0 + recompute_fwd)
+        etp_update = job.ppo_epochs * etp_pass * (2.0 + recompute_moe)
         # TP (sequence-parallel) all-gather / reduce-scatter: 4 per layer per forward pass
         tp_bytes = job.micro_tokens / cp * arch.hidden_size * job.activation_bytes * (tp - 1) / tp
         tp_pass = micro_all * layers_stage * 4 * tp_bytes / accel.link_bytes_per_s(tp)
-        tp_update = job.ppo_epochs * tp_pass * (2.0 + recompute_fwd)
+        tp_update = job.ppo_epochs * tp_pass * (2.0 + recompute_tp)
         # DP: reduce-scatter grads and all-gather params once per optimizer step; a DP group and
         # an expert-DP group both span the devices of one pipeline stage (TP innermost)
         stage_bw = accel.link_bytes_per_s(devices / pp)
@@ -381,6 +394,7 @@ class CostModel:
         gather = self.counts.total * 2.0 / accel.link_bytes_per_s(gather_span) + self.weight_tensors * kn.switch_tensor_s
         gather = gather if job.weight_sync == "gather" else np.zeros(len(cand))
         zeros = np.zeros(len(cand))
+        dispatch = dict(job.dispatch_s)  # as the job gives it: data reaching every rank before a pass starts
         return TrainEval(
             weights_bytes=weights[peak_idx],
             grads_bytes=grads[peak_idx],
@@ -396,9 +410,9 @@ class CostModel:
             switch_gather_s=gather,
             reference_weight_bytes=ref_weights,
             host_bytes_per_node=host_per_node,
-            update_s=update,
-            reference_s=logprob if job.reference_model else zeros,
-            old_logprob_s=zeros if job.skip_old_logprob else logprob,
+            update_s=update + dispatch.get("update", 0.0),
+            reference_s=logprob + dispatch.get("reference", 0.0) if job.reference_model else zeros,
+            old_logprob_s=zeros if job.skip_old_logprob else logprob + dispatch.get("old_logprob", 0.0),
             values_s=logprob if job.algorithm == "ppo" else zeros,
             update_compute_s=compute,
             update_a2a_s=a2a_update,
@@ -436,6 +450,11 @@ class CostModel:
         parameter per token (PaLM appendix B) plus causal attention over the length distribution."""
         job = self.job
         return job.tokens_per_step * self.matmul_flops_per_token + job.num_sequences * self.train_pairs_per_seq * self.attn_flops_per_pair
+
+    def attention_share(self) -> float:
+        """Causal attention's share of the forward pass's FLOPs."""
+        job = self.job
+        return job.num_sequences * self.train_pairs_per_seq * self.attn_flops_per_pair / self.forward_flops_per_step()
 
     def update_model_flops(self) -> float:
         """Model FLOPs of the update (forward + backward = 3 forwards, per epoch; PPO adds the

@@ -28,7 +28,8 @@ from planner.errors import SpecError
 __all__ = ["TRAINERS", "export_plan", "job_from", "flatten", "published_keys"]
 
 TRAINERS = ("verl", "mindspeed-rl", "nemo-rl")
-_RECOMPUTE = {"none": None, "selective": "selective", "full": "full"}
+_RECOMPUTE = {"none": None, "selective": "selective", "moe": "selective", "full": "full"}
+_MOE_MODULES = ["moe", "layernorm"]  # Megatron-Core recompute_modules of recompute "moe"
 _DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -98,6 +99,7 @@ def _verl(d: Deployment, replay: bool) -> dict[str, Any]:
         f"{mega}.override_transformer_config.recompute_granularity": recompute,
         f"{mega}.override_transformer_config.recompute_method": "uniform" if recompute == "full" else None,
         f"{mega}.override_transformer_config.recompute_num_layers": 1 if recompute == "full" else None,
+        f"{mega}.override_transformer_config.recompute_modules": _MOE_MODULES if j.recompute == "moe" else None,
         f"{actor}.ppo_mini_batch_size": _mini_batch(j),
         f"{actor}.ppo_epochs": j.ppo_epochs,
         f"{actor}.use_dynamic_bsz": True,
@@ -133,6 +135,8 @@ def _mindspeed(d: Deployment, replay: bool) -> dict[str, Any]:
         raise SpecError(f"MindSpeed-RL's generate_config has no data-parallel size; this plan's rollout is {r.describe()}")
     if replay:
         raise SpecError("routing replay: MindSpeed-RL's published GRPO configs have no router replay key")
+    if j.recompute == "moe":
+        raise SpecError("MindSpeed-RL's published GRPO configs have no key for recomputing the MoE layers; use recompute full or selective")
     recompute = _RECOMPUTE[j.recompute]
     out = {
         "megatron_training.model": d.name,
@@ -212,6 +216,8 @@ def _hydra(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, tuple)):  # Hydra's list syntax: no spaces, bare strings
+        return "[" + ",".join(_hydra(v) for v in value) + "]"
     return str(value)
 
 
@@ -322,6 +328,8 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         mega, actor = "actor_rollout_ref.actor.megatron", "actor_rollout_ref.actor"
         prompts = n("data.train_batch_size")
         recompute = f.get(f"{mega}.override_transformer_config.recompute_granularity")
+        if recompute == "selective" and "moe" in (f.get(f"{mega}.override_transformer_config.recompute_modules") or []):
+            recompute = "moe"
         kw = dict(algorithm="ppo" if f.get("algorithm.adv_estimator") == "gae" else "grpo", prompts_per_step=prompts,
                   samples_per_prompt=n("actor_rollout_ref.rollout.n"), **lengths(n("data.max_prompt_length"), n("data.max_response_length")),
                   precision=precision.get(f.get(f"{mega}.dtype", "bfloat16"), "bf16"), recompute=recompute or "none",

@@ -278,6 +278,8 @@ class Job:
         for phase, seconds in self.dispatch_s:
             _choice(phase, DISPATCH_PASSES, "dispatch_s key")
             _num(seconds, f"dispatch_s.{phase}")
+        if len(dict(self.dispatch_s)) != len(self.dispatch_s):
+            raise SpecError(f"dispatch_s names a pass twice: {self.dispatch_s}")
         _num(self.rollout_oversampling, "rollout_oversampling", 1.0, 64.0)
         if self.micro_batch_tokens is not None:
             _int(self.micro_batch_tokens, "micro_batch_tokens")
@@ -317,6 +319,11 @@ class Job:
         return self.micro_batch_tokens or self.max_sequence_tokens
 
     @property
+    def dispatch(self) -> dict[str, float]:
+        """Seconds each pass waits for its data (dispatch_s), by pass."""
+        return dict(self.dispatch_s)
+
+    @property
     def activation_bytes(self) -> int:
         return 4 if self.precision == "fp32" else 2
 
@@ -345,10 +352,10 @@ class Job:
                     check_keys(value, ["params", "grads", "optimizer"], at)
                     kw[key] = Offload(**{k: _bool(v, f"{at}.{k}") for k, v in value.items()})
             elif key == "dispatch_s":
-                if not isinstance(value, Mapping):
+                if value is not None and not isinstance(value, Mapping):
                     raise SpecError(f"{at}: expected a mapping of {', '.join(DISPATCH_PASSES)} to seconds, got {value!r}")
-                check_keys(value, list(DISPATCH_PASSES), at)
-                kw[key] = tuple((k, _num(v, f"{at}.{k}")) for k, v in value.items())
+                check_keys(value or {}, list(DISPATCH_PASSES), at)
+                kw[key] = tuple(sorted((k, _num(v, f"{at}.{k}")) for k, v in (value or {}).items()))
             elif key == "train_layout":
                 kw[key] = None if value is None else TrainLayout.from_dict(value, at)
             elif key == "rollout_layout":
@@ -377,7 +384,7 @@ class Job:
         out = asdict(self)
         if self.train_layout is not None:
             out["train_layout"] = self.train_layout.to_dict()
-        out["dispatch_s"] = dict(self.dispatch_s) or None
+        out["dispatch_s"] = self.dispatch or None
         for key in ("prompt_tokens", "response_tokens"):
             if out[key]["shape"] == 2.0:
                 del out[key]["shape"]

@@ -231,6 +231,8 @@ def test_recompute_moe_sits_between_selective_and_full():
     assert te["selective"].update_compute_s[0] < te["moe"].update_compute_s[0] < te["full"].update_compute_s[0]
     assert te["selective"].update_a2a_s[0] < te["moe"].update_a2a_s[0] == pytest.approx(te["full"].update_a2a_s[0])
     assert te["moe"].update_tp_s[0] == pytest.approx(te["selective"].update_tp_s[0])
+    # a forward-only pass holds one whole layer's working set whatever the update recomputes
+    assert te["moe"].logprob_bytes[0] == te["selective"].logprob_bytes[0] == te["full"].logprob_bytes[0]
 
 
 def test_padded_log_prob_micro_batches_and_dispatch_delay():

@@ -75,3 +75,7 @@ def test_dispatch_delays_name_their_passes():
         Job.from_dict({"dispatch_s": 5})
     with pytest.raises(SpecError, match="dispatch_s.update"):
         Job.from_dict({"dispatch_s": {"update": -1}})
+    assert Job.from_dict({"dispatch_s": None}).dispatch == {}
+    assert Job.from_dict({"dispatch_s": {"update": 73, "reference": 57}}) == job  # order does not matter
+    with pytest.raises(SpecError, match="names a pass twice"):
+        Job(dispatch_s=(("update", 1.0), ("update", 2.0)))

@@ -132,8 +132,9 @@ def test_export_and_job_refuse_what_they_cannot_write(plans, tmp_path):
 
 
 def test_moe_recompute_exports_as_megatron_recompute_modules(plans, tmp_path):
-    """recompute moe is Megatron's selective recompute of the `moe` module (and the norms): verl's
-    override_transformer_config carries it and reads back; MindSpeed-RL's published configs cannot."""
+    """recompute moe is Megatron's selective recompute of the `moe` module (and the norms), selective
+    that of moe_act and the norms: verl's override_transformer_config carries the modules and moe
+    reads back; MindSpeed-RL's published configs cannot express moe."""
     from planner.plan import load_plan
     from planner.runs.trainers import export_plan
 
@@ -145,6 +146,12 @@ def test_moe_recompute_exports_as_megatron_recompute_modules(plans, tmp_path):
     mega = "actor_rollout_ref.actor.megatron.override_transformer_config"
     assert flat[f"{mega}.recompute_granularity"] == "selective" and flat[f"{mega}.recompute_modules"] == ["moe", "layernorm"]
     assert f"{mega}.recompute_modules" in verl_config()
+    data["deployment"]["job"]["recompute"] = "selective"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    _, flat = export_plan(load_plan(path), "verl", "/ckpt/proxy")
+    assert flat[f"{mega}.recompute_modules"] == ["moe_act", "layernorm"]  # what the memory model's selective drops
+    data["deployment"]["job"]["recompute"] = "moe"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     out = tmp_path / "verl.cfg"
     assert run_cli("export", path, "--to", "verl", "--model-path", "/p", "-o", out).exit_code == 0
     assert run_cli("job", "--from", "verl", out, "-o", tmp_path / "job.yaml").exit_code == 0

@@ -20,8 +20,9 @@ inputs unfused; grouped expert matmuls keep their inputs; three index tensors ro
 Recompute: `none` keeps all of it; `full` keeps each layer's input (checkpointing) and rebuilds one
 layer at a time in backward (`transient`); `selective` (Megatron --recompute-modules moe_act
 layernorm) drops the norm outputs and the SwiGLU outputs of routed copies; `moe` (--recompute-modules
-moe layernorm; MindSpeed's --moe-zero-memory) keeps of each MoE layer only its input: router,
-dispatched copies, experts and combine are rebuilt in backward.
+moe layernorm; MindSpeed's --moe-zero-memory; under transformers a checkpoint of each MoE block)
+keeps nothing inside the MoE layers: router, dispatched copies, experts and combine are rebuilt in
+backward, one layer at a time.
 
 Everything here is per token of one micro-batch on one device before tensor/sequence parallelism
 (the caller divides by TP: Megatron requires sequence parallelism with TP for MoE).
@@ -129,13 +130,15 @@ def layer_activation_bytes(arch: Architecture, *, act_bytes: int, backend: str, 
             shared += act_bytes * (1 + h)  # sigmoid gate value and the shared output it scales
     dense = _swiglu_mlp(arch.dense_intermediate, act_bytes, backend) if arch.dense_intermediate else 0.0
 
-    if recompute in ("selective", "moe"):
+    if recompute == "selective" or (recompute == "moe" and backend == "megatron"):
         # recompute norms and the routed SwiGLU: drop the normalised outputs and the SwiGLU output
         attention -= act_bytes * h
         post_norm -= act_bytes * h
         per_copy -= act_bytes * moe.expert_intermediate
-    if recompute == "moe":  # the MoE layer checkpointed: its input stays, nothing inside it
-        post_norm += act_bytes * h
+    if recompute == "moe":
+        # the MoE layer checkpointed: nothing inside it stays. Its input is the post-attention
+        # norm's output, which Megatron's layernorm recompute rebuilds too (dropped above) and
+        # transformers' checkpoint of the block keeps (post_norm keeps it)
         router = per_copy = shared = 0.0
     return LayerActivations(
         attention=attention + post_norm,

@@ -297,7 +297,7 @@ class _Evaluator:
         u = lambda a: models * float(a[ti])  # noqa: E731  (PPO updates the critic the same way)
         per = f" (x{models}: actor and critic)" if models > 1 else ""
         recomputed = {"full": ", recomputed forward", "moe": ", recomputed MoE layers"}.get(job.recompute, "")
-        dispatch = dict(job.dispatch_s)
+        dispatch = job.dispatch
         out = [
             ("update", "compute", u(te.update_compute_s),
              f"{te.update_flops / 1e15:,.1f} PFLOP (forward, backward{recomputed}) / ({devices} x {accel.peak_flops(job.precision) / 1e12:,.0f} TFLOP/s x "

@@ -139,6 +139,13 @@ class CostModel:
         self.act_routed = act.routed_per_copy * k  # per token at imbalance 1
         self.act_dense_layer = act.attention + act.dense
         self.act_output = output_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend)
+        # what one layer holds while it runs, whatever the update recomputes: forward-only passes,
+        # and the MoE layer that recompute moe rebuilds in backward
+        whole = layer_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend, recompute="none")
+        self.work_moe_layer = whole.attention + whole.moe_fixed
+        self.work_moe_inside = whole.moe_fixed - act.moe_fixed  # rebuilt in backward under recompute moe
+        self.work_routed = whole.routed_per_copy * k
+        self.work_dense_layer = whole.attention + whole.dense
         c = self.counts
         self.embedding_params = c.embeddings
         self.head_params = c.lm_head
@@ -306,7 +313,7 @@ class CostModel:
         other_model = (models - 1.0) * kept  # the critic's (or actor's) states kept meanwhile
         update_stage = weights + grads + opt + act + other_model
         # forward-only pass: weights and one layer's working set plus the output log-probs
-        fwd_work = t_dev[o] * (np.maximum(self.act_moe_layer + self.act_routed, self.act_dense_layer) + is_last * self.act_output)
+        fwd_work = t_dev[o] * (np.maximum(self.work_moe_layer + self.work_routed, self.work_dense_layer) + is_last * self.act_output)
         logprob_stage = weights + fwd_work + (kept - weights * (not off.params)) + other_model
         reference_stage = params_local * wb + fwd_work + models * kept
 
@@ -341,13 +348,16 @@ class CostModel:
         slow = slow * layers_stage * pp / arch.num_layers  # and the busiest pipeline stage
         # recomputation: full reruns every layer's forward; moe reruns the MoE layers (routed
         # experts, and their dispatch and combine); selective's norms and SwiGLU are not counted
-        recompute_fwd = {"full": 1.0, "moe": expert_share}.get(job.recompute, 0.0)
+        moe_share = expert_share + job.tokens_per_step * 2.0 * self._prefix["shared_experts"][-1] / fwd_flops
+        recompute_fwd = {"full": 1.0, "moe": moe_share}.get(job.recompute, 0.0)
         recompute_moe = 1.0 if job.recompute in ("full", "moe") else 0.0
         recompute_tp = 1.0 if job.recompute == "full" else 0.0
         train_flops = job.ppo_epochs * fwd_flops * (3.0 + recompute_fwd)
         # attention runs at its own fraction of the GEMMs' rate: time counts its FLOPs at that rate
+        # (a recomputed MoE layer has none)
         timed = 1.0 + self.attention_share() * (1.0 / kn.attention_efficiency - 1.0)
-        compute = train_flops * timed / (devices * peak * kn.train_mfu) * slow
+        timed_flops = job.ppo_epochs * fwd_flops * (3.0 * timed + recompute_fwd * (timed if job.recompute == "full" else 1.0))
+        compute = timed_flops / (devices * peak * kn.train_mfu) * slow
         fwd_compute = fwd_flops * timed * self.logprob_padding / (devices * peak * kn.logprob_mfu) * slow
         bubble = compute * (pp - 1) / m
         fwd_bubble = fwd_compute * (pp - 1) / m
@@ -394,7 +404,7 @@ class CostModel:
         gather = self.counts.total * 2.0 / accel.link_bytes_per_s(gather_span) + self.weight_tensors * kn.switch_tensor_s
         gather = gather if job.weight_sync == "gather" else np.zeros(len(cand))
         zeros = np.zeros(len(cand))
-        dispatch = dict(job.dispatch_s)  # as the job gives it: data reaching every rank before a pass starts
+        dispatch = job.dispatch  # as the job gives it: data reaching every rank before a pass starts
         return TrainEval(
             weights_bytes=weights[peak_idx],
             grads_bytes=grads[peak_idx],
@@ -433,7 +443,7 @@ class CostModel:
     def _stage_activation(self, tokens, n_moe, n_layers, imbalance, in_flight, is_last, transient=True):
         """Activation bytes a pipeline stage holds at its peak: `in_flight` micro-batches of
         `tokens` tokens per device saved for backward (layer inputs only under full recompute),
-        plus one layer rebuilt in backward under full recompute (`transient`), plus the output
+        plus one layer (under recompute moe: one MoE layer's inside) rebuilt in backward (`transient`), plus the output
         head's saved tensors on the last stage."""
         routed = self.act_routed * imbalance
         if self.job.recompute == "full":
@@ -443,6 +453,8 @@ class CostModel:
         else:
             per_mb = n_moe * (self.act_moe_layer + routed) + (n_layers - n_moe) * self.act_dense_layer
             held = tokens * in_flight * per_mb
+            if self.job.recompute == "moe" and transient:  # one MoE layer rebuilt in backward
+                held = held + tokens * np.where(n_moe > 0, self.work_moe_inside + self.work_routed * imbalance, 0.0)
         return held + is_last * tokens * self.act_output
 
     def forward_flops_per_step(self) -> float:

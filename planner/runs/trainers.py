@@ -29,7 +29,9 @@ __all__ = ["TRAINERS", "export_plan", "job_from", "flatten", "published_keys"]
 
 TRAINERS = ("verl", "mindspeed-rl", "nemo-rl")
 _RECOMPUTE = {"none": None, "selective": "selective", "moe": "selective", "full": "full"}
-_MOE_MODULES = ["moe", "layernorm"]  # Megatron-Core recompute_modules of recompute "moe"
+# Megatron-Core recompute_modules of the selective modes, as the memory model counts them
+# (planner.cost.activations): verl's own default, core_attn, would leave the SwiGLU outputs saved
+_MODULES = {"selective": ["moe_act", "layernorm"], "moe": ["moe", "layernorm"]}
 _DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -99,7 +101,7 @@ def _verl(d: Deployment, replay: bool) -> dict[str, Any]:
         f"{mega}.override_transformer_config.recompute_granularity": recompute,
         f"{mega}.override_transformer_config.recompute_method": "uniform" if recompute == "full" else None,
         f"{mega}.override_transformer_config.recompute_num_layers": 1 if recompute == "full" else None,
-        f"{mega}.override_transformer_config.recompute_modules": _MOE_MODULES if j.recompute == "moe" else None,
+        f"{mega}.override_transformer_config.recompute_modules": _MODULES.get(j.recompute),
         f"{actor}.ppo_mini_batch_size": _mini_batch(j),
         f"{actor}.ppo_epochs": j.ppo_epochs,
         f"{actor}.use_dynamic_bsz": True,
@@ -328,7 +330,8 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         mega, actor = "actor_rollout_ref.actor.megatron", "actor_rollout_ref.actor"
         prompts = n("data.train_batch_size")
         recompute = f.get(f"{mega}.override_transformer_config.recompute_granularity")
-        if recompute == "selective" and "moe" in (f.get(f"{mega}.override_transformer_config.recompute_modules") or []):
+        modules = f.get(f"{mega}.override_transformer_config.recompute_modules")
+        if recompute == "selective" and isinstance(modules, list) and "moe" in modules:
             recompute = "moe"
         kw = dict(algorithm="ppo" if f.get("algorithm.adv_estimator") == "gae" else "grpo", prompts_per_step=prompts,
                   samples_per_prompt=n("actor_rollout_ref.rollout.n"), **lengths(n("data.max_prompt_length"), n("data.max_response_length")),

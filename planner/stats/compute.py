@@ -399,8 +399,9 @@ def _head_kl(runner, final, proxies: list) -> list[float]:
             z = head(norm(torch.cat(group).to(runner.dtype))).float().view(len(group), *z0.shape)
             for dz in z.sub_(z0):
                 m = (p * dz).sum(-1, dtype=torch.float64) / mass
-                s = (p * torch.expm1(dz - m.float()[:, None])).sum(-1, dtype=torch.float64) / mass
-                kl.append(max(0.0, float(torch.log1p(s).mean())))
+                m32 = m.float()  # centred on the float32 mean: KL = log(1 + s) - (m - m32) exactly
+                s = (p * torch.expm1(dz - m32[:, None])).sum(-1, dtype=torch.float64) / mass
+                kl.append(max(0.0, float((torch.log1p(s) - (m - m32.double())).mean())))
     return kl
 
 

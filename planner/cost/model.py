@@ -185,7 +185,7 @@ class CostModel:
         if job.logprob_padded_seqs:
             padded = prompt + L.expected_max(job.logprob_padded_seqs)
             flops = padded * self.matmul_flops_per_token + float(self._pairs(np.array([padded]))[0]) * self.attn_flops_per_pair
-            self.logprob_padding = flops / (job.mean_sequence_tokens * self.matmul_flops_per_token + self.train_pairs_per_seq * self.attn_flops_per_pair)
+            self.logprob_padding = flops * job.num_sequences / self.forward_flops_per_step()
 
     def _pairs(self, seq_len: np.ndarray) -> np.ndarray:
         """Attended (query, key) pairs of causal attention over a sequence, summed over layers."""
@@ -348,7 +348,7 @@ class CostModel:
         slow = slow * layers_stage * pp / arch.num_layers  # and the busiest pipeline stage
         # recomputation: full reruns every layer's forward; moe reruns the MoE layers (routed
         # experts, and their dispatch and combine); selective's norms and SwiGLU are not counted
-        moe_share = expert_share + job.tokens_per_step * 2.0 * self._prefix["shared_experts"][-1] / fwd_flops
+        moe_share = expert_share + job.tokens_per_step * 2.0 * self.counts.shared_experts / fwd_flops
         recompute_fwd = {"full": 1.0, "moe": moe_share}.get(job.recompute, 0.0)
         recompute_moe = 1.0 if job.recompute in ("full", "moe") else 0.0
         recompute_tp = 1.0 if job.recompute == "full" else 0.0

@@ -157,23 +157,30 @@ def test_detect_finds_the_injected_fault_and_its_onset(runs, name, tmp_path):
     by = {d["fault"]: d for d in sig["detectors"]}
     assert abs(by[name]["onset_step"] - onset) <= 1
     assert any(e["step"] == by[name]["onset_step"] for e in by[name]["evidence"])
-    # the signature's fault is the first to show; a learning-rate ramp to 0.3 also collapses this
-    # small model's router, three steps before its grad norm blows up
-    fired = [d for d in sig["detectors"] if d["onset_step"] is not None]
-    assert sig["fault"]["onset_step"] == min(d["onset_step"] for d in fired)
-    assert sig["fault"]["fault"] == name or (name == "grad-blowup" and sig["fault"]["fault"] == "router-collapse")
+    assert_first_is_earliest(sig)
     # the same run as verl logs it: verl has no overflow or routing metric; an overflow shows as a
-    # non-finite grad norm, router collapse is not logged
+    # non-finite grad norm, router collapse is not logged. What else this small model does first
+    # (a learning-rate ramp that blows up its grad norm may collapse its entropy or router a step
+    # earlier, depending on the CPU's float kernels) is not asserted: the injected fault's detector
+    # finds it at its onset, and the signature names whichever fault fired first.
     write_verl_console(rows, tmp_path / "verl.log")
     sig = signature(tmp_path / "verl.log")
     by = {d["fault"]: d for d in sig["detectors"]}
     if name == "router-collapse":
         assert not by["router-collapse"]["logged"]
-    elif name == "fp16-overflow":
-        assert sig["fault"]["fault"] == "non-finite" and sig["fault"]["source_key"] == "actor/grad_norm"
-        assert abs(sig["fault"]["onset_step"] - onset) <= 1
     else:
-        assert sig["fault"]["fault"] == name and abs(sig["fault"]["onset_step"] - onset) <= 1
+        found = by["non-finite" if name == "fp16-overflow" else name]
+        assert found["logged"] and abs(found["onset_step"] - onset) <= 1
+        assert_first_is_earliest(sig)
+        if name == "fp16-overflow":
+            assert found["source_key"] == "actor/grad_norm"
+
+
+def assert_first_is_earliest(sig):
+    """The signature's fault is the detector that fired first, at its onset."""
+    fired = [d for d in sig["detectors"] if d["onset_step"] is not None]
+    assert fired and sig["fault"]["onset_step"] == min(d["onset_step"] for d in fired)
+    assert sig["fault"]["fault"] in {d["fault"] for d in fired if d["onset_step"] == sig["fault"]["onset_step"]}
 
 
 @pytest.mark.slow

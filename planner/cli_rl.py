@@ -74,13 +74,14 @@ def rl() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def make_models(out_dir, families, dense_steps, moe_steps, force, as_json) -> None:
     """Make the small upcycled MoE models deterministically (OUT_DIR/FAMILY)."""
-    from planner.rl.models import FAMILY_CONFIGS, ModelRecipe, make_model
+    from planner.rl.models import ModelRecipe, family_configs, make_model
 
     def body():
         names = [f.strip() for f in families.split(",") if f.strip()]
-        unknown = [f for f in names if f not in FAMILY_CONFIGS]
+        known = family_configs()
+        unknown = [f for f in names if f not in known]
         if unknown:
-            raise SpecError(f"unknown famil{'y' if len(unknown) == 1 else 'ies'} {unknown}; one of {', '.join(FAMILY_CONFIGS)}")
+            raise SpecError(f"unknown famil{'y' if len(unknown) == 1 else 'ies'} {unknown}; one of {', '.join(known)}")
         reports, bars = {}, {}
 
         def progress(stage: str, done: int, total: int) -> None:
@@ -213,9 +214,12 @@ def calibrate() -> None:
 @click.option("--storage", default="sqlite:///calibration.db", show_default=True, help="Optuna RDB storage URL shared by the workers.")
 @click.option("--workers", type=int, default=2, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default="calibration/work", show_default=True, help="Models, proxies and stats.")
+@click.option("--results", type=click.Path(file_okay=False), default=None,
+              help="Keep every completed grid point in JSON-lines files here too (one per study), and take the points they "
+                   "hold instead of measuring them: a grid that resumes in a fresh checkout or on another machine.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=DATASET, show_default=True)
 @click.option("--force", is_flag=True, help="Overwrite an existing dataset file.")
-def calibrate_run(grid_path, storage, workers, workdir, output, force) -> None:
+def calibrate_run(grid_path, storage, workers, workdir, results, output, force) -> None:
     """Run (or resume) the calibration grid and export the dataset."""
     from planner.fidelity.calibrate import run
     from planner.fidelity.grid import Grid
@@ -224,7 +228,8 @@ def calibrate_run(grid_path, storage, workers, workdir, output, force) -> None:
         refuse_existing(output, force, f" (the grid itself resumes from {storage})")
         if workers < 1:
             raise SpecError(f"--workers must be at least 1, got {workers}")
-        run(Grid.load(grid_path), grid_path, storage, Path(workdir), workers, Path(output), say=lambda s: click.echo(s, err=True))
+        run(Grid.load(grid_path), grid_path, storage, Path(workdir), workers, Path(output), say=lambda s: click.echo(s, err=True),
+            results=Path(results) if results else None)  # fmt: skip
 
     _run(body)
 

@@ -17,13 +17,18 @@ from planner.arch import Architecture
 from planner.errors import PlanError, SpecError
 from planner.files import read_yaml
 
-__all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "METHODS", "SELECTION_METHODS", "BAD_METHODS"]
+__all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "METHODS", "SELECTION_METHODS", "BAD_METHODS", "CONTROL_METHODS"]
 
 PLAN_SCHEMA = "planner.plan/1"
 # the last two are deliberately bad plans, for calibration: the estimator has to learn what an
 # unfaithful proxy looks like (DESIGN.md section 7); `suggest` never proposes them
 SELECTION_METHODS = ("agglomerative", "kmeans", "router", "saliency", "frequency", "random", "least-used", "one-cluster")
 BAD_METHODS = ("least-used", "one-cluster")
+# negative controls of the calibration grid: proxies built wrongly on purpose (mis-sliced: the kept
+# experts of a clustered plan with their router rows rotated by one, so every token is routed to
+# another expert than the router meant). They show that a label can say "not reproduced"; no
+# estimator is fitted on them and no search proposes them
+CONTROL_METHODS = ("mis-sliced",)
 METHODS = (*SELECTION_METHODS, "manual")
 _KEYS = ("schema", "model", "experts", "original_experts", "method", "mtp", "checkpoint_fingerprint",
          "target_ep", "seed", "feature_spec", "statistics", "deployment", "layers", "labels")  # fmt: skip

@@ -90,15 +90,19 @@ def _sides(result: dict) -> dict:
 
 
 def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers: int, out: Path,
-        say: Callable[[str], None] = lambda s: None) -> list[dict]:  # fmt: skip
-    """The whole grid, resumable: every step skips what is already done."""
+        say: Callable[[str], None] = lambda s: None, results: Path | None = None) -> list[dict]:  # fmt: skip
+    """The whole grid, resumable: every step skips what is already done (in the storage, or in the
+    results files under `results`, which every completed point is appended to)."""
     workdir.mkdir(parents=True, exist_ok=True)
     say(f"preparing models and proxies under {workdir}")
     records = prepare(grid, workdir, progress=lambda family: say(f"  {family}: models ready"))
-    say(f"{len(records)} models; phase 1: originals x {len(grid.recipes)} recipes on {workers} worker(s)")
-    run_workers(storage, grid, grid_path, workdir, "originals", workers)
-    say(f"phase 2: {len(records) - len(grid.families)} proxies x {len(grid.recipes)} recipes")
-    run_workers(storage, grid, grid_path, workdir, "proxies", workers)
+    originals = sum(r["model"] == "original" for r in records.values())
+    say(f"{len(records)} models; phase 1: {originals} originals x {len(grid.recipes)} recipes on {workers} worker(s)")
+    imported = run_workers(storage, grid, grid_path, workdir, "originals", workers, results)
+    say(f"phase 2: {len(records) - originals} proxies x {len(grid.recipes)} recipes")
+    imported += run_workers(storage, grid, grid_path, workdir, "proxies", workers, results)
+    if imported:
+        say(f"{imported} grid points taken from the results files under {results}")
     rows, noise = export(storage, grid, workdir)
     seeds = {"models": list(range(grid.originals)), "margin": list(grid.margin_seeds), "curve": grid.curve_seed,
              "replica_gen": list(grid.replica_gen_seeds)}  # fmt: skip

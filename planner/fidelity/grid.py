@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -55,7 +56,9 @@ GRACE_S = int(os.environ.get("PLANNER_GRID_GRACE_S", 120))
 MAX_FAILURES = 3  # a grid point that raised this often is reported, not retried again
 PHASES = ("originals", "proxies")
 # what the models and proxies under a workdir depend on
-_MODEL_FIELDS = ("families", "originals", "kept_fractions", "methods", "random_draws", "calib_tokens", "dense_steps", "moe_steps")
+_MODEL_FIELDS = ("families", "originals", "kept_fractions", "methods", "random_draws", "calib_tokens", "dense_steps", "moe_steps",
+                 "controls")  # fmt: skip
+_ADDED_LATER = ("controls",)  # settings with a default that leaves earlier grids' keys as they were
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,18 +81,24 @@ class Grid:
     calib_tokens: int = 2048
     dense_steps: int = 300
     moe_steps: int = 300
+    controls: tuple[str, ...] = ()  # negative controls per K (planner.plan.CONTROL_METHODS), built from the agglomerative plan
 
     def __post_init__(self) -> None:
         from planner.plan import SELECTION_METHODS
-        from planner.rl.models import FAMILY_CONFIGS
+        from planner.rl.models import family_configs
         from planner.rl.recipes import RECIPES
 
-        for name, known in (("families", FAMILY_CONFIGS), ("recipes", RECIPES), ("methods", SELECTION_METHODS)):
+        for name, known in (("families", family_configs()), ("recipes", RECIPES), ("methods", SELECTION_METHODS)):
             bad = [v for v in getattr(self, name) if v not in known]
             if bad or not getattr(self, name):
                 raise SpecError(f"grid: {name} {bad or '[]'} not among {', '.join(known)}")
         if "random" in self.methods:
             raise SpecError("grid: random plans come from random_draws, not methods")
+        from planner.plan import CONTROL_METHODS
+
+        if any(c not in CONTROL_METHODS for c in self.controls) or (self.controls and "agglomerative" not in self.methods):
+            raise SpecError(f"grid: controls {list(self.controls)}: each one of {', '.join(CONTROL_METHODS)}, and built from the "
+                            "agglomerative plan, which methods must then hold")  # fmt: skip
         positive = ("originals", "margin_steps", "curve_steps", "calib_tokens")
         if any(getattr(self, n) < 1 for n in positive) or self.random_draws < 0 or self.dynamic_originals < 0:
             raise SpecError(f"grid: {', '.join(positive)} must be >= 1, random_draws and dynamic_originals >= 0")
@@ -115,7 +124,7 @@ class Grid:
             try:
                 if isinstance(default, tuple):
                     items = value if isinstance(value, list) else [value]
-                    values[key] = tuple(type(default[0])(v) for v in items)
+                    values[key] = tuple(type(default[0])(v) for v in items) if default else tuple(str(v) for v in items)
                 else:
                     values[key] = type(default)(value)
             except (TypeError, ValueError):
@@ -127,9 +136,18 @@ class Grid:
 
     def key(self) -> str:
         """The settings every measurement depends on (the recipe list and the dynamic budget only
-        select studies)."""
+        select studies). A setting added after the first grid enters the key only when it is not
+        at its default, so the grids measured before it keep their studies."""
         settings = {k: v for k, v in asdict(self).items() if k not in ("recipes", "dynamic_originals")}
+        for name in _ADDED_LATER:
+            if settings[name] == Grid.__dataclass_fields__[name].default:
+                del settings[name]
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+    def model_settings(self) -> dict[str, Any]:
+        """What the models and proxies under a workdir depend on (the workdir's stamp)."""
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k in _MODEL_FIELDS}
+        return {k: v for k, v in out.items() if not (k in _ADDED_LATER and v == list(Grid.__dataclass_fields__[k].default))}
 
     def experts(self, family: str) -> list[int]:
         """The K of a family: each kept fraction of E, raised to the smallest K the routing allows
@@ -186,7 +204,7 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
     from planner.stats.store import STATISTICS_VERSION, load_stats, plan_statistics, save_stats
 
     workdir.mkdir(parents=True, exist_ok=True)
-    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(grid).items() if k in _MODEL_FIELDS}
+    settings = grid.model_settings()
     stamp = workdir / "grid.json"
     if stamp.is_file() and json.loads(stamp.read_text()) != settings:
         raise SpecError(f"{workdir} holds models made for other grid settings ({stamp}); pass another --workdir")
@@ -233,10 +251,50 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
                     build(ckpt, p, path, verify="never", force=True)
                 records[f"{base}/{model}"] = {"family": family, "original": base, "seed": seed, "model": model, "path": str(path),
                                               "experts": k, "top_k": top_k, "method": method, "statistics": plan_statistics(stats, key)}  # fmt: skip
+            for control in grid.controls:
+                for k in experts:
+                    source, model = records[f"{base}/K{k}-agglomerative"], f"K{k}-{control}"
+                    path = root / model
+                    if not (path / "expert_map.json").is_file():
+                        mis_slice(Path(source["path"]), path)
+                    # the statistics are the clustered plan's, as a reader of the plan would see them: the
+                    # control is wrong where no statistic looks
+                    records[f"{base}/{model}"] = {**source, "model": model, "path": str(path), "method": control}
             if progress:
                 progress(base)
     write_text_atomic(workdir / "models.json", json.dumps(records, indent=1))
     return records
+
+
+def mis_slice(proxy: Path, out: Path) -> None:
+    """A negative control: the proxy at `proxy` with every MoE layer's router rows (and router and
+    correction biases) rotated by one expert, so that the router's choice for expert i runs expert
+    i+1. Written to OUT.tmp and renamed; the expert map records the rotation."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from planner.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(proxy)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(proxy, tmp)
+    rotated = []
+    for shard in sorted(tmp.glob("*.safetensors")):
+        tensors = load_file(shard)
+        for layer in ckpt.moe_layers.values():
+            for info, dim in ((layer.router, 0), (layer.router_bias, 0), (layer.correction_bias, layer.correction_dim)):
+                if info is not None and info.name in tensors:
+                    tensors[info.name] = torch.roll(tensors[info.name], shifts=-1, dims=dim).contiguous()
+                    rotated.append(info.name)
+        save_file(tensors, shard, metadata={"format": "pt"})
+    if not rotated:
+        raise SpecError(f"{proxy}: no router tensor found to mis-slice")
+    expert_map = json.loads((tmp / "expert_map.json").read_text())
+    expert_map["control"] = {"kind": "mis-sliced", "rule": "router rows rotated by one expert: row i <- row i+1 (mod K)", "tensors": rotated}
+    (tmp / "expert_map.json").write_text(json.dumps(expert_map, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
 
 
 def _storage(url: str):
@@ -302,7 +360,63 @@ def _measure(grid: Grid, record: dict, recipe_name: str, original: dict | None) 
     return out
 
 
-def _work(study, units: list[str], measure) -> bool:
+def results_file(results: Path, study) -> Path:
+    """The JSON-lines record of a study's completed grid points under `results` (one file per study:
+    data that travels with the repository, so a grid resumes in a fresh checkout or elsewhere)."""
+    return Path(results) / f"{study.study_name}.jsonl"
+
+
+def _append_result(path: Path, unit: str, result: dict) -> None:
+    """One completed point, appended under an exclusive lock (workers share the file)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"unit": unit, "result": result}, separators=(",", ":")) + "\n"
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            fh.write(line)
+            fh.flush()
+            os.fsync(fh.fileno())
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def read_results(path: Path) -> dict[str, dict]:
+    """A results file's points by unit (the first record of a unit wins; a torn last line, from a
+    worker killed mid-write, is skipped)."""
+    out: dict[str, dict] = {}
+    if not path.is_file():
+        return out
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            log.warning("%s:%d: not a JSON line (a torn write?); skipped", path, number)
+            continue
+        out.setdefault(record["unit"], record["result"])
+    return out
+
+
+def import_results(study, units: list[str], path: Path) -> int:
+    """Complete trials in `study` for the points `path` holds that the study has not completed (the
+    GridSampler then never hands them out); returns how many were added."""
+    import optuna
+
+    done = {t.params.get("unit") for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))}
+    added = 0
+    distribution = optuna.distributions.CategoricalDistribution(units)
+    for unit, result in read_results(path).items():
+        if unit in done or unit not in units:
+            continue
+        study.add_trial(optuna.trial.create_trial(params={"unit": unit}, distributions={"unit": distribution}, value=0.0,
+                                                  user_attrs={"result": json.dumps(result), "imported_from": path.name},
+                                                  system_attrs={"grid_id": units.index(unit), "search_space": {"unit": units}}))  # fmt: skip
+        added += 1
+    return added
+
+
+def _work(study, units: list[str], measure, results: Path | None = None) -> bool:
     """One worker's loop over one study until every unit is complete (True) or the only ones left
     are running in other workers (False: come back later; a dead worker's trial goes stale)."""
     import optuna
@@ -332,6 +446,8 @@ def _work(study, units: list[str], measure) -> bool:
         if others(unit, trial.number, (state.COMPLETE,)):
             raise optuna.TrialPruned(f"{unit} was completed by another trial meanwhile")
         trial.set_user_attr("result", json.dumps(result))
+        if results is not None:
+            _append_result(results_file(results, study), unit, result)
         return 0.0
 
     rng = random.Random(os.getpid())
@@ -365,9 +481,10 @@ def _work(study, units: list[str], measure) -> bool:
                             "its grid points differ from this grid's (another grid under the same settings?): use another --storage")  # fmt: skip
 
 
-def run_phase(storage: str, grid: Grid, workdir: Path, phase: str) -> None:
+def run_phase(storage: str, grid: Grid, workdir: Path, phase: str, results: Path | None = None) -> None:
     """Work through the phase's studies (one per recipe and original) until none has a point left
-    (one worker). A study whose last points run in other workers is left for later, not waited on."""
+    (one worker). A study whose last points run in other workers is left for later, not waited on.
+    With `results`, every point this worker completes is also appended to its study's results file."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     records = json.loads((workdir / "models.json").read_text())
     pending = []
@@ -383,23 +500,29 @@ def run_phase(storage: str, grid: Grid, workdir: Path, phase: str) -> None:
             return _measure(grid, records[f"{base}/{model}"], recipe_name, originals.get(f"{base}/original/{recipe_name}"))
 
         for base, units in _units(grid, records, recipe_name, phase).items():
-            pending.append((_study(storage, grid, recipe_name, phase, base, units), units, measure))
+            pending.append((_study(storage, grid, recipe_name, phase, base, units), units, measure, results))
     while pending:
         pending = [p for p in pending if not _work(*p)]
         if pending:
             time.sleep(min(HEARTBEAT_S, 5))
 
 
-def run_workers(storage: str, grid: Grid, grid_path: str | None, workdir: Path, phase: str, workers: int) -> None:
-    """Run `workers` processes on the phase (each a `python -m planner.fidelity.grid` worker).
+def run_workers(storage: str, grid: Grid, grid_path: str | None, workdir: Path, phase: str, workers: int,
+                results: Path | None = None) -> int:  # fmt: skip
+    """Run `workers` processes on the phase (each a `python -m planner.fidelity.grid` worker);
+    returns how many points were taken from `results` files instead of being measured.
 
     The studies (and the storage's tables) are made here first: workers creating a SQLite schema at
-    the same moment race each other. Workers start a second apart."""
+    the same moment race each other. Points a results file holds are completed in the storage
+    before any worker starts. Workers start a second apart."""
     records = json.loads((workdir / "models.json").read_text())
+    imported = 0
     for recipe_name in grid.recipes:
         for base, units in _units(grid, records, recipe_name, phase).items():
-            _study(storage, grid, recipe_name, phase, base, units)
-    cmd = [sys.executable, "-m", "planner.fidelity.grid", storage, str(workdir), phase] + ([grid_path] if grid_path else [])
+            study = _study(storage, grid, recipe_name, phase, base, units)
+            if results is not None:
+                imported += import_results(study, units, results_file(results, study))
+    cmd = [sys.executable, "-m", "planner.fidelity.grid", storage, str(workdir), phase, grid_path or "-", str(results or "-")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = []
     for i in range(workers):
@@ -409,6 +532,7 @@ def run_workers(storage: str, grid: Grid, grid_path: str | None, workdir: Path, 
     codes = [p.wait() for p in procs]
     if any(codes):
         raise SpecError(f"calibration workers exited with {codes}; rerun the same command to resume")
+    return imported
 
 
 def collect(storage: str, grid: Grid, phase: str, recipes: tuple[str, ...] | None = None) -> dict[str, dict]:
@@ -430,13 +554,14 @@ def collect(storage: str, grid: Grid, phase: str, recipes: tuple[str, ...] | Non
     return out
 
 
-if __name__ == "__main__":  # a worker: python -m planner.fidelity.grid STORAGE WORKDIR PHASE [GRID]
+if __name__ == "__main__":  # a worker: python -m planner.fidelity.grid STORAGE WORKDIR PHASE GRID|- RESULTS|-
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     url, directory, which = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    grid_arg, results_arg = (sys.argv[4:6] + ["-", "-"])[:2]
     try:
-        run_phase(url, Grid.load(sys.argv[4] if len(sys.argv) > 4 else None), directory, which)
+        run_phase(url, Grid.load(None if grid_arg == "-" else grid_arg), directory, which, None if results_arg == "-" else Path(results_arg))
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -4,7 +4,8 @@ For a recipe whose knob grows towards the fault, bisection over [lo, hi] finds t
 that provokes it: on fixed batches at the initial weights for static recipes (the pilot's probe,
 cheap and repeatable), over short training runs for dynamic ones. Each seed is a separate
 bisection; the spread across seeds is the noise floor of the margin. A fault already present at lo
-gives lo, one absent at hi gives hi, and both are flagged as censored.
+gives lo, one absent at hi gives hi, and both are flagged as censored; an end is probed only when the
+bisection ends beside it.
 """
 
 from __future__ import annotations
@@ -44,19 +45,31 @@ class Margin:
 
 
 def _bisect(fault, lo: float, hi: float, iters: int) -> tuple[float, bool, int]:
-    probes = 2
-    if fault(lo):
-        return lo, True, 1
-    if not fault(hi):
-        return hi, True, probes
+    """Bisect [lo, hi] for the smallest faulting knob: (value, censored, probes).
+
+    The ends are probed only where the bracket never moved off them: a bisection that found no
+    clean knob asks lo (faulting there: the crossing lies at or below lo, censored), one that found
+    no faulting knob asks hi (clean there: at or above hi, censored). For a fault that is monotone
+    in the knob this visits the same midpoints as probing both ends first and gives the same value
+    and censoring, two probes sooner (the clean end is the dearest probe of a dynamic recipe: a run
+    to its last step)."""
+    a, b, probes = lo, hi, 0
     for _ in range(iters):
-        mid = 0.5 * (lo + hi)
+        mid = 0.5 * (a + b)
         probes += 1
         if fault(mid):
-            hi = mid
+            b = mid
         else:
-            lo = mid
-    return 0.5 * (lo + hi), False, probes
+            a = mid
+    if a == lo:
+        probes += 1
+        if fault(lo):
+            return lo, True, probes
+    if b == hi:
+        probes += 1
+        if not fault(hi):
+            return hi, True, probes
+    return 0.5 * (a + b), False, probes
 
 
 def critical_knob(models: Models, recipe: Recipe, seeds: list[int], *, iters: int | None = None, steps: int = DEFAULT_PROBE_STEPS) -> Margin:

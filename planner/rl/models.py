@@ -1,12 +1,13 @@
 """The small real MoE models calibration runs on, made deterministically by one command.
 
-Three families: qwen3_moe (softmax top-4 of 32, renormalised), deepseek_v3 (grouped sigmoid routing
-with a correction bias, a shared expert and a dense first layer) and mixtral (softmax top-2 of 8). Each is made the way production
-MoEs often are (sparse upcycling, Komatsuzaki et al. 2022): a dense model of the same backbone is
-pretrained briefly on Python standard-library source (bytes), every expert starts as a copy of its
-dense MLP plus small noise, and the MoE then trains further. Experts end up partly redundant, as in
-upcycled models, rather than nearly orthogonal as from-scratch tiny MoEs are. The pairwise cosine
-similarity of experts' weights is reported per family.
+One family per routing shape (planner.arch.routing), as data: calibration/families.yaml. A family
+made `from:` a catalog model keeps that model's config in every routing key and shrinks only width,
+depth and vocabulary (`small_config`); the first grid's three families are written out there.
+Each is made the way production MoEs often are (sparse upcycling, Komatsuzaki et al. 2022): a dense
+model of the same backbone is pretrained briefly on Python standard-library source (bytes), every
+expert starts as a copy of its dense MLP plus small noise, and the MoE then trains further. Experts
+end up partly redundant, as in upcycled models, rather than nearly orthogonal as from-scratch tiny
+MoEs are. The pairwise cosine similarity of experts' weights is reported per family.
 """
 
 from __future__ import annotations
@@ -15,38 +16,123 @@ import json
 import shutil
 import time
 from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
+import yaml
 
+from planner.errors import ConfigError, SpecError
 from planner.hf import require_torch
 from planner.rl.corpus import split_bytes
 
-__all__ = ["FAMILY_CONFIGS", "ModelRecipe", "make_model", "expert_similarity", "family_architecture"]
+__all__ = ["family_configs", "family_config", "family_of_shape", "small_config", "ModelRecipe", "make_model", "expert_similarity",
+           "family_architecture"]  # fmt: skip
 
-BACKBONE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
+# keys of a published config.json that a small model does not carry over: its precision, quantisation
+# and the special token ids of a vocabulary it does not have (none of them routing)
+_DROPPED = ("architectures", "torch_dtype", "dtype", "quantization_config", "transformers_version", "auto_map")
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # set to None: the byte vocabulary has no special tokens
 
-FAMILY_CONFIGS = {
-    "qwen3_moe": dict(BACKBONE, model_type="qwen3_moe", head_dim=16, moe_intermediate_size=32, num_experts=32,
-                      num_experts_per_tok=4, norm_topk_prob=True),  # fmt: skip
-    "deepseek_v3": dict(BACKBONE, model_type="deepseek_v3", num_key_value_heads=4, moe_intermediate_size=32,
-                        n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
-                        n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                        v_head_dim=16, routed_scaling_factor=1.0, num_nextn_predict_layers=0),  # fmt: skip
-    # Mixtral-style: softmax top-2 of 8, always renormalised; fewer, wider experts
-    "mixtral": dict(BACKBONE, model_type="mixtral", head_dim=16, intermediate_size=96, num_local_experts=8, num_experts_per_tok=2),
-}
-_EXPERTS_KEY = {"qwen3_moe": ("num_experts", "num_experts_per_tok"), "deepseek_v3": ("n_routed_experts", "num_experts_per_tok"),
-                "mixtral": ("num_local_experts", "num_experts_per_tok")}  # fmt: skip
+
+@lru_cache(maxsize=1)
+def _families_file() -> dict[str, Any]:
+    path = Path(str(resources.files("planner._calibration"))) / "families.yaml"
+    return yaml.safe_load(path.read_text())
+
+
+def small_config(config: Mapping[str, Any], backbone: Mapping[str, Any]) -> dict[str, Any]:
+    """A config.json of `config`'s routing shape at `backbone`'s width, depth and vocabulary.
+
+    Every routing key stays as published (planner.arch.routing.RoutingShape: E, top-k, scoring,
+    renormalisation, groups, biases, shared experts and their gate, dense layers, scaling); the
+    hidden size, heads, expert and dense widths, layer count and vocabulary shrink; positions (RoPE
+    and its scaling) stay as published. A wrapped
+    config (Llama-4's text_config) gives its text model. Dense first layers keep one dense layer,
+    multi-token prediction layers are dropped."""
+    from planner.arch import Architecture
+    from planner.arch.families import FAMILIES, TEXT_CONFIG_WRAPPERS
+
+    arch = Architecture.from_config(config)
+    text = dict(config)
+    if text.get("model_type") in TEXT_CONFIG_WRAPPERS:
+        text = {**config["text_config"], "model_type": TEXT_CONFIG_WRAPPERS[text["model_type"]]}
+    family = FAMILIES[text["model_type"]]
+    out = {k: v for k, v in text.items() if k not in _DROPPED} | dict.fromkeys(_TOKEN_IDS)
+    layers = int(backbone["num_hidden_layers"])
+    mha = arch.attention.num_kv_heads == arch.attention.num_heads
+    heads = int(backbone["num_attention_heads"])
+    out.update(vocab_size=int(backbone["vocab_size"]), hidden_size=int(backbone["hidden_size"]), num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=heads if mha else int(backbone["num_key_value_heads"]))  # fmt: skip
+    if family.attention == "mla":
+        out.update({k: v for k, v in backbone["mla"].items() if not (k == "q_lora_rank" and text.get(k) is None)})
+    elif family.head_dim_key and family.head_dim_key in out:
+        out[family.head_dim_key] = int(backbone["head_dim"])
+    # a power of two (grouped_mm wants 16-byte strides): 256 / top_k rounded down, at least 32
+    width = max(32, 2 ** int(np.log2(int(backbone["expert_width"]) / arch.moe.top_k)))
+    out[family.expert_intermediate_key] = width
+    if family.dense_intermediate_key != family.expert_intermediate_key:
+        out[family.dense_intermediate_key] = int(backbone["intermediate_size"])
+    if family.shared == "sized" and arch.moe.shared_intermediate:  # the shared expert's width relative to a routed one's
+        out[family.shared_size_key] = int(round(width * arch.moe.shared_intermediate / arch.moe.expert_intermediate))
+    if int(out.get("first_k_dense_replace") or 0) > 0:
+        out["first_k_dense_replace"] = 1
+    if out.get("mlp_only_layers"):
+        out["mlp_only_layers"] = [0]
+    for key in ("layer_types", "no_rope_layers"):
+        if isinstance(out.get(key), list):
+            out[key] = out[key][:layers]
+    if out.get("moe_layers") is not None:
+        out["moe_layers"] = None
+    if "num_nextn_predict_layers" in out:
+        out["num_nextn_predict_layers"] = 0
+    return out
+
+
+@lru_cache(maxsize=1)
+def family_configs() -> dict[str, dict[str, Any]]:
+    """Every calibration family's config.json (small model), by family name."""
+    from planner.catalog import load_model_config
+
+    data = _families_file()
+    out = {}
+    for name, entry in data["families"].items():
+        if "config" in entry:
+            out[name] = dict(entry["config"])
+        else:
+            out[name] = small_config(load_model_config(entry["from"])[1], data["backbone"])
+    return out
+
+
+def family_config(family: str) -> dict[str, Any]:
+    configs = family_configs()
+    if family not in configs:
+        raise SpecError(f"unknown calibration family {family!r}; one of {', '.join(configs)}")
+    return dict(configs[family])
 
 
 def family_architecture(family: str):
     """The planner Architecture of a family's small model (no weights needed)."""
     from planner.arch import Architecture
 
-    return Architecture.from_config(FAMILY_CONFIGS[family])
+    return Architecture.from_config(family_config(family))
+
+
+def family_of_shape(shape, mechanism: bool = False) -> str | None:
+    """The calibration family whose routing shape equals `shape` (or, with `mechanism`, routes alike
+    at another E), or None. Where several do, the one made from a catalog model comes first."""
+    from planner.arch.routing import routing_shape
+
+    want = shape.mechanism if mechanism else shape
+    found = []
+    for name in family_configs():
+        got = routing_shape(family_architecture(name))
+        if (got.mechanism if mechanism else got) == want:
+            found.append(name)
+    made = [n for n in found if "from" in _families_file()["families"][n]]
+    return (made or found or [None])[0]
 
 
 @dataclass(frozen=True)
@@ -83,6 +169,16 @@ def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None) -> 
     return losses
 
 
+def arch_family(config: Mapping[str, Any]):
+    """The planner.arch.families entry of a (text) config.json."""
+    from planner.arch.families import FAMILIES
+
+    family = FAMILIES.get(str(config.get("model_type")))
+    if family is None:
+        raise ConfigError(f"model_type {config.get('model_type')!r} has no family entry")
+    return family
+
+
 def expert_similarity(model) -> dict[str, float]:
     """Pairwise cosine similarity of experts' flattened weights within each MoE layer, pooled."""
     sims = []
@@ -106,13 +202,15 @@ def make_model(family: str, out_dir: Path, recipe: ModelRecipe = ModelRecipe(),
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(1)
     start = time.perf_counter()
-    config = dict(FAMILY_CONFIGS[family])
-    experts_key, topk_key = _EXPERTS_KEY[family]
-    # the dense stage: every token uses all of its experts (1 for softmax routers; 2 for grouped
-    # sigmoid routers, whose group score needs two experts per group), i.e. one dense MLP
-    seeds = 2 if family == "deepseek_v3" else 1
-    dense_cfg = dict(config, **{experts_key: seeds, topk_key: seeds})
-    if family == "deepseek_v3":
+    config = family_config(family)
+    fam = arch_family(config)
+    # the dense stage: every token uses all of its experts (1; 2 where the router scores groups,
+    # even a single group, by the sum of their top two experts), i.e. one dense MLP
+    seeds = 2 if fam.grouped else 1
+    keys = {fam.experts_key: seeds, fam.top_k_key: seeds}
+    keys.update({alias: keys[target] for alias, target in fam.aliases.items() if target in keys and alias in config})
+    dense_cfg = dict(config, **keys)
+    if fam.grouped:
         dense_cfg.update(n_group=1, topk_group=1)
     dense = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**dense_cfg), experts_implementation="eager")
     dense_losses = _train(dense, recipe.dense_steps, recipe, recipe.seed, progress and (lambda d, t: progress("dense", d, t)))

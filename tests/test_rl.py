@@ -164,7 +164,7 @@ def test_rl_cli_run_margin_and_errors(rl_model, tmp_path):
     margin = run_cli("rl", "margin", model, "--recipe", "rollout-mismatch", "--seeds", "0", "--iters", "3", "-o", tmp_path / "a", "--json")
     assert margin.exit_code == 0, margin.output
     data = json.loads((tmp_path / "a" / "margin.json").read_text())
-    assert data["recipe"] == "rollout-mismatch" and data["bracket"] == [0.0, 22.0] and len(data["values"]) == 1
+    assert data["recipe"] == "rollout-mismatch" and data["bracket"] == [0.0, 23.0] and len(data["values"]) == 1
 
     for args, words in [
         (("rl", "run", model, "--device", "npu", "--steps", "1", "-o", tmp_path / "n"), "torch_npu"),

@@ -76,10 +76,11 @@ RECIPES: dict[str, Recipe] = {
             fault="train-rollout mismatch: mean k3 KL between rollout and trainer token log-probs above 0.01",
             knob="mantissa bits removed from the rollout weights (23 - bits)",
             lo=0.0,
-            hi=22.0,
+            hi=23.0,  # no mantissa bit left (powers of two); v1's 22 censored trained models whose crossing sits at 21.5-22
             kind="static",
             base={"lr": 3e-5, "kl_coef": 0.05},
             threshold=THRESHOLDS["rollout-mismatch"],
+            version=2,  # v2: bracket [0, 23] (v1: [0, 22])
         ),
         Recipe(
             name="entropy-collapse",

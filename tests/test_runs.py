@@ -240,7 +240,7 @@ def test_unreadable_runs_are_usage_errors(tmp_path):
 @pytest.mark.slow
 def test_a_pair_of_trainer_runs_becomes_a_labelled_row(rl_model, tmp_path):
     """calibrate add and check --proxy-metrics take the original's and the proxy's runs as verl logs:
-    the model comes from the plan, the recipe from the fault the original's log shows."""
+    the model comes from the plan."""
     from planner.fidelity.calibrate import measure_pair
     from planner.plan import load_plan
     from planner.rl.grpo import read_metrics
@@ -254,8 +254,11 @@ def test_a_pair_of_trainer_runs_becomes_a_labelled_row(rl_model, tmp_path):
         assert result.exit_code == 0, result.output
         write_verl_console(read_metrics(tmp_path / name), tmp_path / f"{name}.log")
 
+    # the recipe is named: which fault this small model shows first in a verl log is its training's
+    # outcome (the inference from the original's log is tested on planted logs below)
     result = run_cli("calibrate", "add", "--original", tmp_path / "orig.log", "--proxy", tmp_path / "proxy.log", "--replica",
-                     tmp_path / "replica.log", "--plan", plan, "--dataset", tmp_path / "d.csv", "--json")  # fmt: skip
+                     tmp_path / "replica.log", "--plan", plan, "--recipe", "entropy-collapse", "--dataset", tmp_path / "d.csv",
+                     "--json")  # fmt: skip
     assert result.exit_code == 0, result.output
     row = json.loads(result.stdout)
     own = measure_pair(tmp_path / "orig", tmp_path / "proxy", load_plan(plan), replica_dir=tmp_path / "replica")
@@ -274,3 +277,28 @@ def test_a_pair_of_trainer_runs_becomes_a_labelled_row(rl_model, tmp_path):
     assert result.exit_code == 0, result.output
     labels = json.loads(result.stdout)["labels"]
     assert labels["onset_proxy"] == row["onset_proxy"] and labels["curve_agreement"] == pytest.approx(row["curve_agreement"])
+
+
+def planted_rows(steps: int = 12, **series) -> list[dict]:
+    """Run rows with flat, healthy metrics, and the series given by name in their place."""
+    rows = [{"step": i, "grad_norm": 1.0, "entropy": 2.0, "kl_ref": 0.01, "reward_mean": 0.5, "response_len": 8.0, "loss": 0.1,
+             "clip_frac": 0.05, "lr": 1e-5, "mismatch_k3": 1e-4} for i in range(steps)]  # fmt: skip
+    for name, values in series.items():
+        for row, value in zip(rows, values):
+            row[name] = float(value)
+    return rows
+
+
+@pytest.mark.parametrize("fault, series", [
+    ("entropy-collapse", {"entropy": [2.0, 2.0, 1.0, 0.3, 0.2, 0.1] + [0.1] * 6}),
+    ("grad-blowup", {"grad_norm": [1.0] * 7 + [40.0] * 5}),
+    ("rollout-mismatch", {"mismatch_k3": [1e-4] * 4 + [0.05] * 8}),
+])  # fmt: skip
+def test_a_pair_without_a_recipe_takes_the_fault_the_originals_log_shows(fault, series, tmp_path):
+    from planner.fidelity.calibrate import pair_recipe
+
+    write_verl_console(planted_rows(**series), tmp_path / "orig.log")
+    assert pair_recipe(tmp_path / "orig.log", None) == fault
+    write_verl_console(planted_rows(), tmp_path / "calm.log")
+    with pytest.raises(Exception, match="names no recipe and shows no fault"):
+        pair_recipe(tmp_path / "calm.log", None)

@@ -297,6 +297,51 @@ def test_a_killed_worker_is_resumed_by_a_restart(mini_grid, tmp_path, monkeypatc
     assert [t.params["unit"] for t in trials if t.state.name == "COMPLETE"].count(running[0].params["unit"]) == 1
 
 
+def _wait_for_running(storage, grid, phase, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        running = [t for t in _trials(storage, grid, phase) if t.state.name == "RUNNING" and "unit" in t.params]
+        if running:
+            return running[0]
+        time.sleep(0.2)
+    raise AssertionError("the worker never started a trial")
+
+
+@pytest.mark.slow
+def test_two_calibrate_runs_share_a_postgresql_server_and_survive_a_killed_worker(mini_grid, postgres_url, tmp_path, monkeypatch):
+    """Two `planner calibrate run` processes (two machines' worth) on one real PostgreSQL server,
+    after a worker was killed mid-trial: every grid point is measured once, none twice, none lost,
+    and both export the same dataset."""
+    from planner.fidelity.calibrate import export
+    from planner.fidelity.grid import run_workers
+
+    grid, path, work = mini_grid
+    monkeypatch.setenv("PLANNER_GRID_HEARTBEAT_S", "1")
+    monkeypatch.setenv("PLANNER_GRID_GRACE_S", "2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run_workers(postgres_url, grid, str(path), work, "originals", workers=1)
+    worker = subprocess.Popen([sys.executable, "-m", "planner.fidelity.grid", postgres_url, str(work), "proxies", str(path)], env=env, cwd=ROOT)
+    killed = _wait_for_running(postgres_url, grid, "proxies")
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+
+    planner = Path(sys.executable).with_name("planner")
+    runs = [subprocess.Popen([str(planner), "calibrate", "run", "--grid", str(path), "--storage", postgres_url, "--workdir", str(work),
+                              "--workers", "1", "-o", str(tmp_path / f"{name}.csv")], env=env, cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for name in ("a", "b")]  # fmt: skip
+    outputs = [r.communicate(timeout=600)[0] for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], outputs
+    for phase in ("originals", "proxies"):
+        trials = _trials(postgres_url, grid, phase)
+        _completed_once(trials, _units(grid, work, phase))
+    states = {t._trial_id: t.state.name for t in _trials(postgres_url, grid, "proxies")}
+    assert states[killed._trial_id] == "FAIL"  # the killed worker's trial went stale and was measured again by another
+    a, b = ((tmp_path / f"{n}.csv").read_text() for n in ("a", "b"))
+    assert a == b and len(a.splitlines()) == 1 + 4
+    rows, _ = export(postgres_url, grid, work)
+    assert sorted((r["model"], r["recipe"]) for r in rows) == sorted({(r["model"], r["recipe"]) for r in rows}) and len(rows) == 4
+
+
 def test_the_cli_offers_every_recipe_of_the_table():
     """cli_rl keeps its own tuple of recipe names (importing the table would slow every CLI start)."""
     from planner.cli_rl import RECIPE_NAMES

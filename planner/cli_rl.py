@@ -245,8 +245,9 @@ def calibrate_fit(dataset, output, force) -> None:
     def body():
         refuse_existing(output, force)
         estimator = fit(Path(dataset), Path(output))
-        rows = [[recipe, len(e["originals"]), ", ".join(str(x) for x in e["experts"]), e["gate"]["reason"]] for recipe, e in estimator.recipes.items()]
-        click.echo(table(["recipe", "originals", "E", "skill gate (held-out originals)"], rows))
+        rows = [[recipe, family, f["originals"], f["rows"], f["routing_shape"], e["gates"][family]["reason"]]
+                for recipe, e in estimator.recipes.items() for family, f in e["families"].items()]  # fmt: skip
+        click.echo(table(["recipe", "family", "originals", "rows", "routing shape", "skill gate (held-out originals of the family)"], rows))
         click.echo(f"wrote {output} ({estimator.info['rows']} rows)")
 
     _run(body)

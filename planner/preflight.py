@@ -346,6 +346,10 @@ def check_fidelity(c: _Context) -> Check:
         statistics = plan_statistics(stats, f"K={plan.experts}/{plan.method}")
     f = FidelityEstimator.load(default_estimator_path()).predict(plan_row(c.config[1], plan.experts, statistics), recipe)
     knob = f"; knob: {f['knob_translation']['text']}" if f.get("knob_translation") else ""
+    if f.get("family"):
+        from planner.fidelity.estimator import family_text
+
+        knob += f"; rests on {family_text(f['family'])}"
     if f["status"] == "not-applicable":
         return Check("fidelity", "FAIL", f"not applicable: {f['reason']}")
     if f["status"] != "calibrated":

@@ -75,13 +75,18 @@ def test_committed_dataset_meets_the_grid_spec_and_reports():
     # order), so every fitted number must agree to 1e-9 relative, far below any printed figure
     assert_same_numbers(refit["recipes"], json.loads((ROOT / "calibration" / "fidelity.json").read_text())["recipes"], "recipes")
     for recipe, entry in estimator.recipes.items():
-        row = next(r for r in labelled if r["recipe"] == recipe and not estimator.outside(r, recipe))
-        assert estimator.predict({**row, "original_experts": 128}, recipe)["status"] == "uncalibrated"
-        f = estimator.predict(row, recipe)  # a calibrated model and plan: P only where the gate found skill
-        assert f["status"] == ("calibrated" if entry["gate"]["skill"] else "no-skill")
-        assert (f["p_reproduced"] is None) == (not entry["gate"]["skill"])
-    gate = estimator.recipes["router-collapse"]["gate"]  # the goal on held-out originals (calibration/README.md)
-    assert gate["skill"] and gate["auc"] >= 0.85 and gate["auc"] > gate["auc_ke"], gate
+        for family, gate in entry["gates"].items():
+            row = next(r for r in labelled if r["recipe"] == recipe and r["family"] == family and not estimator.outside(r, recipe))
+            assert estimator.predict({**row, "routing_shape": "sigmoid/top8of512/renorm"}, recipe)["status"] == "uncalibrated"
+            # a calibrated model and plan: the plan-level P where its family's gate found skill, else K/E's where
+            # that is validated on the family, else none
+            f = estimator.predict(row, recipe)
+            ke = entry["ke_gates"][family]
+            assert f["status"] == ("calibrated" if gate["skill"] or ke["ok"] else "no-skill") and f["family"]["name"] == family
+            assert f.get("basis") == ("plan statistics" if gate["skill"] else ke["variant"] if ke["ok"] else None)
+            assert (f["p_reproduced"] is None) == (f["status"] != "calibrated")
+            if not gate["skill"] and entry["every_plan_reproduced"].get(family):
+                assert f"every legal plan reproduces this fault on the calibration data of {family}" in f["reason"]
 
 
 @pytest.mark.slow

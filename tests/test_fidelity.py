@@ -83,7 +83,8 @@ def _synthetic(signal: str, seed: int = 0) -> list[dict]:
                 dropped = (1 - kf) * rng.uniform(0.3, 1.3)
                 row = {f: float(rng.normal()) for f in FULL_FEATURES}
                 row.update(sigmoid_router=0.0, grouped=0.0, norm_topk=1.0, log2_experts=5.0, top_k_over_k=4 / (32 * kf))  # one routing type
-                row.update(kept_fraction=kf, frequency_dropped_mean=dropped, family="f", original=f"f-s{o}", recipe="router-collapse",
+                row.update(kept_fraction=kf, frequency_dropped_mean=dropped, family="f", routing_shape="softmax/top4of32/renorm",
+                           original=f"f-s{o}", recipe="router-collapse",
                            model=f"K{kf}-{plan}", method="m", experts=int(32 * kf), top_k=4, original_experts=32, censored=0)  # fmt: skip
                 truth = -6.0 * (dropped - (1 - kf)) if signal == "plan" else -2.0 * (1 - kf)
                 row["shift_log2"] = truth + rng.normal(scale=0.2)
@@ -108,30 +109,45 @@ def test_skill_gate_switches_p_on_and_off():
     again = FidelityEstimator.from_json(json.loads(json.dumps(skilled.to_json())))
     assert again.predict(good, "router-collapse") == g
 
+    # shifts that follow K/E alone: no plan-level skill, and the P that stands is K/E's own, validated on
+    # the family's held-out originals (it ranks no plan within a K)
     k_only = FidelityEstimator.fit(_synthetic("k"))
     f = k_only.predict(good, "router-collapse")
-    assert not k_only.recipes["router-collapse"]["gate"]["skill"]
-    assert f["status"] == "no-skill" and f["p_reproduced"] is None and f["shift_log2"] is None
-    assert f["measured_by_k"]["kept_fraction"] == 0.25 and f["knob_translation"]["source"].startswith("measured")
+    assert not k_only.recipes["router-collapse"]["gates"]["f"]["skill"] and k_only.recipes["router-collapse"]["ke_gates"]["f"]["ok"]
+    assert f["status"] == "calibrated" and f["basis"] == "K/E + routing" and "no plan-level skill" in f["reason"]
+    assert f["p_reproduced"] == k_only.predict({**good, "frequency_dropped_mean": 0.95}, "router-collapse")["p_reproduced"]
     report = cross_validate(_synthetic("k"))
     assert "no plan-level skill" in render_report(report) and set(report["recipes"]["router-collapse"]) >= {"original", "family"}
+
+    # two originals: a model fitted on one cannot be validated on the other, so neither P stands: no
+    # skill, and the measured shift at the nearest K instead
+    two = FidelityEstimator.fit([r for r in _synthetic("k") if r["original"] in ("f-s0", "f-s1")])
+    f = two.predict(good, "router-collapse")
+    assert not two.recipes["router-collapse"]["ke_gates"]["f"]["ok"] and "too few originals" in f["reason"]
+    assert f["status"] == "no-skill" and f["p_reproduced"] is None and f["shift_log2"] is None
+    assert f["measured_by_k"]["kept_fraction"] == 0.25 and f["measured_by_k"]["family"] == "f"
 
 
 def test_statuses_not_applicable_and_uncalibrated():
     est = FidelityEstimator.fit(_synthetic("plan"))
     row = _synthetic("plan")[0]
     assert est.predict({**row, "experts": 4, "top_k": 4}, "router-collapse")["status"] == "not-applicable"
-    far = est.predict({**row, "original_experts": 128}, "router-collapse")
-    assert far["status"] == "uncalibrated" and far["p_reproduced"] is None and "E=128" in far["reason"]
+    # the routing shape decides which family's gate speaks; a shape never calibrated gets no number
+    far = est.predict({**row, "original_experts": 128, "routing_shape": "softmax/top8of128/renorm"}, "router-collapse")
+    assert far["status"] == "uncalibrated" and far["p_reproduced"] is None
+    assert "routing shape softmax/top8of128/renorm was never calibrated" in far["reason"] and "softmax/top4of32/renorm (f)" in far["reason"]
+    assert est.predict({k: v for k, v in row.items() if k != "routing_shape"}, "router-collapse")["status"] == "uncalibrated"
     assert est.predict(row, "entropy-collapse")["status"] == "uncalibrated"  # a recipe never calibrated
     outside = est.predict({**row, "frequency_dropped_mean": 5.0}, "router-collapse")
     assert outside["status"] == "uncalibrated" and "frequency_dropped_mean" in outside["reason"]
     sigmoid = est.predict({**row, "sigmoid_router": 1.0}, "router-collapse")
     assert sigmoid["status"] == "uncalibrated" and "sigmoid_router 1 (calibrated 0 to 0)" in sigmoid["reason"]
-    other = est.predict({**row, "norm_topk": 0.0}, "router-collapse")  # E and every feature in range, the routing type not
-    assert other["status"] == "uncalibrated" and "routing type softmax top-k of 32 was never calibrated" in other["reason"]
-    no_stats = est.predict({k: row[k] for k in ("kept_fraction", "experts", "top_k", "original_experts")}, "router-collapse")
-    assert no_stats["status"] == "no-skill" and "--stats" in no_stats["reason"]
+    calibrated = est.predict(row, "router-collapse")
+    assert calibrated["status"] == "calibrated" and calibrated["family"]["name"] == "f" and calibrated["family"]["originals"] == 4
+    assert "transfer not measured beyond hidden" in calibrated["family"]["scale"]
+    no_stats = est.predict({k: row[k] for k in ("kept_fraction", "experts", "top_k", "original_experts", "routing_shape",
+                                                "sigmoid_router", "grouped", "top_k_over_k")}, "router-collapse")  # fmt: skip
+    assert "--stats" in no_stats["reason"] and (no_stats["basis"] == "K/E + routing" if no_stats["status"] == "calibrated" else True)
 
 
 # ---- labels ---------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import numpy as np
 
 from planner.arch import Architecture
 from planner.errors import SpecError
-from planner.fidelity.dataset import ID_COLUMNS, architecture_features, pair_row, read_dataset, write_dataset
+from planner.fidelity.dataset import ID_COLUMNS, architecture_features, pair_row, read_dataset, shape_key, write_dataset
 from planner.fidelity.estimator import FidelityEstimator, features_of
 from planner.fidelity.grid import Grid, collect, prepare, run_workers
 from planner.files import read_json
@@ -72,7 +72,8 @@ def export(storage: str, grid: Grid, workdir: Path) -> tuple[list[dict], list[di
             if fits and (original is None or result is None):
                 continue
             arch = architecture_features(configs[base], record["experts"])
-            row = {"family": record["family"], "original": base, "model": record["model"], "method": record["method"],
+            row = {"family": record["family"], "routing_shape": shape_key(configs[base]), "original": base, "model": record["model"],
+                   "method": record["method"],
                    "recipe": recipe_name, "experts": record["experts"], "original_experts": records[f"{base}/original"]["experts"],
                    "top_k": record["top_k"], "source": "grid"}  # fmt: skip
             row.update(features_of(record["statistics"], arch))
@@ -206,7 +207,12 @@ def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path
     top_k = original_arch.moe.top_k
     labels = pair_row(recipe_name, original, proxy, experts=plan.experts, top_k=top_k)
     arch = architecture_features(config, plan.experts)
-    row = {"family": config.get("model_type", "?"), "original": original_ref, "model": str(proxy_dir), "method": plan.method,
+    from planner.arch.routing import routing_shape
+    from planner.rl.models import family_of_shape
+
+    # a pair joins the calibration family of its routing shape, where there is one
+    row = {"family": family_of_shape(routing_shape(original_arch)) or config.get("model_type", "?"), "routing_shape": shape_key(config),
+           "original": original_ref, "model": str(proxy_dir), "method": plan.method,
            "recipe": recipe_name, "experts": plan.experts, "original_experts": plan.original_experts, "top_k": top_k,
            "source": f"add:{original_dir}|{proxy_dir}"}  # fmt: skip
     row.update(features_of(plan.statistics or {}, arch))

@@ -22,15 +22,16 @@ from planner.fidelity.estimator import FULL_FEATURES, features_of
 from planner.fidelity.labels import applicable, curve_agreement, knob_scale, knob_shift, spearman
 from planner.files import write_csv_atomic, write_text_atomic
 
-__all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "TEXT_COLUMNS", "architecture_features", "plan_row", "pair_row", "write_dataset", "read_dataset"]
+__all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "TEXT_COLUMNS", "architecture_features", "shape_key", "plan_row", "pair_row", "write_dataset",
+           "read_dataset"]  # fmt: skip
 
-ID_COLUMNS = ("family", "original", "model", "method", "recipe", "experts", "original_experts", "top_k", "source")
+ID_COLUMNS = ("family", "routing_shape", "original", "model", "method", "recipe", "experts", "original_experts", "top_k", "source")
 LABEL_COLUMNS = (
     "shift_log2", "shift_sd", "noise_log2", "shift_se", "shift_low", "shift_high", "outcome", "reproduced", "censored",
     "critical_original", "critical_proxy", "resolution_log2", "curve_agreement", "spearman_grad_norm", "onset_original",
     "onset_proxy", "run_reproduced",
 )  # fmt: skip
-TEXT_COLUMNS = ("family", "original", "model", "method", "recipe", "source", "outcome")
+TEXT_COLUMNS = ("family", "routing_shape", "original", "model", "method", "recipe", "source", "outcome")
 
 
 def architecture_features(config: dict, experts: int) -> dict[str, float]:
@@ -47,12 +48,20 @@ def architecture_features(config: dict, experts: int) -> dict[str, float]:
     }
 
 
+def shape_key(config: dict) -> str:
+    """The routing shape (planner.arch.routing) of a config.json, as the dataset names it."""
+    from planner.arch.routing import routing_shape
+
+    return routing_shape(Architecture.from_config(config)).key()
+
+
 def plan_row(config: dict, experts: int, statistics: dict | None) -> dict[str, Any]:
     """What the estimator predicts from for one plan: its features (planner.stats summary, when there
-    is one, and the architecture at K) and the counts its status needs (K, top_k, E)."""
+    is one, and the architecture at K) and what its status needs (K, top_k, E, the routing shape)."""
     arch = Architecture.from_config(config)
     row = features_of(statistics or {}, architecture_features(config, experts))
-    return {**row, "experts": experts, "top_k": arch.moe.top_k, "original_experts": arch.original_num_experts}
+    return {**row, "experts": experts, "top_k": arch.moe.top_k, "original_experts": arch.original_num_experts,
+            "routing_shape": shape_key(config), "hidden_size": arch.hidden_size, "num_layers": arch.num_layers}  # fmt: skip
 
 
 def pair_row(recipe: str, original: dict, proxy: dict, *, experts: int, top_k: int) -> dict[str, Any]:

@@ -30,7 +30,8 @@ from planner.errors import SpecError
 from planner.stats.store import STATISTICS_VERSION
 
 __all__ = ["ShiftModel", "FidelityEstimator", "FULL_FEATURES", "SHIFT_FEATURES", "ROUTING_FEATURES", "SIGNS", "features_of",
-           "recipe_features", "baselines", "default_estimator_path", "training_rows", "fit_shift", "knob_translation", "design"]
+           "recipe_features", "baselines", "default_estimator_path", "training_rows", "fit_shift", "knob_translation", "design",
+           "family_text"]
 
 ARCH_FEATURES = ("kept_fraction", "top_k_over_k", "experts_per_group", "log2_experts", "sigmoid_router", "grouped", "norm_topk")
 STAT_FEATURES = (
@@ -57,6 +58,7 @@ RECIPE_FEATURES = {"router-collapse": SHIFT_FEATURES + ROUTING_FEATURES}
 # gradients grow and overflow at a smaller loss scale (the pilot: -0.7 bits at K=16, -1.1 at K=8 of 32).
 SIGNS = {"router-collapse": {"frequency_dropped_mean": -1}, "fp16-overflow": {"kept_fraction": +1}}
 MIN_ROWS = 20  # a recipe with fewer labelled rows (or fewer than 2 originals) is not fitted
+SCHEMA = "planner.fidelity/4"  # 4: gates per calibration family, keyed by routing shape
 
 
 def recipe_features(recipe: str) -> tuple[str, ...]:
@@ -97,19 +99,6 @@ def features_of(statistics: Mapping[str, Any], architecture: Mapping[str, Any]) 
             out[name] = float(value[agg])
     return out
 
-
-
-ROUTING_KEYS = ("sigmoid_router", "grouped", "norm_topk", "log2_experts")  # what names a routing type (with E)
-
-
-def _routing_type(row: Mapping[str, Any]) -> tuple[float, ...]:
-    return tuple(float(row[n]) for n in ROUTING_KEYS)
-
-
-def _routing_name(t) -> str:
-    sigmoid, grouped, norm, log2e = t
-    return (f"{'sigmoid' if sigmoid else 'softmax'}{' grouped' if grouped else ''} top-k{' normalised' if norm else ''} "
-            f"of {2 ** log2e:g}")  # fmt: skip
 
 
 def _finite(value) -> bool:
@@ -195,9 +184,12 @@ def using_estimator_file(path: str | Path | None):
 
 
 def training_rows(rows: list[dict], recipe: str, names: tuple[str, ...]) -> list[dict]:
-    """A recipe's rows with a finite, uncensored shift and every feature finite."""
+    """A recipe's rows with a finite, uncensored shift and every feature finite, negative controls
+    (planner.plan.CONTROL_METHODS: proxies built wrongly on purpose) left out."""
+    from planner.plan import CONTROL_METHODS
+
     return [r for r in rows if r.get("recipe") == recipe and _finite(r.get("shift_log2")) and r.get("censored") != 1
-            and all(_finite(r.get(n)) for n in names)]  # fmt: skip
+            and r.get("method") not in CONTROL_METHODS and all(_finite(r.get(n)) for n in names)]  # fmt: skip
 
 
 def design(rows: list[Mapping[str, Any]], names: tuple[str, ...]) -> np.ndarray:
@@ -223,17 +215,45 @@ def fit_shift(rows: list[dict], recipe: str, names: tuple[str, ...]) -> ShiftMod
 
 
 def _measured_by_k(rows: list[dict], recipe: str) -> list[dict]:
-    """The measured shift at each calibrated K/E: mean and SD over plans and originals, the mean
-    noise floor (originals' seed SD) and the reproduced share among decided rows."""
+    """The measured shift at each calibrated (family, K/E): mean and SD over plans and originals, the
+    mean noise floor (originals' seed SD) and the reproduced share among decided rows (negative
+    controls aside)."""
+    from planner.plan import CONTROL_METHODS
+
     out = []
-    used = [r for r in rows if r.get("recipe") == recipe and _finite(r.get("shift_log2"))]
-    for kf in sorted({round(float(r["kept_fraction"]), 4) for r in used}):
-        at = [r for r in used if round(float(r["kept_fraction"]), 4) == kf]
+    used = [r for r in rows if r.get("recipe") == recipe and _finite(r.get("shift_log2")) and r.get("method") not in CONTROL_METHODS]
+    for family, kf in sorted({(str(r["family"]), round(float(r["kept_fraction"]), 4)) for r in used}):
+        at = [r for r in used if str(r["family"]) == family and round(float(r["kept_fraction"]), 4) == kf]
         shifts = np.array([r["shift_log2"] for r in at])
         decided = [r["reproduced"] for r in at if _finite(r.get("reproduced"))]
-        out.append({"kept_fraction": kf, "n": len(at), "shift_mean": float(shifts.mean()), "shift_sd": float(shifts.std()),
+        out.append({"family": family, "kept_fraction": kf, "n": len(at), "shift_mean": float(shifts.mean()), "shift_sd": float(shifts.std()),
                     "noise_log2": float(np.nanmean([r.get("noise_log2", np.nan) for r in at])),
                     "reproduced_share": float(np.mean(decided)) if decided else None})  # fmt: skip
+    return out
+
+
+def _calibrated_scale(rows: list[dict]) -> dict[str, list[int]]:
+    """The widths and depths of the calibration families the rows come from."""
+    from planner.rl.models import family_architecture, family_configs
+
+    archs = [family_architecture(f) for f in sorted({str(r.get("family")) for r in rows}) if f in family_configs()]
+    return {"calibrated_hidden": sorted({a.hidden_size for a in archs}) or [64], "calibrated_layers": sorted({a.num_layers for a in archs}) or [3]}
+
+
+def _every_plan_reproduced(rows: list[dict], recipe: str) -> dict[str, dict]:
+    """Per family: where no legal plan's row is "not reproduced" (negative controls aside) and some
+    are decided, how many rows, decided rows and reproduced ones, over which K/E."""
+    from planner.plan import CONTROL_METHODS
+
+    out: dict[str, dict] = {}
+    legal = [r for r in rows if r.get("recipe") == recipe and r.get("method") not in CONTROL_METHODS and r.get("outcome") != "not applicable"
+             and _finite(r.get("shift_log2"))]  # fmt: skip
+    for family in sorted({str(r["family"]) for r in legal}):
+        at = [r for r in legal if str(r["family"]) == family]
+        decided = [r["reproduced"] for r in at if _finite(r.get("reproduced"))]
+        if decided and all(d == 1 for d in decided):
+            kf = [float(r["kept_fraction"]) for r in at]
+            out[family] = {"rows": len(at), "decided": len(decided), "reproduced": int(sum(decided)), "kept_fraction": [min(kf), max(kf)]}
     return out
 
 
@@ -262,6 +282,17 @@ def knob_translation(recipe: str, block: Mapping[str, Any]) -> dict[str, Any] | 
     return {"knob": knob, "shift_knob_units": shift / scale, "interval_knob_units": [low / scale, high / scale], "source": source, "text": text}
 
 
+def family_text(family: dict) -> str:
+    """The calibration family a fidelity block rests on: its data, held-out score and scale."""
+    h = family["held_out"]
+    score = (f"held-out shift MAE {h['mae']:.3f} (K/E alone {h['mae_ke']:.3f}, noise floor {h['noise_mae']:.3f}), interval coverage "
+             f"{h['coverage']:.2f}" if h.get("mae") is not None else "no held-out score")  # fmt: skip
+    auc = f", AUC {h['auc']:.3f}" if h.get("auc") is not None else ""
+    return (f"family {family['name']} ({family['routing_shape']}): {family['originals']} originals, {family['rows']} rows; {score}{auc}; "
+            f"{family['scale']}")  # fmt: skip
+
+
+
 @dataclass
 class FidelityEstimator:
     """Per recipe: the full shift model, its baselines, the skill gate, the calibrated domain and
@@ -286,45 +317,83 @@ class FidelityEstimator:
                 models[name] = fit_shift(rows, recipe, base)
             used = training_rows(rows, recipe, names)
             domain = {n: (float(min(r[n] for r in used)), float(max(r[n] for r in used))) for n in names}
-            routing = sorted({_routing_type(r) for r in used})
-            recipes[recipe] = {"models": models, "features": list(names), "domain": domain, "routing_types": [list(t) for t in routing],
+            families: dict[str, dict[str, Any]] = {}
+            for r in used:
+                f = families.setdefault(str(r["family"]), {"originals": set(), "rows": 0, "routing_shape": str(r.get("routing_shape") or "")})
+                f["originals"].add(str(r["original"]))
+                f["rows"] += 1
+            families = {name: {**f, "originals": len(f["originals"])} for name, f in sorted(families.items())}
+            shapes: dict[str, list[str]] = {}
+            for name, f in families.items():
+                if f["routing_shape"]:
+                    shapes.setdefault(f["routing_shape"], []).append(name)
+            recipes[recipe] = {"models": models, "features": list(names), "domain": domain, "shapes": shapes, "families": families,
                                "experts": sorted({int(r["original_experts"]) for r in used}),
                                "originals": sorted({str(r["original"]) for r in used}), "measured_by_k": _measured_by_k(rows, recipe),
-                               "gate": {"skill": False, "reason": "not validated"}}  # fmt: skip
-        estimator = cls(recipes, dict(info or {}, rows=len(rows)), TOLERANCE_LOG2)
+                               "every_plan_reproduced": _every_plan_reproduced(rows, recipe),
+                               "gate": {"skill": False, "reason": "not validated"},
+                               "gates": {name: {"skill": False, "reason": "not validated"} for name in families},
+                               "ke_gates": {name: {"ok": False, "reason": "not validated"} for name in families}}  # fmt: skip
+        estimator = cls(recipes, dict(info or {}, rows=len(rows), **_calibrated_scale(rows)), TOLERANCE_LOG2)
         if validate:
-            from planner.fidelity.validate import cross_validate, skill_gate
+            from planner.fidelity.validate import cross_validate, ke_gate, skill_gate
 
             report = cross_validate(rows, schemes=("original",))
             for recipe, entry in recipes.items():
                 entry["gate"] = skill_gate(report, recipe)
+                entry["gates"] = {name: skill_gate(report, recipe, name) for name in entry["families"]}
+                entry["ke_gates"] = {name: ke_gate(report, recipe, name) for name in entry["families"]}
         return estimator
 
-    def status(self, row: Mapping[str, Any], recipe: str) -> tuple[str, str]:
-        """(status, reason) of a prediction for `row` under `recipe`."""
+    def family(self, row: Mapping[str, Any], recipe: str) -> str | None:
+        """The calibration family whose routing shape `row`'s model has, for `recipe`, or None."""
+        entry = self.recipes.get(recipe) or {}
+        found = entry.get("shapes", {}).get(str(row.get("routing_shape") or ""))
+        return found[0] if found else None
+
+    def status(self, row: Mapping[str, Any], recipe: str) -> tuple[str, str, str | None]:
+        """(status, reason, variant) of a prediction for `row` under `recipe`: the gates of the family
+        of its routing shape decide. "calibrated" with variant "full" where the plan's statistics
+        are given and the plan-level gate passes; else with the K/E-level variant where its held-out
+        interval is validated on the family (a P from K/E and the routing shape alone, which ranks no
+        plan within a K); else "no-skill"."""
         from planner.fidelity.labels import applicable
 
         experts, top_k = row.get("experts"), row.get("top_k")
         if _finite(experts) and _finite(top_k) and not applicable(recipe, int(experts), int(top_k)):
-            return "not-applicable", f"the fault cannot occur with K={int(experts)} <= top_k={int(top_k)}: every token uses every kept expert"
+            return "not-applicable", f"the fault cannot occur with K={int(experts)} <= top_k={int(top_k)}: every token uses every kept expert", None
         entry = self.recipes.get(recipe)
         if entry is None:
-            return "uncalibrated", f"{recipe} is not in the calibration data (calibrated: {', '.join(self.recipes) or 'none'})"
-        e = row.get("original_experts")
-        if _finite(e) and int(e) not in entry["experts"]:
-            return "uncalibrated", f"E={int(e)} experts; calibrated on E in {entry['experts']} only"
+            return "uncalibrated", f"{recipe} is not in the calibration data (calibrated: {', '.join(self.recipes) or 'none'})", None
+        shape = str(row.get("routing_shape") or "")
+        family = self.family(row, recipe)
+        if family is None:
+            known = ", ".join(f"{k} ({', '.join(v)})" for k, v in sorted(entry["shapes"].items())) or "none"
+            what = f"routing shape {shape}" if shape else f"a model of unknown routing shape (E={row.get('original_experts')})"
+            return "uncalibrated", f"{what} was never calibrated for {recipe} (calibrated shapes: {known})", None
         outside = self.outside(row, recipe)
         if outside:
-            return "uncalibrated", "outside the calibrated range: " + "; ".join(outside)
-        routing = entry.get("routing_types")
-        if routing and all(_finite(row.get(n)) for n in ROUTING_KEYS) and list(_routing_type(row)) not in routing:
-            return "uncalibrated", (f"routing type {_routing_name(_routing_type(row))} was never calibrated (calibrated: "
-                                    f"{', '.join(_routing_name(t) for t in routing)})")  # fmt: skip
-        if not all(_finite(row.get(n)) for n in self.features(recipe)):
-            return "no-skill", "no plan statistics (run `planner stats` and pass --stats): K/E alone ranks no plan"
-        if not entry["gate"]["skill"]:
-            return "no-skill", entry["gate"]["reason"]
-        return "calibrated", entry["gate"]["reason"]
+            return "uncalibrated", "outside the calibrated range: " + "; ".join(outside), None
+        gate, ke = entry["gates"][family], entry["ke_gates"][family]
+        has_stats = all(_finite(row.get(n)) for n in self.features(recipe))
+        if has_stats and gate["skill"]:
+            return "calibrated", gate["reason"], "full"
+        why = "no plan statistics (run `planner stats` and pass --stats)" if not has_stats else gate["reason"]
+        every = (entry.get("every_plan_reproduced") or {}).get(family)
+        if every:
+            why += (f"; every legal plan reproduces this fault on the calibration data of {family} ({every['reproduced']} of "
+                    f"{every['decided']} decided rows, {every['rows']} rows, K/E {every['kept_fraction'][0]:g} to "
+                    f"{every['kept_fraction'][1]:g})")  # fmt: skip
+        if ke["ok"]:
+            return "calibrated", f"{ke['reason']}; {why}", ke["variant"]
+        return "no-skill", f"{why}; {ke['reason']}", None
+
+    def scale_note(self, row: Mapping[str, Any]) -> str:
+        """How far the target lies from the calibration models in width and depth."""
+        hidden, layers = self.info.get("calibrated_hidden", [64]), self.info.get("calibrated_layers", [3])
+        target = f"hidden {int(row['hidden_size'])}, {int(row['num_layers'])} layers" if _finite(row.get("hidden_size")) else "the target"
+        return (f"calibrated at hidden {', '.join(map(str, hidden))} and {', '.join(map(str, layers))} layers; {target}: transfer not "
+                f"measured beyond hidden {max(hidden)}")  # fmt: skip
 
     def features(self, recipe: str) -> tuple[str, ...]:
         """The features the recipe's full model was fitted on (older files: SHIFT_FEATURES)."""
@@ -343,20 +412,29 @@ class FidelityEstimator:
         """The `fidelity` block of one plan: {status, reason, p_reproduced, interval, shift_log2,
         shift_interval, measured_by_k}. P and the shift are numbers only when calibrated; with no
         skill the measured shift at the nearest calibrated K/E stands in for the prediction."""
-        status, reason = self.status(row, recipe)
+        status, reason, variant = self.status(row, recipe)
         out: dict[str, Any] = {"status": status, "reason": reason, "recipe": recipe, "p_reproduced": None, "interval": None,
                                "shift_log2": None, "shift_interval": None, "tolerance_log2": self.tolerance}  # fmt: skip
         entry = self.recipes.get(recipe)
         if status == "calibrated":
-            model = entry["models"]["full"]
-            x = design([row], self.features(recipe))
+            model = entry["models"][variant]
+            out["basis"] = "plan statistics" if variant == "full" else variant
+            x = design([row], self.features(recipe) if variant == "full" else baselines(recipe)[variant])
             p, low, high = model.p_within(x, self.tolerance)
             shift_low, shift_high = model.predict_interval(x)
             out.update(p_reproduced=float(p[0]), interval=[float(low[0]), float(high[0])], shift_log2=float(model.predict(x)[0]),
                        shift_interval=[float(shift_low[0]), float(shift_high[0])])  # fmt: skip
         elif status == "no-skill" and entry is not None and _finite(row.get("kept_fraction")) and entry["measured_by_k"]:
-            near = min(entry["measured_by_k"], key=lambda m: abs(m["kept_fraction"] - float(row["kept_fraction"])))
-            out["measured_by_k"] = near
+            family = self.family(row, recipe)
+            measured = [m for m in entry["measured_by_k"] if m.get("family", family) == family] or entry["measured_by_k"]
+            out["measured_by_k"] = min(measured, key=lambda m: abs(m["kept_fraction"] - float(row["kept_fraction"])))
+        family = self.family(row, recipe) if entry is not None else None
+        if family is not None:
+            gate = entry["gates"][family]
+            out["family"] = {"name": family, "routing_shape": entry["families"][family]["routing_shape"],
+                             "originals": entry["families"][family]["originals"], "rows": entry["families"][family]["rows"],
+                             "held_out": {k: gate.get(k) for k in ("mae", "mae_ke", "mae_ke_routing", "noise_mae", "coverage", "auc")},
+                             "scale": self.scale_note(row)}  # fmt: skip
         translation = knob_translation(recipe, out)
         if translation:
             out["knob_translation"] = translation
@@ -368,13 +446,14 @@ class FidelityEstimator:
             recipes[name] = {**{k: v for k, v in entry.items() if k != "models"},
                              "models": {v: (m.to_json() if m is not None else None) for v, m in entry["models"].items()},
                              "domain": {k: list(v) for k, v in entry["domain"].items()}}  # fmt: skip
-        return {"schema": "planner.fidelity/3", "tolerance_log2": self.tolerance, "recipes": recipes,
+        return {"schema": SCHEMA, "tolerance_log2": self.tolerance, "recipes": recipes,
                 "info": self.info}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict) -> "FidelityEstimator":
-        if data.get("schema") != "planner.fidelity/3":
-            raise ValueError(f"not a fidelity estimator file of this version (schema {data.get('schema')!r}, want planner.fidelity/3)")
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"not a fidelity estimator file of this version (schema {data.get('schema')!r}, want {SCHEMA}; refit it "
+                             "with `planner calibrate fit`)")  # fmt: skip
         recipes = {}
         for name, entry in data["recipes"].items():
             models = {v: (ShiftModel.from_json(m) if m is not None else None) for v, m in entry["models"].items()}

@@ -14,10 +14,16 @@ reproduced   AUC and Brier score of P(reproduced) on rows whose equivalence deci
              (reproduced or not; undetermined rows are left out), against the Brier score of the
              training folds' base rate.
 
-The skill gate (skill_gate) reads the leave-one-original-out scores: the full model has skill on a
-recipe when, against K/E alone and against K/E with the routing type where that baseline exists, its
-shift MAE is at least 10% lower overall and lower on a majority of the held-out originals, and its
-AUC is not lower where both are defined: the skill is then the plan's, not the routing type's.
+The leave-one-original-out scores are also given per calibration family (`by_family`: the held-out
+rows of one family, predicted by models fitted on every other original, of that family and others).
+
+The skill gate (skill_gate) reads them, per family or pooled: the full model has skill on a recipe
+when, against K/E alone and against K/E with the routing type where that baseline exists, the
+paired difference of shift MAE over held-out originals (full minus baseline, one value per
+original) has a 90% t interval below zero with the MAE at least 10% lower, and, where
+P(reproduced) can be scored (decided
+rows of both outcomes), its AUC is at least AUC_MIN and not below the baseline's: the skill is then
+the plan's, not the routing type's, and not one original's.
 """
 
 from __future__ import annotations
@@ -31,9 +37,12 @@ from sklearn.metrics import roc_auc_score
 
 from planner.fidelity.estimator import baselines, design, fit_shift, recipe_features, training_rows
 
-__all__ = ["variants", "SCHEMES", "cross_validate", "skill_gate", "render_report", "score_predictions"]
+__all__ = ["variants", "SCHEMES", "cross_validate", "skill_gate", "ke_gate", "render_report", "score_predictions", "paired_difference"]
 
-MIN_GAIN = 0.10  # the skill gate asks for a shift MAE at least 10% below K/E alone's
+MIN_GAIN = 0.10  # and a shift MAE at least 10% below the baseline's (a gain inside the noise floor is not skill)
+AUC_MIN = 0.85  # the skill gate's floor for P(reproduced)'s AUC, where it is defined
+MIN_COVERAGE = 0.7  # a K/E-level P stands where its nominal 80% interval covers at least this share of held-out shifts
+LEVEL = 0.90  # the paired interval of the MAE difference over held-out originals
 SCHEMES = {"original": "original", "family": "family"}  # scheme -> the row key that names a held-out group
 
 
@@ -80,6 +89,27 @@ def _held_out(rows: list[dict], recipe: str, names: tuple[str, ...], key: str, t
         out["base"][test] = np.mean(decided) if decided else np.nan
     out["rows"], out["key"] = used, key
     return out
+
+
+def _of_family(h: dict, family: str) -> dict:
+    """The held-out predictions `h` restricted to one family's rows."""
+    mask = np.array([str(r["family"]) == family for r in h["rows"]], dtype=bool)
+    out = {k: v[mask] for k, v in h.items() if isinstance(v, np.ndarray)}
+    out["rows"], out["key"] = [r for r, m in zip(h["rows"], mask) if m], h["key"]
+    return out
+
+
+def paired_difference(full: dict[str, float], base: dict[str, float], level: float = LEVEL) -> tuple[float, float, float]:
+    """Mean over held-out originals of (full MAE - baseline MAE) and its `level` interval: Student's
+    t over the originals' paired differences (with few originals, the honest width)."""
+    from scipy.stats import t
+
+    groups = sorted(set(full) & set(base))
+    d = np.array([full[g] - base[g] for g in groups])
+    if d.size < 2:
+        return (float(d.mean()) if d.size else math.nan), math.nan, math.nan
+    half = float(t.ppf((1 + level) / 2, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size))
+    return float(d.mean()), float(d.mean() - half), float(d.mean() + half)
 
 
 def score_predictions(h: dict) -> dict[str, Any]:
@@ -133,41 +163,70 @@ def cross_validate(rows: list[dict], schemes: tuple[str, ...] = tuple(SCHEMES), 
             if len(groups) < 2:
                 entry[scheme] = {"groups": len(groups)}
                 continue
-            entry[scheme] = {"groups": len(groups), "variants": {v: score_predictions(_held_out(rows, recipe, names, key, tolerance))
-                                                                 for v, names in variants(recipe).items()}}  # fmt: skip
+            held = {v: _held_out(rows, recipe, names, key, tolerance) for v, names in variants(recipe).items()}
+            entry[scheme] = {"groups": len(groups), "variants": {v: score_predictions(h) for v, h in held.items()}}
+            if scheme == "original":
+                families = sorted({str(r["family"]) for r in used})
+                entry[scheme]["by_family"] = {f: {v: score_predictions(_of_family(h, f)) for v, h in held.items()} for f in families}
         outcomes = [r.get("outcome") for r in rows if r["recipe"] == recipe]
         entry["outcomes"] = {o: outcomes.count(o) for o in sorted({str(o) for o in outcomes})}
         report["recipes"][recipe] = entry
     return report
 
 
-def skill_gate(report: dict[str, Any], recipe: str) -> dict[str, Any]:
+def skill_gate(report: dict[str, Any], recipe: str, family: str | None = None) -> dict[str, Any]:
     """Does the full model beat K/E alone (and K/E with the routing type, where that baseline is
-    scored) on held-out originals? Against each, its shift MAE must be at least MIN_GAIN lower
-    overall and lower on a majority of the held-out originals (so that one original does not carry
-    it), and its AUC not lower where both are defined."""
-    scores = report["recipes"].get(recipe, {}).get("original", {}).get("variants")
-    if not scores or not scores.get("full") or not scores.get("K/E only"):
-        return {"skill": False, "reason": f"{recipe}: too few originals or rows to validate on held-out originals"}
+    scored) on held-out originals, of one family or pooled? See the module's docstring."""
+    where = report["recipes"].get(recipe, {}).get("original", {})
+    scores = where.get("by_family", {}).get(family) if family else where.get("variants")
+    label = f"{recipe} on {family}" if family else recipe
+    if not scores or not scores.get("full") or not scores.get("K/E only") or len(scores["full"]["mae_by_group"]) < 2:
+        return {"skill": False, "reason": f"{label}: too few originals or rows to validate on held-out originals", "family": family}
     full = scores["full"]
     auc_full = full.get("auc", math.nan)
-    skill, figures = True, []
-    for name, label in (("K/E only", "K/E alone"), ("K/E + routing", "K/E with the routing type")):
+    skill, figures, differences = True, [], {}
+    if math.isfinite(auc_full) and auc_full < AUC_MIN:
+        skill = False
+    for name, text in (("K/E only", "K/E alone"), ("K/E + routing", "K/E with the routing type")):
         base = scores.get(name)
         if not base:
             continue
         auc_base = base.get("auc", math.nan)
-        wins = sum(full["mae_by_group"][g] < base["mae_by_group"][g] for g in full["mae_by_group"])
-        better_mae = full["mae"] < (1 - MIN_GAIN) * base["mae"] and wins > len(full["mae_by_group"]) / 2
+        mean, low, high = paired_difference(full["mae_by_group"], base["mae_by_group"])
+        differences[name] = [mean, low, high]
         auc_ok = not (math.isfinite(auc_full) and math.isfinite(auc_base)) or auc_full >= auc_base
-        skill = skill and better_mae and auc_ok
-        figures.append(f"shift MAE {full['mae']:.3f} vs {label} {base['mae']:.3f} (lower on {wins} of {len(full['mae_by_group'])} "
-                       f"originals), AUC {_fmt(auc_full)} vs {_fmt(auc_base)}")  # fmt: skip
+        skill = skill and high < 0 and full["mae"] < (1 - MIN_GAIN) * base["mae"] and auc_ok
+        figures.append(f"shift MAE {full['mae']:.3f} vs {text} {base['mae']:.3f} (difference {mean:+.3f}, {LEVEL:.0%} interval "
+                       f"[{low:+.3f}, {high:+.3f}] over {len(full['mae_by_group'])} originals), AUC {_fmt(auc_full)} vs {_fmt(auc_base)}")  # fmt: skip
     ke = scores["K/E only"]
     reason = f"held-out originals (noise floor {full['noise_mae']:.3f}): " + "; ".join(figures)
-    return {"skill": bool(skill), "reason": ("plan-level skill: " if skill else "no plan-level skill: ") + reason,
-            "mae": full["mae"], "mae_ke": ke["mae"], "noise_mae": full["noise_mae"], "auc": _finite_or_none(auc_full),
-            "auc_ke": _finite_or_none(ke.get("auc", math.nan))}  # fmt: skip
+    if math.isfinite(auc_full) and auc_full < AUC_MIN:
+        reason += f"; AUC below {AUC_MIN}"
+    return {"skill": bool(skill), "reason": ("plan-level skill: " if skill else "no plan-level skill: ") + reason, "family": family,
+            "originals": len(full["mae_by_group"]), "rows": full["n"], "mae": full["mae"], "mae_ke": ke["mae"],
+            "mae_ke_routing": scores.get("K/E + routing", {}).get("mae"), "difference": differences, "noise_mae": full["noise_mae"],
+            "coverage": full["coverage"], "auc": _finite_or_none(auc_full), "auc_ke": _finite_or_none(ke.get("auc", math.nan))}  # fmt: skip
+
+
+def ke_gate(report: dict[str, Any], recipe: str, family: str) -> dict[str, Any]:
+    """Is the K/E-level variant (K/E with the routing type where the recipe has one, else K/E alone)
+    validated on the family's held-out originals, so that its P may stand where no plan statistics
+    are given or the plan-level model has no skill? Its 80% interval must cover at least
+    MIN_COVERAGE of the held-out shifts, from 2 or more originals, and P(reproduced)'s AUC, where it
+    is defined, be at least AUC_MIN."""
+    from planner.fidelity.estimator import baselines
+
+    variant = "K/E + routing" if "K/E + routing" in baselines(recipe) else "K/E only"
+    scores = report["recipes"].get(recipe, {}).get("original", {}).get("by_family", {}).get(family, {})
+    s, mean = scores.get(variant), scores.get("recipe mean") or {}
+    if not s or len(s["mae_by_group"]) < 2:
+        return {"ok": False, "variant": variant, "reason": f"{variant} on {family}: too few originals or rows to validate"}
+    auc = s.get("auc", math.nan)
+    ok = s["coverage"] >= MIN_COVERAGE and not (math.isfinite(auc) and auc < AUC_MIN)
+    figures = (f"{variant} on {len(s['mae_by_group'])} held-out originals of {family}: shift MAE {s['mae']:.3f} (recipe mean "
+               f"{_fmt(mean.get('mae', math.nan))}, noise floor {s['noise_mae']:.3f}), interval coverage {s['coverage']:.2f}, AUC {_fmt(auc)}")  # fmt: skip
+    return {"ok": bool(ok), "variant": variant, "reason": ("P from " if ok else "not validated: ") + figures, "mae": s["mae"],
+            "coverage": s["coverage"], "auc": _finite_or_none(auc), "originals": len(s["mae_by_group"])}  # fmt: skip
 
 
 def _finite_or_none(v: float) -> float | None:
@@ -200,5 +259,11 @@ def render_report(report: dict[str, Any]) -> str:
             body = [[v, *(_fmt(s.get(k, math.nan)) for k in keys)] for v, s in result["variants"].items() if s]
             lines.append(table(["variant", *keys], body))
         gate = skill_gate(report, recipe)
-        lines.append(f"  gate: {gate['reason']}")
+        lines.append(f"  gate, pooled: {gate['reason']}")
+        for family, scores in entry.get("original", {}).get("by_family", {}).items():
+            lines.append(f"  {family}, leave one original out")
+            body = [[v, *(_fmt(s.get(k, math.nan)) for k in keys)] for v, s in scores.items() if s]
+            if body:
+                lines.append(table(["variant", *keys], body))
+            lines.append(f"  gate, {family}: {skill_gate(report, recipe, family)['reason']}")
     return "\n".join(lines)

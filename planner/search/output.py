@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from planner.cost.knobs import step_validation
+from planner.fidelity.estimator import family_text
 from planner.plan import Plan
 from planner.render import table
 from planner.search.suggest import OFFLOADS, Option, Suggestion, calibration_files, figures, mechanism_text, reduction
@@ -20,7 +21,8 @@ def fidelity_text(f: dict) -> str:
     if f["status"] == "original":
         return "1 (original)"
     if f["status"] == "calibrated":
-        return f"{f['p_reproduced']:.2f} [{f['interval'][0]:.2f}, {f['interval'][1]:.2f}], shift {f['shift_log2']:+.2f}"
+        basis = "" if f.get("basis", "plan statistics") == "plan statistics" else f" ({f['basis']})"
+        return f"{f['p_reproduced']:.2f} [{f['interval'][0]:.2f}, {f['interval'][1]:.2f}], shift {f['shift_log2']:+.2f}{basis}"
     if f["status"] == "no-skill" and f.get("measured_by_k"):
         m = f["measured_by_k"]
         return f"no skill; measured shift {m['shift_mean']:+.2f} +- {m['shift_sd']:.2f} (noise {m['noise_log2']:.2f})"
@@ -79,6 +81,8 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
         f = best.fidelity
         if f["status"] != "original":
             lines.append(f"fidelity of the best: {f['status']}: {f['reason']}")
+            if f.get("family"):
+                lines.append("  rests on " + family_text(f["family"]))
             if f["status"] != "calibrated":
                 lines.append("  no calibrated P: ranked by cost among plans that pass the hard rules (see `planner calibrate report`)")
         if f.get("knob_translation"):

@@ -130,11 +130,12 @@ class ShiftModel:
         p = self.predict(x)
         return p - self.halfwidth, p + self.halfwidth
 
-    def p_within(self, x, tolerance: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def p_within(self, x, tolerance: float, offset: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """P(|shift| < tolerance) under the predictive distribution (prediction + held-out residuals),
         and an interval: the 10th and 90th percentiles of the same share computed with each held-out
-        original's residuals alone (how much P depends on which original's errors one trusts)."""
-        pred = self.predict(x)[:, None]
+        original's residuals alone (how much P depends on which original's errors one trusts).
+        `offset` moves the prediction (a scale-transfer bound)."""
+        pred = self.predict(x)[:, None] + offset
         hit = np.abs(pred + self.residuals[None, :]) < tolerance
         p = hit.mean(1)
         groups = np.unique(self.residual_groups)
@@ -232,12 +233,12 @@ def _measured_by_k(rows: list[dict], recipe: str) -> list[dict]:
     return out
 
 
-def _calibrated_scale(rows: list[dict]) -> dict[str, list[int]]:
-    """The widths and depths of the calibration families the rows come from."""
-    from planner.rl.models import family_architecture, family_configs
+def _transfer(points: list[dict] | None) -> dict[str, dict]:
+    """The scale-transfer fits of the measured points (the packaged ones where none are given)."""
+    from planner.fidelity.transfer import fit_transfer, load_points
 
-    archs = [family_architecture(f) for f in sorted({str(r.get("family")) for r in rows}) if f in family_configs()]
-    return {"calibrated_hidden": sorted({a.hidden_size for a in archs}) or [64], "calibrated_layers": sorted({a.num_layers for a in archs}) or [3]}
+    points = load_points() if points is None else points
+    return fit_transfer(points) if points else {}
 
 
 def _every_plan_reproduced(rows: list[dict], recipe: str) -> dict[str, dict]:
@@ -303,7 +304,8 @@ class FidelityEstimator:
     tolerance: float = 1.0
 
     @classmethod
-    def fit(cls, rows: list[dict], *, info: dict | None = None, validate: bool = True) -> "FidelityEstimator":
+    def fit(cls, rows: list[dict], *, info: dict | None = None, validate: bool = True,
+            transfer_points: list[dict] | None = None) -> "FidelityEstimator":  # fmt: skip
         from planner.fidelity.labels import TOLERANCE_LOG2
 
         recipes: dict[str, dict[str, Any]] = {}
@@ -334,7 +336,7 @@ class FidelityEstimator:
                                "gate": {"skill": False, "reason": "not validated"},
                                "gates": {name: {"skill": False, "reason": "not validated"} for name in families},
                                "ke_gates": {name: {"ok": False, "reason": "not validated"} for name in families}}  # fmt: skip
-        estimator = cls(recipes, dict(info or {}, rows=len(rows), **_calibrated_scale(rows)), TOLERANCE_LOG2)
+        estimator = cls(recipes, dict(info or {}, rows=len(rows), transfer=_transfer(transfer_points)), TOLERANCE_LOG2)
         if validate:
             from planner.fidelity.validate import cross_validate, ke_gate, skill_gate
 
@@ -388,12 +390,14 @@ class FidelityEstimator:
             return "calibrated", f"{ke['reason']}; {why}", ke["variant"]
         return "no-skill", f"{why}; {ke['reason']}", None
 
-    def scale_note(self, row: Mapping[str, Any]) -> str:
-        """How far the target lies from the calibration models in width and depth."""
-        hidden, layers = self.info.get("calibrated_hidden", [64]), self.info.get("calibrated_layers", [3])
-        target = f"hidden {int(row['hidden_size'])}, {int(row['num_layers'])} layers" if _finite(row.get("hidden_size")) else "the target"
-        return (f"calibrated at hidden {', '.join(map(str, hidden))} and {', '.join(map(str, layers))} layers; {target}: transfer not "
-                f"measured beyond hidden {max(hidden)}")  # fmt: skip
+    def scale(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any]:
+        """How far the target lies from the calibration models in width and depth, and how much the
+        measured scale transfer (planner.fidelity.transfer) widens its interval."""
+        from planner.fidelity.transfer import widening
+
+        hidden = int(row["hidden_size"]) if _finite(row.get("hidden_size")) else None
+        layers = int(row["num_layers"]) if _finite(row.get("num_layers")) else None
+        return widening(self.info.get("transfer", {}), recipe, str(row.get("routing_shape") or ""), hidden, layers)
 
     def features(self, recipe: str) -> tuple[str, ...]:
         """The features the recipe's full model was fitted on (older files: SHIFT_FEATURES)."""
@@ -422,8 +426,14 @@ class FidelityEstimator:
             x = design([row], self.features(recipe) if variant == "full" else baselines(recipe)[variant])
             p, low, high = model.p_within(x, self.tolerance)
             shift_low, shift_high = model.predict_interval(x)
+            scale = self.scale(row, recipe)
+            w = scale.get("halfwidth") or 0.0
+            if w:  # the label may move by up to w at the target's scale: P at both ends of that move
+                ends = [model.p_within(x, self.tolerance, offset=o) for o in (-w, w)]
+                low = np.minimum(low, np.minimum(ends[0][0], ends[1][0]))
+                high = np.maximum(high, np.maximum(ends[0][0], ends[1][0]))
             out.update(p_reproduced=float(p[0]), interval=[float(low[0]), float(high[0])], shift_log2=float(model.predict(x)[0]),
-                       shift_interval=[float(shift_low[0]), float(shift_high[0])])  # fmt: skip
+                       shift_interval=[float(shift_low[0]) - w, float(shift_high[0]) + w])  # fmt: skip
         elif status == "no-skill" and entry is not None and _finite(row.get("kept_fraction")) and entry["measured_by_k"]:
             family = self.family(row, recipe)
             measured = [m for m in entry["measured_by_k"] if m.get("family", family) == family] or entry["measured_by_k"]
@@ -434,7 +444,7 @@ class FidelityEstimator:
             out["family"] = {"name": family, "routing_shape": entry["families"][family]["routing_shape"],
                              "originals": entry["families"][family]["originals"], "rows": entry["families"][family]["rows"],
                              "held_out": {k: gate.get(k) for k in ("mae", "mae_ke", "mae_ke_routing", "noise_mae", "coverage", "auc")},
-                             "scale": self.scale_note(row)}  # fmt: skip
+                             "scale": self.scale(row, recipe)["text"]}  # fmt: skip
         translation = knob_translation(recipe, out)
         if translation:
             out["knob_translation"] = translation

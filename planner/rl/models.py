@@ -91,6 +91,33 @@ def small_config(config: Mapping[str, Any], backbone: Mapping[str, Any]) -> dict
     return out
 
 
+def scaled_backbone(hidden: int, layers: int) -> dict[str, Any]:
+    """The families' backbone at another width and depth (the scale-transfer study): every width in
+    proportion to the hidden size, heads of 16 x hidden/64 up to 128 wide, the routed experts'
+    combined width 4 x hidden; at hidden 64 and 3 layers, the backbone itself."""
+    base = _families_file()["backbone"]
+    if hidden < 64 or hidden % 64 or layers < 2:
+        raise SpecError(f"scaled backbone: hidden {hidden} must be a multiple of 64 and layers {layers} at least 2")
+    s = hidden // 64
+    head_dim = min(128, int(base["head_dim"]) * s)
+    mla = {"q_lora_rank": hidden // 2, "kv_lora_rank": hidden // 4, "qk_nope_head_dim": head_dim, "qk_rope_head_dim": head_dim // 2,
+           "v_head_dim": head_dim}  # fmt: skip
+    return {**base, "hidden_size": hidden, "num_hidden_layers": layers, "head_dim": head_dim, "num_attention_heads": hidden // head_dim,
+            "num_key_value_heads": max(1, int(base["num_key_value_heads"]) * (hidden // head_dim) // int(base["num_attention_heads"])),
+            "intermediate_size": int(base["intermediate_size"]) * s, "expert_width": int(base["expert_width"]) * s, "mla": mla}  # fmt: skip
+
+
+def scaled_family_config(family: str, hidden: int, layers: int) -> dict[str, Any]:
+    """A family's small-model config at another width and depth (families made from a catalog model)."""
+    from planner.catalog import load_model_config
+
+    entry = _families_file()["families"].get(family)
+    if entry is None or "from" not in entry:
+        raise SpecError(f"family {family!r} is not made from a catalog model; scaled families: "
+                        f"{', '.join(n for n, e in _families_file()['families'].items() if 'from' in e)}")  # fmt: skip
+    return small_config(load_model_config(entry["from"])[1], scaled_backbone(hidden, layers))
+
+
 @lru_cache(maxsize=1)
 def family_configs() -> dict[str, dict[str, Any]]:
     """Every calibration family's config.json (small model), by family name."""
@@ -146,8 +173,9 @@ class ModelRecipe:
     seed: int = 0
 
 
-def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None) -> list[float]:
+def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None, device: str = "cpu") -> list[float]:
     torch, _ = require_torch("training the small models")
+    model.to(device)
     data = split_bytes("train")
     rng = np.random.default_rng(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
@@ -156,7 +184,7 @@ def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None) -> 
     model.train()
     for step in range(steps):
         starts = rng.integers(0, data.size - recipe.seq - 1, size=recipe.batch)
-        batch = torch.from_numpy(np.stack([data[s : s + recipe.seq] for s in starts]).astype(np.int64))
+        batch = torch.from_numpy(np.stack([data[s : s + recipe.seq] for s in starts]).astype(np.int64)).to(device)
         loss = model(input_ids=batch, labels=batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -196,13 +224,15 @@ def expert_similarity(model) -> dict[str, float]:
 
 
 def make_model(family: str, out_dir: Path, recipe: ModelRecipe = ModelRecipe(),
-               progress: Callable[[str, int, int], None] | None = None) -> dict:  # fmt: skip
-    """Pretrain dense, upcycle, train the MoE; save to `out_dir`; return a report."""
+               progress: Callable[[str, int, int], None] | None = None, config: Mapping[str, Any] | None = None,
+               device: str = "cpu") -> dict:  # fmt: skip
+    """Pretrain dense, upcycle, train the MoE; save to `out_dir`; return a report. `config`: another
+    config of the family's shape (scaled_family_config) instead of its own."""
     torch, transformers = require_torch("making the small models")
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(1)
     start = time.perf_counter()
-    config = family_config(family)
+    config = dict(config) if config is not None else family_config(family)
     fam = arch_family(config)
     # the dense stage: every token uses all of its experts (1; 2 where the router scores groups,
     # even a single group, by the sum of their top two experts), i.e. one dense MLP
@@ -213,7 +243,8 @@ def make_model(family: str, out_dir: Path, recipe: ModelRecipe = ModelRecipe(),
     if fam.grouped:
         dense_cfg.update(n_group=1, topk_group=1)
     dense = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**dense_cfg), experts_implementation="eager")
-    dense_losses = _train(dense, recipe.dense_steps, recipe, recipe.seed, progress and (lambda d, t: progress("dense", d, t)))
+    dense_losses = _train(dense, recipe.dense_steps, recipe, recipe.seed, progress and (lambda d, t: progress("dense", d, t)), device)
+    dense.to("cpu")
     moe = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config), experts_implementation="eager")
     dense_state = dense.state_dict()
     gen = torch.Generator().manual_seed(recipe.seed + 1)
@@ -226,8 +257,8 @@ def make_model(family: str, out_dir: Path, recipe: ModelRecipe = ModelRecipe(),
                 param.copy_(source[index] + noise)
             elif source is not None and source.shape == param.shape:
                 param.copy_(source)
-    moe_losses = _train(moe, recipe.moe_steps, recipe, recipe.seed + 2, progress and (lambda d, t: progress("moe", d, t)))
-    moe.eval()
+    moe_losses = _train(moe, recipe.moe_steps, recipe, recipe.seed + 2, progress and (lambda d, t: progress("moe", d, t)), device)
+    moe.to("cpu").eval()
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")  # renamed to out_dir once complete
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,132 @@
+"""Scale transfer of the calibration labels: the same plan rule measured at several widths and depths.
+
+For each routing shape (a family made from a catalog model), width and depth, and model seed: the
+family's model at that scale is made the grid's way (dense pretraining, upcycling, MoE training),
+the clustered plan at one K/E is built, and the static recipes' critical knob is bisected on the
+original and the proxy with the grid's seeds and resolution; the shift and its standard error are
+the grid's labels (planner.fidelity.labels.knob_shift). Every point is appended to the output as it
+completes, so the run resumes where it stopped and the largest points can be added where a GPU is
+lent (`--device cuda`). Then it prints the points and the fitted slope of the shift in log2 width
+and depth with its 90% interval (planner.fidelity.transfer), which `planner calibrate fit` reads.
+
+    python benchmarks/scale_transfer.py                                  # CPU: hidden 64, 128, 256; 3 and 6 layers
+    python benchmarks/scale_transfer.py --device cuda --hidden 64,256,1024 --budget-s 540
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: list[str], kept: float, device: str, work: Path,
+                  steps: int) -> list[dict]:  # fmt: skip
+    from planner.arch.routing import routing_shape
+    from planner.checkpoint import Checkpoint, build
+    from planner.fidelity.grid import Grid
+    from planner.fidelity.labels import knob_scale, knob_shift
+    from planner.rl.grpo import Models
+    from planner.rl.margin import critical_knob
+    from planner.rl.models import ModelRecipe, make_model, scaled_family_config
+    from planner.rl.recipes import recipe
+    from planner.stats.compute import compute_stats, plan_from_stats
+
+    grid = Grid()
+    config = scaled_family_config(family, hidden, layers)
+    name = f"{family}-h{hidden}-l{layers}-s{seed}"
+    original = work / name / "original"
+    start = time.perf_counter()
+    if not (original / "config.json").is_file():
+        make_model(family, original, ModelRecipe(dense_steps=steps, moe_steps=steps, seed=seed), config=config, device=device)
+    made = time.perf_counter() - start
+    ckpt = Checkpoint(original)
+    e, top_k = ckpt.arch.original_num_experts, ckpt.arch.moe.top_k
+    k = next(k for k in Grid(families=(family,), kept_fractions=(kept,)).experts(family))
+    proxy = work / name / f"K{k}-agglomerative"
+    if not (proxy / "expert_map.json").is_file():
+        stats = compute_stats(ckpt, experts=[k], methods=("agglomerative",), calib_tokens=grid.calib_tokens, seq_len=64)
+        build(ckpt, plan_from_stats(stats, k, "agglomerative", model=str(original)), proxy, verify="never", force=True)
+    points = []
+    for recipe_name in recipes:
+        r = recipe(recipe_name)
+        t0 = time.perf_counter()
+        margins = {side: critical_knob(Models(path, device), r, list(grid.margin_seeds), iters=grid.iters(recipe_name))
+                   for side, path in (("original", original), ("proxy", proxy))}  # fmt: skip
+        shift = knob_shift(recipe_name, list(margins["original"].values), list(margins["proxy"].values),
+                           original_censored=margins["original"].censored, proxy_censored=margins["proxy"].censored,
+                           resolution=grid.resolution(recipe_name))  # fmt: skip
+        points.append({"recipe": recipe_name, "shape": routing_shape(ckpt.arch).key(), "family": family, "hidden": hidden, "layers": layers,
+                       "original": name, "plan": f"K{k}-agglomerative", "experts": k, "original_experts": e, "top_k": top_k,
+                       "kept_fraction": k / e, "shift_log2": shift.shift, "shift_se": shift.se, "noise_log2": shift.noise,
+                       "outcome": shift.outcome, "censored": bool(any(margins["original"].censored) or any(margins["proxy"].censored)),
+                       "critical_original": margins["original"].mean * knob_scale(recipe_name),
+                       "critical_proxy": margins["proxy"].mean * knob_scale(recipe_name), "device": device,
+                       "make_s": round(made, 1), "measure_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
+    return points
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default="qwen3_moe-e128,deepseek_v3-e256", help="families made from catalog models (one softmax, one sigmoid-grouped)")
+    parser.add_argument("--hidden", default="64,128,256")
+    parser.add_argument("--layers", default="3,6")
+    parser.add_argument("--seeds", default="0,1", help="model seeds per (family, width, depth)")
+    parser.add_argument("--recipes", default="fp16-overflow,rollout-mismatch")
+    parser.add_argument("--kept-fraction", type=float, default=0.25)
+    parser.add_argument("--steps", type=int, default=300, help="dense and MoE training steps (the grid's: 300)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | npu: where models train and recipes run")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting new points after this many seconds")
+    parser.add_argument("--workdir", default=str(ROOT / "calibration" / "work" / "transfer"))
+    parser.add_argument("-o", "--output", default=str(ROOT / "calibration" / "transfer.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from planner.fidelity.transfer import TRANSFER_SCHEMA, fit_transfer
+    from planner.files import write_text_atomic
+    from planner.render import table
+
+    out = Path(args.output)
+    data = json.loads(out.read_text()) if out.is_file() else {"schema": TRANSFER_SCHEMA, "points": []}
+    done = {(p["original"], p["recipe"]) for p in data["points"]}
+    recipes = args.recipes.split(",")
+    start = time.perf_counter()
+    plan = [(f, int(h), int(layer), int(s)) for f in args.families.split(",") for h in args.hidden.split(",")
+            for layer in args.layers.split(",") for s in args.seeds.split(",")]  # fmt: skip
+    for n, (family, hidden, layers, seed) in enumerate(plan, 1):
+        name = f"{family}-h{hidden}-l{layers}-s{seed}"
+        todo = [r for r in recipes if (name, r) not in done]
+        if not todo:
+            continue
+        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            print(f"budget of {args.budget_s:.0f} s spent; {len(plan) - n + 1} points left for the next run", file=sys.stderr)
+            break
+        print(f"[{n}/{len(plan)}] {name}: {', '.join(todo)} on {args.device}", file=sys.stderr, flush=True)
+        points = measure_point(family, hidden, layers, seed, todo, args.kept_fraction, args.device, Path(args.workdir), args.steps)
+        data["points"].extend(points)
+        data["provenance"] = {"command": " ".join(["python", *sys.argv]), "python": platform.python_version(), "machine": platform.machine()}
+        write_text_atomic(out, json.dumps(data, indent=1))
+        shutil.rmtree(Path(args.workdir) / name, ignore_errors=True)  # the models are remade from their seed if ever needed
+    rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], p["original"][-2:], f"{p['shift_log2']:+.3f}", f"{p['shift_se']:.3f}",
+             p["outcome"], p["device"], p["make_s"], p["measure_s"]] for p in data["points"]]  # fmt: skip
+    print(table(["family", "recipe", "hidden", "layers", "seed", "shift", "se", "outcome", "device", "make s", "measure s"], rows))
+    for key, fit in fit_transfer(data["points"]).items():
+        if not fit.get("fitted"):
+            print(f"{key}: not fitted ({fit.get('reason')})")
+            continue
+        slope = lambda n: "-" if fit["interval"][n] is None else f"{fit['coef'][n]:+.3f} [{fit['interval'][n][0]:+.3f}, {fit['interval'][n][1]:+.3f}]"  # noqa: E731
+        print(f"{key}: {fit['points']} points, hidden {fit['hidden']}, layers {fit['layers']}: shift per doubling of width "
+              f"{slope('log2_hidden')}, per doubling of depth {slope('log2_layers')} (90% intervals); residual SD {fit['residual_sd']:.3f}")  # fmt: skip
+    if any(not math.isfinite(p["shift_log2"]) for p in data["points"]):
+        print("note: some points have no finite shift", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Scale transfer: does a label measured on a 64-wide, 3-layer model hold for a wider, deeper one?
+
+The calibration families are small. The method's claim (a proxy reproduces the original's fault at
+full scale) is the transfer of their labels to the real width and depth, so it is measured, not
+assumed: for a routing shape, the same plan rule (a clustered plan at one K/E) is measured with the
+grid's labels at several widths and depths (`benchmarks/scale_transfer.py`, points in
+calibration/transfer.json). Per (recipe, shape) the signed shift is fitted as
+
+    shift = a + b log2(hidden / 64) + c log2(layers / 3)        (weighted least squares, statsmodels)
+
+and b and c are reported with their 90% intervals. The estimator asks `widening` how much a
+target's interval must widen: within the measured widths and depths, by the interval of the fitted
+change from the calibration scale to the target; beyond them, by that change extrapolated with
+the slopes at the far ends of their intervals, and the output says how far beyond the data the
+target lies. A (recipe, shape) without points says "transfer not measured beyond hidden 64".
+Fitting needs statsmodels; what the estimator stores (slopes, covariance, measured ranges) is
+JSON and is applied with numpy alone.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+__all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "widening", "default_transfer_path", "BASE_HIDDEN", "BASE_LAYERS"]
+
+TRANSFER_SCHEMA = "planner.transfer/1"
+BASE_HIDDEN, BASE_LAYERS = 64, 3  # the calibration families' scale
+LEVEL = 0.90
+
+
+def default_transfer_path() -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("planner._calibration"))) / "transfer.json"
+
+
+def load_points(path: str | Path | None = None) -> list[dict]:
+    """The measured points (empty where the file does not exist yet)."""
+    from planner.errors import SpecError
+    from planner.files import read_json
+
+    p = Path(path) if path is not None else default_transfer_path()
+    if not p.is_file():
+        return []
+    data = read_json(p, "scale-transfer points")
+    if data.get("schema") != TRANSFER_SCHEMA:
+        raise SpecError(f"{p}: not a scale-transfer file (schema {data.get('schema')!r}, want {TRANSFER_SCHEMA})")
+    return list(data.get("points", []))
+
+
+def _usable(points: Iterable[dict]) -> list[dict]:
+    return [p for p in points if p.get("shift_log2") is not None and math.isfinite(p["shift_log2"]) and not p.get("censored")]
+
+
+def fit_transfer(points: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per "recipe|shape": the fitted slopes in log2 width and depth with their intervals, the
+    covariance of (a, b, c), and the widths and depths measured. A slope whose direction has a
+    single measured value is not fitted (it stays 0 with no interval, and `widening` treats any
+    distance along it as unmeasured)."""
+    import statsmodels.api as sm
+
+    out: dict[str, dict[str, Any]] = {}
+    keys = sorted({(p["recipe"], p["shape"]) for p in _usable(points)})
+    for recipe, shape in keys:
+        at = [p for p in _usable(points) if (p["recipe"], p["shape"]) == (recipe, shape)]
+        hidden = np.log2(np.array([p["hidden"] for p in at], dtype=float) / BASE_HIDDEN)
+        layers = np.log2(np.array([p["layers"] for p in at], dtype=float) / BASE_LAYERS)
+        columns, names = [np.ones(len(at))], ["intercept"]
+        for values, name in ((hidden, "log2_hidden"), (layers, "log2_layers")):
+            if np.ptp(values) > 0:
+                columns.append(values)
+                names.append(name)
+        x = np.column_stack(columns)
+        y = np.array([p["shift_log2"] for p in at])
+        se = np.array([max(float(p.get("shift_se") or 0.0), 0.05) for p in at])
+        entry: dict[str, Any] = {"recipe": recipe, "shape": shape, "points": len(at), "hidden": sorted({int(p["hidden"]) for p in at}),
+                                 "layers": sorted({int(p["layers"]) for p in at}), "originals": len({p["original"] for p in at})}  # fmt: skip
+        if len(at) <= x.shape[1]:
+            entry.update(fitted=False, reason=f"{len(at)} points for {x.shape[1]} coefficients")
+            out[f"{recipe}|{shape}"] = entry
+            continue
+        fit = sm.WLS(y, x, weights=1.0 / se**2).fit()
+        ci = fit.conf_int(alpha=1 - LEVEL)
+        coef = {n: float(v) for n, v in zip(names, fit.params)}
+        interval = {n: [float(lo), float(hi)] for n, (lo, hi) in zip(names, ci)}
+        full = ["intercept", "log2_hidden", "log2_layers"]
+        cov = np.zeros((3, 3))
+        index = [full.index(n) for n in names]
+        cov[np.ix_(index, index)] = fit.cov_params()
+        entry.update(fitted=True, coef={n: coef.get(n, 0.0) for n in full}, interval={n: interval.get(n) for n in full},
+                     cov=cov.tolist(), dof=float(fit.df_resid), t=_t(float(fit.df_resid)), residual_sd=float(np.sqrt(fit.scale)))  # fmt: skip
+        out[f"{recipe}|{shape}"] = entry
+    return out
+
+
+def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: int | None, layers: int | None) -> dict[str, Any]:
+    """How much a prediction at (hidden, layers) for (recipe, shape) must widen its shift interval
+    (log2 units), and the words for it."""
+    entry = fits.get(f"{recipe}|{shape}")
+    target = f"hidden {hidden}, {layers} layers" if hidden else "the target"
+    if entry is None or not entry.get("fitted"):
+        why = f" ({entry['reason']})" if entry else ""
+        return {"halfwidth": None, "measured": False,
+                "text": f"transfer not measured beyond hidden {BASE_HIDDEN}{why}: {target} is outside the calibrated scale"}  # fmt: skip
+    if hidden is None or layers is None:
+        return {"halfwidth": None, "measured": True, "text": "target scale unknown"}
+    dh, dl = math.log2(hidden / BASE_HIDDEN), math.log2(layers / BASE_LAYERS)
+    v = np.array([0.0, dh, dl])
+    cov = np.array(entry["cov"])
+    change = float(np.dot([entry["coef"]["intercept"], entry["coef"]["log2_hidden"], entry["coef"]["log2_layers"]], v))
+    half = float(entry["t"] * math.sqrt(max(v @ cov @ v, 0.0)))
+    far = {}
+    for name, d, measured in (("log2_hidden", dh, entry["hidden"]), ("log2_layers", dl, entry["layers"])):
+        top = math.log2(max(measured) / (BASE_HIDDEN if name == "log2_hidden" else BASE_LAYERS))
+        if entry["interval"][name] is None and abs(d) > 0:
+            return {"halfwidth": None, "measured": False, "text": f"transfer in {name[5:]} not measured ({target})"}
+        if d > top:
+            lo, hi = entry["interval"][name]
+            far[name] = (d - top) * max(abs(lo), abs(hi))  # beyond the data: the slope at the far end of its interval
+    halfwidth = abs(change) + half + sum(far.values())
+    beyond = f", beyond the measured hidden {max(entry['hidden'])} / {max(entry['layers'])} layers" if far else ""
+    return {"halfwidth": halfwidth, "measured": True, "change": change,
+            "text": (f"transfer measured at hidden {', '.join(map(str, entry['hidden']))} and {', '.join(map(str, entry['layers']))} "
+                     f"layers (slope {entry['coef']['log2_hidden']:+.3f} log2 per doubling of width); {target}{beyond}: interval "
+                     f"widened by {halfwidth:.2f} log2")}  # fmt: skip
+
+
+def _t(dof: float) -> float:
+    from scipy.stats import t
+
+    return float(t.ppf((1 + LEVEL) / 2, max(dof, 1.0)))

@@ -55,6 +55,21 @@ def test_regressor_signs_intervals_and_json():
     assert bound.coef_[1] == 0.0 and bound.coef_[0] > 0.5
 
 
+def test_an_offset_per_original_is_a_variance_component_that_widens_the_interval():
+    """Five originals, each with its own offset (SD 1) on a shared K/E effect: the random intercept
+    recovers the between-original SD, and the interval is at least its normal interval."""
+    rng = np.random.default_rng(3)
+    offsets = rng.normal(scale=1.0, size=5)
+    x = rng.uniform(0.1, 0.5, size=(200, 1))
+    groups = np.repeat([f"o{i}" for i in range(5)], 40)
+    y = -2 * x[:, 0] + offsets[np.repeat(np.arange(5), 40)] + rng.normal(scale=0.1, size=200)
+    model = ShiftRegressor().fit(x, y, groups=groups)
+    assert 0.4 < model.original_sd_ < 2.0 and 0.05 < model.within_sd_ < 0.2
+    assert model.halfwidth_ >= 1.2815 * np.hypot(model.original_sd_, model.within_sd_) - 1e-9
+    same = ShiftRegressor().fit(x, -2 * x[:, 0] + rng.normal(scale=0.1, size=200), groups=groups)  # no offsets
+    assert same.original_sd_ < 0.05 and same.halfwidth_ < model.halfwidth_
+
+
 def test_p_reproduced_follows_the_predictive_distribution():
     residuals = np.linspace(-0.5, 0.5, 101)
     model = ShiftModel(np.zeros(1), np.ones(1), np.array([1.0]), 0.0, 0.5, residuals, np.repeat(["a", "b"], [50, 51]))

@@ -101,6 +101,10 @@ def features_of(statistics: Mapping[str, Any], architecture: Mapping[str, Any]) 
 
 
 
+def _finite_or_none(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None  # JSON has no NaN
+
+
 def _finite(value) -> bool:
     try:
         return value is not None and math.isfinite(float(value))
@@ -121,6 +125,8 @@ class ShiftModel:
     residuals: np.ndarray
     residual_groups: np.ndarray
     coverage: float = 0.8
+    original_sd: float = float("nan")  # the residuals' SD between originals (a random intercept per original)
+    within_sd: float = float("nan")  # and within one original
 
     def predict(self, x) -> np.ndarray:
         x = np.asarray(x, dtype=float).reshape(-1, len(self.coef))
@@ -146,13 +152,15 @@ class ShiftModel:
     def to_json(self) -> dict:
         return {"mean": self.mean.tolist(), "scale": self.scale.tolist(), "coef": self.coef.tolist(), "intercept": self.intercept,
                 "halfwidth": self.halfwidth, "residuals": self.residuals.tolist(), "residual_groups": self.residual_groups.tolist(),
-                "coverage": self.coverage}  # fmt: skip
+                "coverage": self.coverage, "original_sd": _finite_or_none(self.original_sd), "within_sd": _finite_or_none(self.within_sd)}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "ShiftModel":
         return cls(np.array(d["mean"], dtype=float), np.array(d["scale"], dtype=float), np.array(d["coef"], dtype=float),
                    float(d["intercept"]), float(d["halfwidth"]), np.array(d["residuals"], dtype=float),
-                   np.array(d["residual_groups"], dtype=str), float(d.get("coverage", 0.8)))  # fmt: skip
+                   np.array(d["residual_groups"], dtype=str), float(d.get("coverage", 0.8)),
+                   float("nan") if d.get("original_sd") is None else float(d["original_sd"]),
+                   float("nan") if d.get("within_sd") is None else float(d["within_sd"]))  # fmt: skip
 
 
 _CHOSEN: list[Path] = []  # a user's own fit (`--estimator FILE`); else the packaged one

@@ -29,6 +29,22 @@ def _folds(n: int, groups, random_state) -> np.ndarray:
     return np.random.default_rng(random_state).permutation(n) % min(5, n)
 
 
+def _variance_components(residuals: np.ndarray, groups) -> tuple[float, float]:
+    """(SD between groups, SD within) of `residuals` by a random-intercept model (statsmodels
+    MixedLM, REML); NaN with fewer than 3 groups."""
+    if groups is None or len(set(groups)) < 3:
+        return float("nan"), float("nan")
+    import warnings
+
+    from statsmodels.regression.mixed_linear_model import MixedLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # boundary (zero between-group variance) and convergence notes
+        fit = MixedLM(residuals, np.ones((len(residuals), 1)), groups=np.asarray(groups)).fit(reml=True)
+    return float(np.sqrt(max(float(fit.cov_re.iloc[0, 0]) if hasattr(fit.cov_re, "iloc") else float(np.asarray(fit.cov_re)[0, 0]), 0.0))), \
+        float(np.sqrt(fit.scale))
+
+
 class ShiftRegressor(RegressorMixin, BaseEstimator):
     """Ridge regression with per-feature sign constraints.
 
@@ -37,7 +53,9 @@ class ShiftRegressor(RegressorMixin, BaseEstimator):
     `alpha`, or when None the one of ALPHAS with the least held-out squared error. The held-out
     residuals (leave-one-group-out when `groups` are given to fit, else 5 random folds) are kept in
     `residuals_` with their groups: the interval is their conformal quantile at `coverage` with the
-    finite-sample correction ceil((n+1) coverage)/n."""
+    finite-sample correction ceil((n+1) coverage)/n, widened to the normal interval of the fit's
+    variance components (between originals: `original_sd_`, within: `within_sd_`) where that is
+    wider."""
 
     def __init__(self, signs=None, alpha: float | None = None, coverage: float = 0.8, random_state: int | None = 0):
         self.signs = signs
@@ -93,9 +111,25 @@ class ShiftRegressor(RegressorMixin, BaseEstimator):
         n = len(self.residuals_)
         level = min(1.0, np.ceil((n + 1) * self.coverage) / n) if n else 1.0
         self.halfwidth_ = float(np.quantile(np.abs(self.residuals_), level)) if n else float("inf")
-        self.model_ = ShiftModel(self.mean_, self.scale_, self.coef_, float(self.intercept_), self.halfwidth_, self.residuals_,
-                                 self.residual_groups_, self.coverage)  # fmt: skip
+        # the original-to-original spread: a random intercept per original on the fit's residuals
+        # (REML); with few originals the held-out residuals under-represent it, so the interval is
+        # at least the normal interval of both variance components, and P's predictive
+        # distribution (the held-out residuals) is stretched to match
+        self.original_sd_, self.within_sd_ = _variance_components(y - self._predict_fitted(X), groups)
+        residuals = self.residuals_
+        if np.isfinite(self.original_sd_) and n:
+            from scipy.stats import norm
+
+            parametric = float(norm.ppf((1 + self.coverage) / 2) * np.hypot(self.original_sd_, self.within_sd_))
+            if parametric > self.halfwidth_ > 0:
+                residuals = self.residuals_ * (parametric / self.halfwidth_)
+                self.halfwidth_ = parametric
+        self.model_ = ShiftModel(self.mean_, self.scale_, self.coef_, float(self.intercept_), self.halfwidth_, residuals,
+                                 self.residual_groups_, self.coverage, self.original_sd_, self.within_sd_)  # fmt: skip
         return self
+
+    def _predict_fitted(self, X) -> np.ndarray:
+        return ((X - self.mean_) / self.scale_) @ self.coef_ + self.intercept_
 
     def predict(self, X):
         check_is_fitted(self)

@@ -328,6 +328,38 @@ def test_a_killed_worker_is_resumed_by_a_restart(mini_grid, tmp_path, monkeypatc
     assert [t.params["unit"] for t in trials if t.state.name == "COMPLETE"].count(running[0].params["unit"]) == 1
 
 
+@pytest.mark.slow
+def test_results_files_resume_a_grid_on_a_fresh_storage_and_refuse_another_models_points(mini_grid, tmp_path):
+    """Every completed point is appended to its study's results file; a fresh storage (a new
+    checkout, another machine) takes those points instead of measuring them, except one measured on
+    another model (its fingerprint differs), which is measured again."""
+    from planner.fidelity.calibrate import export
+    from planner.fidelity.grid import read_results, run_workers
+
+    grid, path, work = mini_grid
+    results = tmp_path / "results"
+    first = f"sqlite:///{tmp_path / 'a.db'}"
+    for phase in ("originals", "proxies"):
+        assert run_workers(first, grid, str(path), work, phase, workers=2, results=results) == 0
+    files = sorted(results.glob("*.jsonl"))
+    assert len(files) == 4 and sum(len(read_results(f)) for f in files) == 2 + 4  # 2 recipes x (1 original + 2 proxies)
+    assert all(r["fingerprint"] for f in files for r in read_results(f).values())
+
+    proxy_file = next(f for f in files if "fp16-overflow" in f.name and f.name.endswith("proxies.jsonl"))
+    lines = proxy_file.read_text().splitlines()
+    moved = json.loads(lines[0])
+    moved["result"]["fingerprint"] = "0" * 64  # as if measured on a model made elsewhere
+    proxy_file.write_text("\n".join([json.dumps(moved), *lines[1:], '{"unit": "torn'])+ "\n")  # and a torn last line
+    fresh = f"sqlite:///{tmp_path / 'b.db'}"
+    imported = sum(run_workers(fresh, grid, str(path), work, phase, workers=1, results=results) for phase in ("originals", "proxies"))
+    assert imported == 5  # all but the other model's point
+    trials = _trials(fresh, grid, "proxies")
+    measured = [t.params["unit"] for t in trials if t.state.name == "COMPLETE" and "imported_from" not in t.user_attrs]
+    assert measured == [moved["unit"]]
+    _completed_once(trials, _units(grid, work, "proxies"))
+    assert sorted(map(str, export(fresh, grid, work)[0])) == sorted(map(str, export(first, grid, work)[0]))
+
+
 def _wait_for_running(storage, grid, phase, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -343,10 +343,15 @@ def _measure(grid: Grid, record: dict, recipe_name: str, original: dict | None) 
     from planner.rl.margin import critical_knob
     from planner.rl.recipes import recipe
 
+    from planner.checkpoint import Checkpoint
+
     r = recipe(recipe_name)
     models = Models(record["path"])
     margin = critical_knob(models, r, list(grid.margin_seeds), iters=grid.iters(recipe_name), steps=grid.margin_steps)
-    out: dict[str, Any] = {"margin": {**margin.to_json(), "resolution": grid.resolution(recipe_name)}}
+    # the model measured: a results file's point stands for this model only (trained weights differ
+    # between CPUs' float kernels)
+    out: dict[str, Any] = {"margin": {**margin.to_json(), "resolution": grid.resolution(recipe_name)},
+                           "fingerprint": Checkpoint(record["path"]).fingerprint()}  # fmt: skip
     if r.kind == "dynamic":
         knob = original["knob"] if original else margin.mean + grid.knob_offset
         out["knob"] = knob
@@ -398,22 +403,27 @@ def read_results(path: Path) -> dict[str, dict]:
     return out
 
 
-def import_results(study, units: list[str], path: Path) -> int:
+def import_results(study, units: list[str], path: Path, fingerprint_of=None) -> tuple[int, list[str]]:
     """Complete trials in `study` for the points `path` holds that the study has not completed (the
-    GridSampler then never hands them out); returns how many were added."""
+    GridSampler then never hands them out). A point measured on another model than the local one
+    (its fingerprint differs: the models were made on another CPU) is not taken: it is measured
+    again here. Returns (points added, units skipped as measured on another model)."""
     import optuna
 
     done = {t.params.get("unit") for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))}
-    added = 0
+    added, other = 0, []
     distribution = optuna.distributions.CategoricalDistribution(units)
     for unit, result in read_results(path).items():
         if unit in done or unit not in units:
+            continue
+        if fingerprint_of is not None and result.get("fingerprint") and result["fingerprint"] != fingerprint_of(unit):
+            other.append(unit)
             continue
         study.add_trial(optuna.trial.create_trial(params={"unit": unit}, distributions={"unit": distribution}, value=0.0,
                                                   user_attrs={"result": json.dumps(result), "imported_from": path.name},
                                                   system_attrs={"grid_id": units.index(unit), "search_space": {"unit": units}}))  # fmt: skip
         added += 1
-    return added
+    return added, other
 
 
 def _work(study, units: list[str], measure, results: Path | None = None) -> bool:
@@ -515,13 +525,24 @@ def run_workers(storage: str, grid: Grid, grid_path: str | None, workdir: Path, 
     The studies (and the storage's tables) are made here first: workers creating a SQLite schema at
     the same moment race each other. Points a results file holds are completed in the storage
     before any worker starts. Workers start a second apart."""
+    from planner.checkpoint import Checkpoint
+
     records = json.loads((workdir / "models.json").read_text())
-    imported = 0
+    imported, other = 0, []
+
+    def fingerprint_of(unit: str) -> str:
+        base, model, _ = unit.split("/")
+        return Checkpoint(records[f"{base}/{model}"]["path"]).fingerprint()
+
     for recipe_name in grid.recipes:
         for base, units in _units(grid, records, recipe_name, phase).items():
             study = _study(storage, grid, recipe_name, phase, base, units)
             if results is not None:
-                imported += import_results(study, units, results_file(results, study))
+                added, skipped = import_results(study, units, results_file(results, study), fingerprint_of)
+                imported, other = imported + added, other + skipped
+    if other:
+        log.warning("%d point(s) of the results files were measured on other models than the ones here (made on another CPU?), "
+                    "e.g. %s: measured again", len(other), other[0])  # fmt: skip
     cmd = [sys.executable, "-m", "planner.fidelity.grid", storage, str(workdir), phase, grid_path or "-", str(results or "-")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = []

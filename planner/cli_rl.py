@@ -218,18 +218,50 @@ def calibrate() -> None:
               help="Keep every completed grid point in JSON-lines files here too (one per study), and take the points they "
                    "hold instead of measuring them: a grid that resumes in a fresh checkout or on another machine.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=DATASET, show_default=True)
+@click.option("--merge", is_flag=True, help="Put the grid's rows into an existing dataset in place of its rows of the same families "
+                                            "(a family's grid of its own); other families' rows and added pairs stay.")
 @click.option("--force", is_flag=True, help="Overwrite an existing dataset file.")
-def calibrate_run(grid_path, storage, workers, workdir, results, output, force) -> None:
+def calibrate_run(grid_path, storage, workers, workdir, results, output, merge, force) -> None:
     """Run (or resume) the calibration grid and export the dataset."""
     from planner.fidelity.calibrate import run
     from planner.fidelity.grid import Grid
 
     def body():
-        refuse_existing(output, force, f" (the grid itself resumes from {storage})")
+        if not merge:
+            refuse_existing(output, force, f" (the grid itself resumes from {storage}; --merge adds a family's rows to it)")
         if workers < 1:
             raise SpecError(f"--workers must be at least 1, got {workers}")
         run(Grid.load(grid_path), grid_path, storage, Path(workdir), workers, Path(output), say=lambda s: click.echo(s, err=True),
-            results=Path(results) if results else None)  # fmt: skip
+            results=Path(results) if results else None, merge=merge)  # fmt: skip
+
+    _run(body)
+
+
+@calibrate.command("status")
+@click.option("--grid", "grid_path", type=click.Path(exists=True, dir_okay=False), default=None, help="Grid YAML (default: the built-in grid).")
+@click.option("--storage", default="sqlite:///calibration.db", show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default="calibration/work", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def calibrate_status(grid_path, storage, workdir, as_json) -> None:
+    """Progress of a grid on its storage (any worker's machine): points done, running, failed, and the work left."""
+    from planner.fidelity.calibrate import progress
+    from planner.fidelity.grid import Grid
+
+    def body():
+        if not (Path(workdir) / "models.json").is_file():
+            raise SpecError(f"{workdir} holds no prepared grid (no models.json); pass the --workdir of `calibrate run`")
+        rows = progress(storage, Grid.load(grid_path), Path(workdir))
+        if as_json:
+            return _emit_json(rows)
+        body = [[r["recipe"], r["phase"], r["original"], f"{r['complete']}/{r['points']}", r["running"], r["failed"],
+                 "-" if r["median_s"] is None else f"{r['median_s']:.1f}", "-" if r["left_s"] is None else f"{r['left_s'] / 60:.0f}"]
+                for r in rows]  # fmt: skip
+        click.echo(table(["recipe", "phase", "original", "done", "running", "failed", "median s", "left min (1 worker)"], body))
+        done, total = sum(r["complete"] for r in rows), sum(r["points"] for r in rows)
+        left = sum(r["left_s"] or 0 for r in rows)
+        unknown = sum(r["left"] for r in rows if r["left_s"] is None)
+        click.echo(f"{done} of {total} grid points complete; about {left / 3600:.1f} worker-hours left at the measured pace"
+                   + (f", and {unknown} points of recipes not measured yet" if unknown else ""))  # fmt: skip
 
     _run(body)
 

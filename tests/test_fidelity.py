@@ -295,6 +295,21 @@ def test_two_workers_share_one_sqlite_study(mini_grid, tmp_path):
     before = len(_trials(storage, grid, "proxies"))
     run_workers(storage, grid, str(path), work, "proxies", workers=2)  # all done: nothing is run again
     assert len(_trials(storage, grid, "proxies")) == before
+    status = run_cli("calibrate", "status", "--grid", path, "--storage", storage, "--workdir", work, "--json")
+    progress = json.loads(status.stdout)
+    assert status.exit_code == 0 and len(progress) == 4 and all(p["complete"] == p["points"] and p["left_s"] == 0 for p in progress)
+    assert "6 of 6 grid points complete" in run_cli("calibrate", "status", "--grid", path, "--storage", storage, "--workdir", work).output
+
+    # a family's grid merged into a dataset of other families: theirs stay, this family's grid rows are replaced
+    from planner.fidelity.calibrate import merged
+    from planner.fidelity.dataset import read_dataset, write_dataset
+
+    other = [dict(rows[0], family="mixtral", original="mixtral-s0"), dict(rows[1], family="qwen3_moe", model="stale")]
+    write_dataset(other, tmp_path / "d.csv", {"grid_key": "old", "noise_floor": [{"original": "mixtral-s0"}], "command": "x"})
+    new_rows, meta, kept = merged(tmp_path / "d.csv", rows, {"grid_key": grid.key(), "noise_floor": noise, "command": "y", "grid": {},
+                                                             "storage": storage, "seeds": {}}, grid)  # fmt: skip
+    assert kept == 1 and {r["family"] for r in new_rows} == {"mixtral", "qwen3_moe"} and "stale" not in {r["model"] for r in new_rows}
+    assert [g["grid_key"] for g in meta["grids"]] == ["old", grid.key()] and len(meta["noise_floor"]) == 1 + len(noise)
 
 
 @pytest.mark.slow

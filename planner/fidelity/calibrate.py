@@ -23,7 +23,7 @@ from planner.fidelity.estimator import FidelityEstimator, features_of
 from planner.fidelity.grid import Grid, collect, prepare, run_workers
 from planner.files import read_json
 
-__all__ = ["run", "export", "add_pair", "fit"]
+__all__ = ["run", "export", "merged", "progress", "add_pair", "fit"]
 
 
 def _provenance(grid: Grid, storage: str, seeds: dict) -> dict[str, Any]:
@@ -83,6 +83,45 @@ def export(storage: str, grid: Grid, workdir: Path) -> tuple[list[dict], list[di
     return rows, noise_floor(grid, originals)
 
 
+def progress(storage: str, grid: Grid, workdir: Path) -> list[dict]:
+    """Per (recipe, phase, original): grid points, completed, running, failed attempts, the median
+    seconds of a completed point, and the seconds of work left at that pace (one worker)."""
+    import optuna
+
+    from planner.fidelity.grid import _storage, _units, study_name
+
+    records = json.loads((workdir / "models.json").read_text())
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    out = []
+    for recipe_name in grid.recipes:
+        for phase in ("originals", "proxies"):
+            for base, units in _units(grid, records, recipe_name, phase).items():
+                try:
+                    trials = optuna.load_study(study_name=study_name(grid, recipe_name, phase, base), storage=_storage(storage)).get_trials(deepcopy=False)
+                except KeyError:
+                    trials = []
+                state = lambda name: [t for t in trials if t.state.name == name]  # noqa: E731
+                done = {t.params.get("unit") for t in state("COMPLETE")}
+                measured = [(t.datetime_complete - t.datetime_start).total_seconds() for t in state("COMPLETE")
+                            if "imported_from" not in t.user_attrs and t.datetime_start and t.datetime_complete]  # fmt: skip
+                out.append({"recipe": recipe_name, "phase": phase, "original": base, "points": len(units), "complete": len(done & set(units)),
+                            "running": len(state("RUNNING")), "failed": len(state("FAIL")),
+                            "median_s": float(np.median(measured)) if measured else None, "left": len(set(units) - done),
+                            "_seconds": measured})  # fmt: skip
+    # a study with nothing measured yet goes at the pace of its recipe's other studies of the phase
+    # (else of the recipe's originals: an upper bound for proxies, which run no replicas)
+    for r in out:
+        pace = r["median_s"]
+        for same in (lambda o: o["recipe"] == r["recipe"] and o["phase"] == r["phase"], lambda o: o["recipe"] == r["recipe"]):
+            if pace is None:
+                pooled = [x for o in out if same(o) for x in o["_seconds"]]
+                pace = float(np.median(pooled)) if pooled else None
+        r["left_s"] = pace * r["left"] if pace is not None else None
+    for r in out:
+        del r["_seconds"]
+    return out
+
+
 def _sides(result: dict) -> dict:
     """A grid result in pair_row's terms (replica runs gathered into one list)."""
     out = dict(result)
@@ -91,7 +130,7 @@ def _sides(result: dict) -> dict:
 
 
 def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers: int, out: Path,
-        say: Callable[[str], None] = lambda s: None, results: Path | None = None) -> list[dict]:  # fmt: skip
+        say: Callable[[str], None] = lambda s: None, results: Path | None = None, merge: bool = False) -> list[dict]:  # fmt: skip
     """The whole grid, resumable: every step skips what is already done (in the storage, or in the
     results files under `results`, which every completed point is appended to)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -107,9 +146,29 @@ def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers:
     rows, noise = export(storage, grid, workdir)
     seeds = {"models": list(range(grid.originals)), "margin": list(grid.margin_seeds), "curve": grid.curve_seed,
              "replica_gen": list(grid.replica_gen_seeds)}  # fmt: skip
-    write_dataset(rows, out, {**_provenance(grid, storage, seeds), "noise_floor": noise})
+    provenance = {**_provenance(grid, storage, seeds), "noise_floor": noise}
+    if merge and out.is_file():
+        rows, provenance, kept = merged(out, rows, provenance, grid)
+        say(f"kept {kept} rows of other families from {out}")
+    write_dataset(rows, out, provenance)
     say(f"wrote {len(rows)} rows to {out}")
     return rows
+
+
+def merged(dataset: Path, rows: list[dict], provenance: dict, grid: Grid) -> tuple[list[dict], dict, int]:
+    """The grid's rows in place of the dataset's rows of the same families (their grid rows; pairs
+    added with `calibrate add` stay), and the provenance of every grid the dataset holds."""
+    old = read_dataset(dataset)
+    kept = [r for r in old if not (str(r["family"]) in grid.families and r.get("source") == "grid")]
+    meta_path = dataset.with_suffix(".json")
+    meta = read_json(meta_path, "dataset provenance") if meta_path.is_file() else {}
+    grids = [g for g in meta.get("grids", [{k: meta[k] for k in ("command", "grid", "grid_key", "storage", "seeds") if k in meta}])
+             if g.get("grid_key") and g["grid_key"] != provenance["grid_key"]]  # fmt: skip
+    grids.append({k: provenance[k] for k in ("command", "grid", "grid_key", "storage", "seeds")})
+    ours = {n["original"] for n in provenance["noise_floor"]}
+    noise = [n for n in meta.get("noise_floor", []) if n["original"] not in ours] + provenance["noise_floor"]
+    out = {**provenance, "grids": grids, "noise_floor": noise, "added": meta.get("added", [])}
+    return kept + rows, out, len(kept)
 
 
 def _load_run(d: Path) -> dict:

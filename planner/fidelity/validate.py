@@ -170,8 +170,27 @@ def cross_validate(rows: list[dict], schemes: tuple[str, ...] = tuple(SCHEMES), 
                 entry[scheme]["by_family"] = {f: {v: score_predictions(_of_family(h, f)) for v, h in held.items()} for f in families}
         outcomes = [r.get("outcome") for r in rows if r["recipe"] == recipe]
         entry["outcomes"] = {o: outcomes.count(o) for o in sorted({str(o) for o in outcomes})}
+        entry["shapes"] = {str(r["family"]): str(r.get("routing_shape") or "") for r in used}
+        entry["controls"] = _controls(rows, recipe)
         report["recipes"][recipe] = entry
+    from planner.fidelity.transfer import fit_transfer, load_points
+
+    points = load_points()
+    report["transfer"] = fit_transfer(points) if points else {}
     return report
+
+
+def _controls(rows: list[dict], recipe: str) -> dict[str, dict[str, int]]:
+    """The negative controls' outcomes per family (planner.plan.CONTROL_METHODS): a label that can
+    fail says "not reproduced" for them."""
+    from planner.plan import CONTROL_METHODS
+
+    out: dict[str, dict[str, int]] = {}
+    for r in rows:
+        if r.get("recipe") == recipe and r.get("method") in CONTROL_METHODS:
+            counts = out.setdefault(str(r["family"]), {})
+            counts[str(r.get("outcome"))] = counts.get(str(r.get("outcome")), 0) + 1
+    return out
 
 
 def skill_gate(report: dict[str, Any], recipe: str, family: str | None = None) -> dict[str, Any]:
@@ -229,6 +248,19 @@ def ke_gate(report: dict[str, Any], recipe: str, family: str) -> dict[str, Any]:
             "coverage": s["coverage"], "auc": _finite_or_none(auc), "originals": len(s["mae_by_group"])}  # fmt: skip
 
 
+def _transfer_text(fit: dict | None) -> str:
+    if not fit:
+        return "not measured (calibrated at hidden 64, 3 layers only)"
+    if not fit.get("fitted"):
+        return f"{fit['points']} points at hidden {fit['hidden']}, layers {fit['layers']}: not fitted ({fit['reason']})"
+    parts = []
+    for name, what in (("log2_hidden", "width"), ("log2_layers", "depth")):
+        if fit["interval"][name] is not None:
+            lo, hi = fit["interval"][name]
+            parts.append(f"{fit['coef'][name]:+.3f} [{lo:+.3f}, {hi:+.3f}] log2 per doubling of {what}")
+    return f"{'; '.join(parts)} (90% intervals; {fit['points']} points, hidden {fit['hidden']}, layers {fit['layers']})"
+
+
 def _finite_or_none(v: float) -> float | None:
     return v if math.isfinite(v) else None  # JSON has no NaN
 
@@ -249,8 +281,10 @@ def render_report(report: dict[str, Any]) -> str:
     for recipe, entry in report["recipes"].items():
         counts = ", ".join(f"{k} {v}" for k, v in entry.get("outcomes", {}).items())
         lines.append(f"\n{recipe} ({counts})")
+        for family, c in entry.get("controls", {}).items():
+            lines.append(f"  negative controls (mis-sliced routers), {family}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
         for scheme, result in entry.items():
-            if scheme == "outcomes":
+            if scheme not in SCHEMES:
                 continue
             if "variants" not in result:
                 lines.append(f"  leave one {scheme} out: {result['groups']} group(s), nothing to hold out")
@@ -266,4 +300,7 @@ def render_report(report: dict[str, Any]) -> str:
             if body:
                 lines.append(table(["variant", *keys], body))
             lines.append(f"  gate, {family}: {skill_gate(report, recipe, family)['reason']}")
+            lines.append(f"  K/E-level P, {family}: {ke_gate(report, recipe, family)['reason']}")
+            transfer = report.get("transfer", {}).get(f"{recipe}|{entry.get('shapes', {}).get(family, '')}")
+            lines.append(f"  scale transfer, {family}: {_transfer_text(transfer)}")
     return "\n".join(lines)

@@ -58,6 +58,7 @@ RECIPE_FEATURES = {"router-collapse": SHIFT_FEATURES + ROUTING_FEATURES}
 # gradients grow and overflow at a smaller loss scale (the pilot: -0.7 bits at K=16, -1.1 at K=8 of 32).
 SIGNS = {"router-collapse": {"frequency_dropped_mean": -1}, "fp16-overflow": {"kept_fraction": +1}}
 MIN_ROWS = 20  # a recipe with fewer labelled rows (or fewer than 2 originals) is not fitted
+LOCAL_ORIGINALS = 3  # a family with this many originals (and MIN_ROWS rows) gets models of its own, fitted on its rows alone
 SCHEMA = "planner.fidelity/4"  # 4: gates per calibration family, keyed by routing shape
 
 
@@ -337,7 +338,16 @@ class FidelityEstimator:
             for name, f in families.items():
                 if f["routing_shape"]:
                     shapes.setdefault(f["routing_shape"], []).append(name)
-            recipes[recipe] = {"models": models, "features": list(names), "domain": domain, "shapes": shapes, "families": families,
+            local = {}
+            for name, f in families.items():
+                if f["originals"] < LOCAL_ORIGINALS:
+                    continue
+                mine = [r for r in rows if str(r.get("family")) == name]
+                fitted = {"full": fit_shift(mine, recipe, names), **{v: fit_shift(mine, recipe, b) for v, b in baselines(recipe).items()}}
+                if fitted["full"] is not None:
+                    at = training_rows(mine, recipe, names)
+                    local[name] = {"models": fitted, "domain": {n: (float(min(r[n] for r in at)), float(max(r[n] for r in at))) for n in names}}
+            recipes[recipe] = {"models": models, "local": local, "features": list(names), "domain": domain, "shapes": shapes, "families": families,
                                "experts": sorted({int(r["original_experts"]) for r in used}),
                                "originals": sorted({str(r["original"]) for r in used}), "measured_by_k": _measured_by_k(rows, recipe),
                                "every_plan_reproduced": _every_plan_reproduced(rows, recipe),
@@ -411,10 +421,17 @@ class FidelityEstimator:
         """The features the recipe's full model was fitted on (older files: SHIFT_FEATURES)."""
         return tuple(self.recipes[recipe].get("features", SHIFT_FEATURES))
 
+    def _fitted(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any]:
+        """The models and domain a prediction for `row` uses: its family's own where it has them,
+        else those fitted on every family."""
+        entry = self.recipes[recipe]
+        family = self.family(row, recipe)
+        return entry.get("local", {}).get(family) or {"models": entry["models"], "domain": entry["domain"]}
+
     def outside(self, row: Mapping[str, Any], recipe: str) -> list[str]:
-        """The features of `row` outside the range the recipe's calibration data covered."""
+        """The features of `row` outside the range the calibration data its models were fitted on covered."""
         out = []
-        for name, (lo, hi) in self.recipes[recipe]["domain"].items():
+        for name, (lo, hi) in self._fitted(row, recipe)["domain"].items():
             value = row.get(name)
             if _finite(value) and not lo - 1e-9 <= float(value) <= hi + 1e-9:
                 out.append(f"{name} {float(value):.4g} (calibrated {lo:.4g} to {hi:.4g})")
@@ -429,7 +446,8 @@ class FidelityEstimator:
                                "shift_log2": None, "shift_interval": None, "tolerance_log2": self.tolerance}  # fmt: skip
         entry = self.recipes.get(recipe)
         if status == "calibrated":
-            model = entry["models"][variant]
+            model = self._fitted(row, recipe)["models"][variant]
+            out["fitted_on"] = "its family" if self.family(row, recipe) in entry.get("local", {}) else "every family"
             out["basis"] = "plan statistics" if variant == "full" else variant
             x = design([row], self.features(recipe) if variant == "full" else baselines(recipe)[variant])
             p, low, high = model.p_within(x, self.tolerance)
@@ -461,9 +479,11 @@ class FidelityEstimator:
     def to_json(self) -> dict:
         recipes = {}
         for name, entry in self.recipes.items():
-            recipes[name] = {**{k: v for k, v in entry.items() if k != "models"},
-                             "models": {v: (m.to_json() if m is not None else None) for v, m in entry["models"].items()},
-                             "domain": {k: list(v) for k, v in entry["domain"].items()}}  # fmt: skip
+            models = lambda ms: {v: (m.to_json() if m is not None else None) for v, m in ms.items()}  # noqa: E731
+            recipes[name] = {**{k: v for k, v in entry.items() if k not in ("models", "local")}, "models": models(entry["models"]),
+                             "domain": {k: list(v) for k, v in entry["domain"].items()},
+                             "local": {f: {"models": models(lo["models"]), "domain": {k: list(v) for k, v in lo["domain"].items()}}
+                                       for f, lo in entry.get("local", {}).items()}}  # fmt: skip
         return {"schema": SCHEMA, "tolerance_log2": self.tolerance, "recipes": recipes,
                 "info": self.info}  # fmt: skip
 
@@ -473,9 +493,11 @@ class FidelityEstimator:
             raise ValueError(f"not a fidelity estimator file of this version (schema {data.get('schema')!r}, want {SCHEMA}; refit it "
                              "with `planner calibrate fit`)")  # fmt: skip
         recipes = {}
+        models = lambda ms: {v: (ShiftModel.from_json(m) if m is not None else None) for v, m in ms.items()}  # noqa: E731
+        domain = lambda d: {k: (float(v[0]), float(v[1])) for k, v in d.items()}  # noqa: E731
         for name, entry in data["recipes"].items():
-            models = {v: (ShiftModel.from_json(m) if m is not None else None) for v, m in entry["models"].items()}
-            recipes[name] = {**entry, "models": models, "domain": {k: (float(v[0]), float(v[1])) for k, v in entry["domain"].items()}}
+            recipes[name] = {**entry, "models": models(entry["models"]), "domain": domain(entry["domain"]),
+                             "local": {f: {"models": models(lo["models"]), "domain": domain(lo["domain"])} for f, lo in entry.get("local", {}).items()}}  # fmt: skip
         return cls(recipes, data.get("info", {}), float(data.get("tolerance_log2", 1.0)))
 
     def save(self, path: str | Path) -> None:

@@ -14,8 +14,10 @@ reproduced   AUC and Brier score of P(reproduced) on rows whose equivalence deci
              (reproduced or not; undetermined rows are left out), against the Brier score of the
              training folds' base rate.
 
-The leave-one-original-out scores are also given per calibration family (`by_family`: the held-out
-rows of one family, predicted by models fitted on every other original, of that family and others).
+The leave-one-original-out scores are also given per calibration family (`by_family`): a family
+with LOCAL_ORIGINALS originals or more has models of its own, so it is validated on its own rows
+(one of its originals held out at a time, the models fitted on its others); another family's rows
+are predicted by models fitted on every other original, of that family and others.
 
 The skill gate (skill_gate) reads them, per family or pooled: the full model has skill on a recipe
 when, against K/E alone and against K/E with the routing type where that baseline exists, the
@@ -35,7 +37,7 @@ import numpy as np
 from scipy.stats import spearmanr
 from sklearn.metrics import roc_auc_score
 
-from planner.fidelity.estimator import baselines, design, fit_shift, recipe_features, training_rows
+from planner.fidelity.estimator import LOCAL_ORIGINALS, baselines, design, fit_shift, recipe_features, training_rows
 
 __all__ = ["variants", "SCHEMES", "cross_validate", "skill_gate", "ke_gate", "render_report", "score_predictions", "paired_difference"]
 
@@ -166,8 +168,18 @@ def cross_validate(rows: list[dict], schemes: tuple[str, ...] = tuple(SCHEMES), 
             held = {v: _held_out(rows, recipe, names, key, tolerance) for v, names in variants(recipe).items()}
             entry[scheme] = {"groups": len(groups), "variants": {v: score_predictions(h) for v, h in held.items()}}
             if scheme == "original":
+                # a family with originals enough is validated as it is fitted: on its own rows, one
+                # original held out at a time; the others by the models fitted on every family
                 families = sorted({str(r["family"]) for r in used})
-                entry[scheme]["by_family"] = {f: {v: score_predictions(_of_family(h, f)) for v, h in held.items()} for f in families}
+                entry[scheme]["by_family"], entry[scheme]["local"] = {}, []
+                for f in families:
+                    mine = [r for r in rows if str(r.get("family")) == f]
+                    if len({str(r["original"]) for r in used if str(r["family"]) == f}) >= LOCAL_ORIGINALS:
+                        entry[scheme]["by_family"][f] = {v: score_predictions(_held_out(mine, recipe, names, key, tolerance))
+                                                         for v, names in variants(recipe).items()}  # fmt: skip
+                        entry[scheme]["local"].append(f)
+                    else:
+                        entry[scheme]["by_family"][f] = {v: score_predictions(_of_family(h, f)) for v, h in held.items()}
         outcomes = [r.get("outcome") for r in rows if r["recipe"] == recipe]
         entry["outcomes"] = {o: outcomes.count(o) for o in sorted({str(o) for o in outcomes})}
         entry["shapes"] = {str(r["family"]): str(r.get("routing_shape") or "") for r in used}
@@ -295,7 +307,8 @@ def render_report(report: dict[str, Any]) -> str:
         gate = skill_gate(report, recipe)
         lines.append(f"  gate, pooled: {gate['reason']}")
         for family, scores in entry.get("original", {}).get("by_family", {}).items():
-            lines.append(f"  {family}, leave one original out")
+            local = family in entry.get("original", {}).get("local", [])
+            lines.append(f"  {family}, leave one original out ({'models of its own, fitted on its rows' if local else 'models fitted on every family'})")
             body = [[v, *(_fmt(s.get(k, math.nan)) for k in keys)] for v, s in scores.items() if s]
             if body:
                 lines.append(table(["variant", *keys], body))

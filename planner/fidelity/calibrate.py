@@ -144,7 +144,7 @@ def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers:
     if imported:
         say(f"{imported} grid points taken from the results files under {results}")
     rows, noise = export(storage, grid, workdir)
-    seeds = {"models": list(range(grid.originals)), "margin": list(grid.margin_seeds), "curve": grid.curve_seed,
+    seeds = {"models": list(grid.seeds()), "margin": list(grid.margin_seeds), "curve": grid.curve_seed,
              "replica_gen": list(grid.replica_gen_seeds)}  # fmt: skip
     provenance = {**_provenance(grid, storage, seeds), "noise_floor": noise}
     if merge and out.is_file():
@@ -156,16 +156,17 @@ def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers:
 
 
 def merged(dataset: Path, rows: list[dict], provenance: dict, grid: Grid) -> tuple[list[dict], dict, int]:
-    """The grid's rows in place of the dataset's rows of the same families (their grid rows; pairs
-    added with `calibrate add` stay), and the provenance of every grid the dataset holds."""
+    """The grid's rows in place of the dataset's grid rows of the same originals (other originals of
+    the family, other families and pairs added with `calibrate add` stay), and the provenance of
+    every grid the dataset holds."""
     old = read_dataset(dataset)
-    kept = [r for r in old if not (str(r["family"]) in grid.families and r.get("source") == "grid")]
+    ours = {f"{family}-s{seed}" for family in grid.families for seed in grid.seeds()}
+    kept = [r for r in old if not (str(r["original"]) in ours and r.get("source") == "grid")]
     meta_path = dataset.with_suffix(".json")
     meta = read_json(meta_path, "dataset provenance") if meta_path.is_file() else {}
     grids = [g for g in meta.get("grids", [{k: meta[k] for k in ("command", "grid", "grid_key", "storage", "seeds") if k in meta}])
              if g.get("grid_key") and g["grid_key"] != provenance["grid_key"]]  # fmt: skip
     grids.append({k: provenance[k] for k in ("command", "grid", "grid_key", "storage", "seeds")})
-    ours = {n["original"] for n in provenance["noise_floor"]}
     noise = [n for n in meta.get("noise_floor", []) if n["original"] not in ours] + provenance["noise_floor"]
     out = {**provenance, "grids": grids, "noise_floor": noise, "added": meta.get("added", [])}
     return kept + rows, out, len(kept)

@@ -57,8 +57,8 @@ MAX_FAILURES = 3  # a grid point that raised this often is reported, not retried
 PHASES = ("originals", "proxies")
 # what the models and proxies under a workdir depend on
 _MODEL_FIELDS = ("families", "originals", "kept_fractions", "methods", "random_draws", "calib_tokens", "dense_steps", "moe_steps",
-                 "controls")  # fmt: skip
-_ADDED_LATER = ("controls",)  # settings with a default that leaves earlier grids' keys as they were
+                 "controls", "first_original")  # fmt: skip
+_ADDED_LATER = ("controls", "first_original")  # settings with a default that leaves earlier grids' keys as they were
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +82,11 @@ class Grid:
     dense_steps: int = 300
     moe_steps: int = 300
     controls: tuple[str, ...] = ()  # negative controls per K (planner.plan.CONTROL_METHODS), built from the agglomerative plan
+    first_original: int = 0  # model seeds first_original .. originals-1: more originals for a family measured before
+
+    def seeds(self) -> range:
+        """The model seeds of the grid's originals."""
+        return range(self.first_original, self.originals)
 
     def __post_init__(self) -> None:
         from planner.plan import SELECTION_METHODS
@@ -99,6 +104,8 @@ class Grid:
         if any(c not in CONTROL_METHODS for c in self.controls) or (self.controls and "agglomerative" not in self.methods):
             raise SpecError(f"grid: controls {list(self.controls)}: each one of {', '.join(CONTROL_METHODS)}, and built from the "
                             "agglomerative plan, which methods must then hold")  # fmt: skip
+        if not 0 <= self.first_original < self.originals:
+            raise SpecError(f"grid: first_original {self.first_original} must lie in [0, originals={self.originals})")
         positive = ("originals", "margin_steps", "curve_steps", "calib_tokens")
         if any(getattr(self, n) < 1 for n in positive) or self.random_draws < 0 or self.dynamic_originals < 0:
             raise SpecError(f"grid: {', '.join(positive)} must be >= 1, random_draws and dynamic_originals >= 0")
@@ -146,8 +153,8 @@ class Grid:
 
     def model_settings(self) -> dict[str, Any]:
         """What the models and proxies under a workdir depend on (the workdir's stamp)."""
-        out = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k in _MODEL_FIELDS}
-        return {k: v for k, v in out.items() if not (k in _ADDED_LATER and v == list(Grid.__dataclass_fields__[k].default))}
+        at_default = {k for k in _ADDED_LATER if getattr(self, k) == Grid.__dataclass_fields__[k].default}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k in _MODEL_FIELDS and k not in at_default}
 
     def experts(self, family: str) -> list[int]:
         """The K of a family: each kept fraction of E, raised to the smallest K the routing allows
@@ -186,7 +193,7 @@ class Grid:
         """Does the recipe run on the family's original of this model seed (the dynamic budget)?"""
         from planner.rl.recipes import recipe
 
-        return recipe(recipe_name).kind == "static" or seed < self.dynamic_originals
+        return recipe(recipe_name).kind == "static" or seed < self.first_original + self.dynamic_originals
 
 
 def study_name(grid: Grid, recipe_name: str, phase: str, original: str) -> str:
@@ -212,7 +219,7 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
     records: dict[str, dict] = {}
     for family in grid.families:
         experts = grid.experts(family)
-        for seed in range(grid.originals):
+        for seed in grid.seeds():
             base = f"{family}-s{seed}"
             root = workdir / "models" / base
             original = root / "original"
@@ -562,7 +569,7 @@ def collect(storage: str, grid: Grid, phase: str, recipes: tuple[str, ...] | Non
     import optuna
 
     out = {}
-    studies = [(r, f"{family}-s{seed}") for r in recipes or grid.recipes for family in grid.families for seed in range(grid.originals)
+    studies = [(r, f"{family}-s{seed}") for r in recipes or grid.recipes for family in grid.families for seed in grid.seeds()
                if grid.measured_on(r, seed)]  # fmt: skip
     for recipe_name, base in studies:
         try:

@@ -212,10 +212,10 @@ def probe_pair(original: str | Path, proxy: str | Path, recipe_name: str, *, see
             timings.append(time.perf_counter() - start)
         return done[name, seed, knob]
 
-    measure("original", first, seeds[0], r.lo)  # one pass, timed, before the long part
+    measure("original", first, seeds[0], 0.5 * (r.lo + r.hi))  # the bisection's first probe, timed before the long part
     once = timings[0]
-    passes = 2 * len(seeds) * (iters + 2)
-    say(f"{recipe_name}: one probe pass took {once:.1f} s; at most {passes} passes (2 models x {len(seeds)} seeds x {iters + 2} "
+    passes = 2 * len(seeds) * (iters + 1)
+    say(f"{recipe_name}: one probe pass took {once:.1f} s; at most {passes} passes (2 models x {len(seeds)} seeds x {iters + 1} "
         f"bisection steps): up to {passes * once / 60:.1f} min")  # fmt: skip
     margins = {}
     for name, path in (("original", original), ("proxy", proxy)):

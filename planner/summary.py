@@ -179,10 +179,14 @@ def render_comparison(c: ProxyComparison) -> str:
 
 
 def catalog_listing() -> dict[str, Any]:
+    from planner.arch.routing import routing_shape
+    from planner.rl.models import family_of_shape
+
     models = []
     for mid, m in catalog_models().items():
         arch = load_model(mid)
         counts = count_parameters(arch)
+        shape = routing_shape(arch)
         models.append(
             {
                 "id": mid,
@@ -192,6 +196,9 @@ def catalog_listing() -> dict[str, Any]:
                 "experts": arch.moe.num_experts,
                 "top_k": arch.moe.top_k,
                 "moe_layers": arch.num_moe_layers,
+                "routing_shape": shape.key(),
+                "routing": shape.describe(),
+                "calibration_family": family_of_shape(shape),
                 "total_params": counts.total,
                 "active_params": counts.active,
                 "published_total": parse_count(m.published["total_params"]),
@@ -232,10 +239,13 @@ def render_catalog(listing: dict[str, Any]) -> str:
             count(m["total_params"]),
             count(m["active_params"]),
             f"{count(m['published_total'])} / {count(m['published_active'])}",
+            m["routing_shape"],
+            m["calibration_family"] or "-",
         ]
         for m in listing["models"]
     ]
-    out = [table(["model", "family", "experts", "top-k", "total", "active", "published total / active"], rows, title="Models (planner inspect MODEL for the breakdown; sources in models/catalog.yaml)")]
+    out = [table(["model", "model type", "experts", "top-k", "total", "active", "published total / active", "routing shape", "calibration family"],
+                 rows, title="Models (planner inspect MODEL for the breakdown; sources in models/catalog.yaml)")]
     out.append("")
     rows = [
         [

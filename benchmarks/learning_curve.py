@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     from planner.fidelity.dataset import read_dataset
-    from planner.fidelity.estimator import baselines, design, fit_shift, recipe_features, training_rows
+    from planner.fidelity.learners import fit_shift
+    from planner.fidelity.model import baselines, design, recipe_features, training_rows
     from planner.render import table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -19,7 +19,7 @@ def rl_model(tmp_path_factory):
     return out, report
 
 
-def _postgres_bin() -> "Path | None":
+def _postgres_bin():
     import shutil
     from pathlib import Path
 

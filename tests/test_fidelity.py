@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -302,7 +301,7 @@ def test_two_workers_share_one_sqlite_study(mini_grid, tmp_path):
 
     # a family's grid merged into a dataset of other families: theirs stay, this family's grid rows are replaced
     from planner.fidelity.calibrate import merged
-    from planner.fidelity.dataset import read_dataset, write_dataset
+    from planner.fidelity.dataset import write_dataset
 
     other = [dict(rows[0], family="mixtral", original="mixtral-s0"), dict(rows[1], family="qwen3_moe", model="stale")]
     write_dataset(other, tmp_path / "d.csv", {"grid_key": "old", "noise_floor": [{"original": "mixtral-s0"}], "command": "x"})

@@ -19,7 +19,8 @@ import numpy as np
 from planner.arch import Architecture
 from planner.errors import SpecError
 from planner.fidelity.dataset import ID_COLUMNS, architecture_features, pair_row, read_dataset, shape_key, write_dataset
-from planner.fidelity.estimator import FidelityEstimator, features_of
+from planner.fidelity.estimator import FidelityEstimator
+from planner.fidelity.model import features_of
 from planner.fidelity.grid import Grid, collect, prepare, run_workers
 from planner.files import read_json
 
@@ -331,7 +332,7 @@ def fit(dataset: Path, out: Path) -> FidelityEstimator:
         raise SpecError(f"{dataset}: missing column(s) {', '.join(missing)}; not a planner calibration dataset")
     estimator = FidelityEstimator.fit(rows, info={"dataset": str(dataset)})
     if not estimator.recipes:
-        from planner.fidelity.estimator import MIN_ROWS, recipe_features, training_rows
+        from planner.fidelity.model import MIN_ROWS, recipe_features, training_rows
 
         counts = {r: len(training_rows(rows, r, recipe_features(r))) for r in sorted({row["recipe"] for row in rows})}
         raise SpecError(f"{dataset}: no recipe has {MIN_ROWS} labelled rows from 2 originals or more (labelled rows with every feature: "

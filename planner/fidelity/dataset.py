@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.arch import Architecture
-from planner.fidelity.estimator import FULL_FEATURES, features_of
+from planner.fidelity.model import FULL_FEATURES, features_of
 from planner.fidelity.labels import applicable, curve_agreement, knob_scale, knob_shift, spearman
 from planner.files import write_csv_atomic, write_text_atomic
 

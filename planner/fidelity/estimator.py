@@ -1,7 +1,8 @@
 """The fidelity estimator: from a plan's statistics, how far does the proxy move the fault, and
 does it still reproduce it?
 
-Per fault recipe, a sign-constrained ridge model (planner.fidelity.learners) predicts the signed
+Per fault recipe, a sign-constrained ridge model (planner.fidelity.learners, on planner.fidelity.model's
+features) predicts the signed
 shift of the critical knob (planner.fidelity.labels) from a few monotone features: K/E, the routing
 mass dropped, router entropy and load after pruning, log KL(original || proxy) and the MoE-output
 reconstruction error. Its held-out residuals (leave one original out) give the conformal interval of
@@ -18,7 +19,6 @@ and predicts with numpy alone, so `planner suggest` does not import scikit-learn
 from __future__ import annotations
 
 import json
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,142 +27,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from planner.errors import SpecError
-from planner.stats.store import STATISTICS_VERSION
+from planner.fidelity.model import (FULL_FEATURES, LOCAL_ORIGINALS, ROUTING_FEATURES, SHIFT_FEATURES, SIGNS, ShiftModel, _finite,
+                                    baselines, design, features_of, recipe_features, training_rows)  # fmt: skip
 
 __all__ = ["ShiftModel", "FidelityEstimator", "FULL_FEATURES", "SHIFT_FEATURES", "ROUTING_FEATURES", "SIGNS", "features_of",
-           "recipe_features", "baselines", "default_estimator_path", "training_rows", "fit_shift", "knob_translation", "design",
-           "family_text"]
+           "recipe_features", "baselines", "default_estimator_path", "training_rows", "knob_translation", "design", "family_text"]
 
-ARCH_FEATURES = ("kept_fraction", "top_k_over_k", "experts_per_group", "log2_experts", "sigmoid_router", "grouped", "norm_topk")
-STAT_FEATURES = (
-    "frequency_dropped_mean", "frequency_dropped_max", "gate_mass_dropped_mean", "saliency_dropped_mean",
-    "saliency_dropped_max", "dispersion_mean", "silhouette_mean", "reconstruction_error_mean",
-    "reconstruction_error_max", "routing_agreement_mean", "routing_agreement_min", "entropy_after_mean",
-    "load_cv_after_mean", "log_kl_original_proxy",
-)  # fmt: skip
-FULL_FEATURES = ARCH_FEATURES + STAT_FEATURES  # the dataset's feature columns
-# measured by running the pruned plan (their definitions change with planner.stats.store.STATISTICS_VERSION)
-PLAN_PASS_MEASURES = ("reconstruction_error", "routing_agreement", "entropy_after", "load_cv_after", "log_kl_original_proxy")
-# the estimator's features: monotone in how much of the original the plan throws away
-SHIFT_FEATURES = ("kept_fraction", "frequency_dropped_mean", "entropy_after_mean", "load_cv_after_mean", "log_kl_original_proxy",
-                  "reconstruction_error_mean")  # fmt: skip
-# the routing type (architecture, known without a checkpoint): where a recipe's shift has a level of its
-# own per routing type, the model carries it. Router collapse: chosen before the third originals were
-# measured (sigmoid grouped routers collapse about 2 log2 units earlier than softmax ones, and top_k/K
-# sets how much of the kept pool every token already uses); the static recipes' shift has no such level.
-ROUTING_FEATURES = ("sigmoid_router", "grouped", "top_k_over_k")
-RECIPE_FEATURES = {"router-collapse": SHIFT_FEATURES + ROUTING_FEATURES}
-# signs the mechanism fixes (+1: the shift grows with the feature, -1: it falls). Router collapse: a
-# plan that drops routing mass (keeps dead experts) concentrates the anti-balance pressure on few
-# live experts and collapses earlier. fp16 overflow: fewer experts carry more tokens each, their
-# gradients grow and overflow at a smaller loss scale (the pilot: -0.7 bits at K=16, -1.1 at K=8 of 32).
-SIGNS = {"router-collapse": {"frequency_dropped_mean": -1}, "fp16-overflow": {"kept_fraction": +1}}
-MIN_ROWS = 20  # a recipe with fewer labelled rows (or fewer than 2 originals) is not fitted
-LOCAL_ORIGINALS = 3  # a family with this many originals (and MIN_ROWS rows) gets models of its own, fitted on its rows alone
 SCHEMA = "planner.fidelity/4"  # 4: gates per calibration family, keyed by routing shape
-
-
-def recipe_features(recipe: str) -> tuple[str, ...]:
-    """The full model's features for `recipe`."""
-    return RECIPE_FEATURES.get(recipe, SHIFT_FEATURES)
-
-
-def baselines(recipe: str) -> dict[str, tuple[str, ...]]:
-    """The variants the full model is scored against: K/E alone, the recipe's mean shift, and where
-    the full model knows the routing type, K/E with the routing type (the level of each routing type
-    without any plan statistic: what the full model adds beyond it is plan-level)."""
-    out = {"K/E only": ("kept_fraction",), "recipe mean": ()}
-    routing = tuple(n for n in recipe_features(recipe) if n in ROUTING_FEATURES)
-    if routing:
-        out["K/E + routing"] = ("kept_fraction", *routing)
-    return out
-
-
-def features_of(statistics: Mapping[str, Any], architecture: Mapping[str, Any]) -> dict[str, float]:
-    """The feature row of one plan: plan-statistics summary (planner.stats) + architecture (the
-    recipe is a column of its own; each recipe has its own model). Measures of another statistics
-    version than the estimator's are left out (the plan then counts as one without them)."""
-    out = {name: float(architecture[name]) for name in ARCH_FEATURES if name in architecture}
-    for key in ("kept_fraction", "top_k_over_k", "experts_per_group"):
-        if key in statistics:
-            out[key] = float(statistics[key])
-    stale = statistics.get("statistics_version", 1) != STATISTICS_VERSION
-    for name in STAT_FEATURES:
-        if stale and name.startswith(PLAN_PASS_MEASURES):
-            continue
-        if name == "log_kl_original_proxy":
-            if "kl_original_proxy" in statistics:
-                out[name] = math.log10(max(float(statistics["kl_original_proxy"]), 1e-8))
-            continue
-        stat, _, agg = name.rpartition("_")
-        value = statistics.get(stat)
-        if isinstance(value, Mapping) and agg in value:
-            out[name] = float(value[agg])
-    return out
-
-
-
-def _finite_or_none(value: float) -> float | None:
-    return float(value) if math.isfinite(value) else None  # JSON has no NaN
-
-
-def _finite(value) -> bool:
-    try:
-        return value is not None and math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False
-
-
-@dataclass(frozen=True)
-class ShiftModel:
-    """A fitted shift model: the prediction, its conformal interval, and the held-out residuals
-    (with the original each was held out from) that give the predictive distribution."""
-
-    mean: np.ndarray
-    scale: np.ndarray
-    coef: np.ndarray
-    intercept: float
-    halfwidth: float
-    residuals: np.ndarray
-    residual_groups: np.ndarray
-    coverage: float = 0.8
-    original_sd: float = float("nan")  # the residuals' SD between originals (a random intercept per original)
-    within_sd: float = float("nan")  # and within one original
-
-    def predict(self, x) -> np.ndarray:
-        x = np.asarray(x, dtype=float).reshape(-1, len(self.coef))
-        return ((x - self.mean) / self.scale) @ self.coef + self.intercept
-
-    def predict_interval(self, x) -> tuple[np.ndarray, np.ndarray]:
-        p = self.predict(x)
-        return p - self.halfwidth, p + self.halfwidth
-
-    def p_within(self, x, tolerance: float, offset: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """P(|shift| < tolerance) under the predictive distribution (prediction + held-out residuals),
-        and an interval: the 10th and 90th percentiles of the same share computed with each held-out
-        original's residuals alone (how much P depends on which original's errors one trusts).
-        `offset` moves the prediction (a scale-transfer bound)."""
-        pred = self.predict(x)[:, None] + offset
-        hit = np.abs(pred + self.residuals[None, :]) < tolerance
-        p = hit.mean(1)
-        groups = np.unique(self.residual_groups)
-        per = np.array([hit[:, self.residual_groups == g].mean(1) for g in groups]).T  # rows x groups
-        low, high = (np.quantile(np.column_stack([per, p]), q, axis=1) for q in (0.1, 0.9))
-        return p, np.minimum(low, p), np.maximum(high, p)
-
-    def to_json(self) -> dict:
-        return {"mean": self.mean.tolist(), "scale": self.scale.tolist(), "coef": self.coef.tolist(), "intercept": self.intercept,
-                "halfwidth": self.halfwidth, "residuals": self.residuals.tolist(), "residual_groups": self.residual_groups.tolist(),
-                "coverage": self.coverage, "original_sd": _finite_or_none(self.original_sd), "within_sd": _finite_or_none(self.within_sd)}  # fmt: skip
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "ShiftModel":
-        return cls(np.array(d["mean"], dtype=float), np.array(d["scale"], dtype=float), np.array(d["coef"], dtype=float),
-                   float(d["intercept"]), float(d["halfwidth"]), np.array(d["residuals"], dtype=float),
-                   np.array(d["residual_groups"], dtype=str), float(d.get("coverage", 0.8)),
-                   float("nan") if d.get("original_sd") is None else float(d["original_sd"]),
-                   float("nan") if d.get("within_sd") is None else float(d["within_sd"]))  # fmt: skip
-
 
 _CHOSEN: list[Path] = []  # a user's own fit (`--estimator FILE`); else the packaged one
 
@@ -191,37 +62,6 @@ def using_estimator_file(path: str | Path | None):
         yield
     finally:
         _CHOSEN[:] = saved
-
-
-def training_rows(rows: list[dict], recipe: str, names: tuple[str, ...]) -> list[dict]:
-    """A recipe's rows with a finite, uncensored shift and every feature finite, negative controls
-    (planner.plan.CONTROL_METHODS: proxies built wrongly on purpose) left out."""
-    from planner.plan import CONTROL_METHODS
-
-    return [r for r in rows if r.get("recipe") == recipe and _finite(r.get("shift_log2")) and r.get("censored") != 1
-            and r.get("method") not in CONTROL_METHODS and all(_finite(r.get(n)) for n in names)]  # fmt: skip
-
-
-def design(rows: list[Mapping[str, Any]], names: tuple[str, ...]) -> np.ndarray:
-    """The feature matrix of `rows`; with no features (the recipe-mean baseline) one constant
-    column, which standardises to zero and leaves the intercept: the training mean."""
-    if not names:
-        return np.ones((len(rows), 1))
-    return np.array([[float(r[n]) for n in names] for r in rows], dtype=float).reshape(len(rows), len(names))
-
-
-def fit_shift(rows: list[dict], recipe: str, names: tuple[str, ...]) -> ShiftModel | None:
-    """The shift model of one recipe on `names` (groups: originals), or None with too few rows."""
-    from planner.fidelity.learners import ShiftRegressor
-
-    used = training_rows(rows, recipe, names)
-    groups = [str(r.get("original")) for r in used]
-    if len(used) < MIN_ROWS or len(set(groups)) < 2:
-        return None
-    x = design(used, names)
-    y = np.array([r["shift_log2"] for r in used], dtype=float)
-    signs = [SIGNS.get(recipe, {}).get(n, 0) for n in names] or [0]
-    return ShiftRegressor(signs=signs).fit(x, y, groups=groups).model_
 
 
 def _measured_by_k(rows: list[dict], recipe: str) -> list[dict]:
@@ -316,6 +156,8 @@ class FidelityEstimator:
     def fit(cls, rows: list[dict], *, info: dict | None = None, validate: bool = True,
             transfer_points: list[dict] | None = None) -> "FidelityEstimator":  # fmt: skip
         from planner.fidelity.labels import TOLERANCE_LOG2
+
+        from planner.fidelity.learners import fit_shift
 
         recipes: dict[str, dict[str, Any]] = {}
         for recipe in sorted({r["recipe"] for r in rows}):

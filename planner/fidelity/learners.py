@@ -15,9 +15,9 @@ import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from planner.fidelity.estimator import ShiftModel
+from planner.fidelity.model import MIN_ROWS, SIGNS, ShiftModel, design, training_rows
 
-__all__ = ["ShiftRegressor", "ALPHAS"]
+__all__ = ["ShiftRegressor", "ALPHAS", "fit_shift"]
 
 ALPHAS = (0.1, 1.0, 10.0, 100.0, 1000.0)  # ridge penalties tried when alpha is None
 
@@ -140,3 +140,15 @@ class ShiftRegressor(RegressorMixin, BaseEstimator):
         check_is_fitted(self)
         X = validate_data(self, X, reset=False)
         return self.model_.predict_interval(X)
+
+
+def fit_shift(rows: list[dict], recipe: str, names: tuple[str, ...]) -> ShiftModel | None:
+    """The shift model of one recipe on `names` (groups: originals), or None with too few rows."""
+    used = training_rows(rows, recipe, names)
+    groups = [str(r.get("original")) for r in used]
+    if len(used) < MIN_ROWS or len(set(groups)) < 2:
+        return None
+    x = design(used, names)
+    y = np.array([r["shift_log2"] for r in used], dtype=float)
+    signs = [SIGNS.get(recipe, {}).get(n, 0) for n in names] or [0]
+    return ShiftRegressor(signs=signs).fit(x, y, groups=groups).model_

@@ -37,7 +37,8 @@ import numpy as np
 from scipy.stats import spearmanr
 from sklearn.metrics import roc_auc_score
 
-from planner.fidelity.estimator import LOCAL_ORIGINALS, baselines, design, fit_shift, recipe_features, training_rows
+from planner.fidelity.learners import fit_shift
+from planner.fidelity.model import LOCAL_ORIGINALS, baselines, design, recipe_features, training_rows
 
 __all__ = ["variants", "SCHEMES", "cross_validate", "skill_gate", "ke_gate", "render_report", "score_predictions", "paired_difference"]
 
@@ -245,8 +246,6 @@ def ke_gate(report: dict[str, Any], recipe: str, family: str) -> dict[str, Any]:
     are given or the plan-level model has no skill? Its 80% interval must cover at least
     MIN_COVERAGE of the held-out shifts, from 2 or more originals, and P(reproduced)'s AUC, where it
     is defined, be at least AUC_MIN."""
-    from planner.fidelity.estimator import baselines
-
     variant = "K/E + routing" if "K/E + routing" in baselines(recipe) else "K/E only"
     scores = report["recipes"].get(recipe, {}).get("original", {}).get("by_family", {}).get(family, {})
     s, mean = scores.get(variant), scores.get("recipe mean") or {}

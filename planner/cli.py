@@ -128,7 +128,8 @@ def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_
     """Memory per device, step time by RL phase and accelerator-hours of MODEL."""
     from planner.catalog import load_accelerator, load_model
     from planner.cost.evaluate import evaluate, min_devices
-    from planner.cost.knobs import knobs_path, step_validation
+    from planner.cost.fit import step_validation
+    from planner.cost.knobs import knobs_path
     from planner.specs import load_job
     from planner.summary import render_cost, render_terms, validation_text
 

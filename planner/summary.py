@@ -28,7 +28,7 @@ def fmt_ratio(x: float | None) -> str:
 
 
 def validation_text(v: dict | None) -> str:
-    """The line under step times: the leave-one-run-out check behind them (planner.cost.knobs.step_validation)."""
+    """The line under step times: the leave-one-run-out check behind them (planner.cost.fit.step_validation)."""
     if v is None:
         return "step times: uncalibrated (the knobs file holds no leave-one-run-out check; `planner fit-knobs` writes one)"
     who = f"published {v['family']} runs" if v["family"] else "published runs"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,11 @@ import yaml
 
 from planner.catalog import load_accelerator, load_model
 from planner.cost.evaluate import CostResult, evaluate
-from planner.cost.knobs import KNOB_BOUNDS, PRIOR, Knobs
+from planner.cost.knobs import KNOB_BOUNDS, PRIOR, Knobs, knobs_path
 from planner.errors import SpecError
 from planner.specs import Job
 
-__all__ = ["PublishedRun", "load_runs", "predict", "fit", "fit_all", "leave_one_out", "residual_table", "update_mfu_checks", "loo_summary", "PHASES"]
+__all__ = ["PublishedRun", "load_runs", "predict", "fit", "fit_all", "leave_one_out", "residual_table", "update_mfu_checks", "loo_summary", "step_validation", "PHASES"]
 
 PHASES = ("rollout", "reference", "old_logprob", "update", "switch", "step")
 PRIOR_WEIGHT = 0.05
@@ -287,6 +288,24 @@ def loo_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     phases = [abs(r["ratio"] - 1) for r in rows if r["ratio"] is not None]
     return {"worst_step": max(step.values(), default=math.nan), "runs_within_25": sum(v <= 0.25 for v in step.values()),
             "runs": len(step), "worst_phase": max(phases, default=math.nan)}
+
+
+def step_validation(family: str | None = None, path: str | Path | None = None) -> dict | None:
+    """What backs the step times: the knobs file's leave-one-run-out check (each published run's step
+    total predicted by a fit without that run), over every run or one accelerator family's. None
+    when the file holds no such check."""
+    rows = [r for r in _leave_one_out(str(path or knobs_path())) if family is None or r.get("family") == family]
+    if not any(r.get("phase") == "step" and r.get("ratio") is not None for r in rows):
+        return None
+    return {"family": family, **loo_summary(rows)}
+
+
+@lru_cache(maxsize=4)
+def _leave_one_out(path: str) -> tuple[dict, ...]:
+    from planner.files import read_json
+
+    p = Path(path)
+    return tuple(read_json(p, "knobs file").get("leave_one_out") or []) if p.is_file() else ()
 
 
 def write_fit(path: str | Path, result: dict[str, Any]) -> None:

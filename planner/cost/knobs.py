@@ -16,7 +16,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["Knobs", "PRIOR", "KNOB_BOUNDS", "load_knobs", "knobs_path", "step_validation"]
+__all__ = ["Knobs", "PRIOR", "KNOB_BOUNDS", "load_knobs", "knobs_path"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,24 +141,3 @@ def load_knobs(family: str, path: str | Path | None = None) -> Knobs:
     """The fitted knobs of an accelerator family (the prior when no fit is stored)."""
     table = _load(str(path or knobs_path()))
     return table.get(family, PRIOR[family])
-
-
-def step_validation(family: str | None = None, path: str | Path | None = None) -> dict | None:
-    """What backs the step times: the knobs file's leave-one-run-out check (each published run's step
-    total predicted by a fit without that run), over every run or one accelerator family's. None
-    when the file holds no such check."""
-    from planner.cost.fit import loo_summary
-
-    rows = [r for r in _leave_one_out(str(path or knobs_path())) if family is None or r.get("family") == family]
-    if not any(r.get("phase") == "step" and r.get("ratio") is not None for r in rows):
-        return None
-    return {"family": family, **loo_summary(rows)}
-
-
-@lru_cache(maxsize=4)
-def _leave_one_out(path: str) -> tuple[dict, ...]:
-    from planner.files import read_json
-
-    p = Path(path)
-    return tuple(read_json(p, "knobs file").get("leave_one_out") or []) if p.is_file() else ()
-

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from planner.cost.knobs import step_validation
+from planner.cost.fit import step_validation
 from planner.fidelity.estimator import family_text
 from planner.plan import Plan
 from planner.render import table

@@ -420,8 +420,8 @@ def test_two_calibrate_runs_share_a_postgresql_server_and_survive_a_killed_worke
 
 
 def test_the_cli_offers_every_recipe_of_the_table():
-    """cli_rl keeps its own tuple of recipe names (importing the table would slow every CLI start)."""
-    from planner.cli_rl import RECIPE_NAMES
+    """planner.cli.rl keeps its own tuple of recipe names (importing the table would slow every CLI start)."""
+    from planner.cli.rl import RECIPE_NAMES
     from planner.fidelity.labels import LOG10_KNOBS
     from planner.rl.recipes import RECIPES
 

@@ -190,7 +190,7 @@ def test_progress_reaches_the_end_when_the_space_is_smaller_than_the_trials():
 def test_every_command_that_sizes_devices_finds_the_same_minimum(tmp_path):
     """cost --min-cards, demo, suggest and report keep the same memory margin by default (10%) and
     take the same --memory-margin: for one job and margin, one minimum device count."""
-    from planner.cli import memory_margin_option
+    from planner.cli.common import memory_margin_option
     from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN
 
     assert memory_margin_option(lambda **kw: None).__click_params__[0].default == DEFAULT_MEMORY_MARGIN

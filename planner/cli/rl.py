@@ -1,6 +1,6 @@
 """`planner rl` (the RL harness) and `planner calibrate` (the fidelity grid and estimator).
 
-Registered on the main command group by planner.cli; like it, each command parses, calls one
+Added to the main command group by planner.cli; like every command, each parses, calls one
 library function and renders."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from planner.cli import _emit_json, _ints, _progress, _run, main
+from planner.cli.common import emit_json, parse_ints, progress_line, run_body
 from planner.errors import SpecError
 from planner.files import refuse_existing, write_text_atomic
 from planner.render import label_text, table
@@ -60,7 +60,7 @@ def _settings(pairs: tuple[str, ...], reserved: tuple[str, ...]) -> dict:
     return out
 
 
-@main.group()
+@click.group()
 def rl() -> None:
     """The GRPO harness: small models, runs under fault recipes, critical knobs."""
 
@@ -85,7 +85,7 @@ def make_models(out_dir, families, dense_steps, moe_steps, force, as_json) -> No
         reports, bars = {}, {}
 
         def progress(stage: str, done: int, total: int) -> None:
-            bars.setdefault(stage, _progress(stage))(done, total)
+            bars.setdefault(stage, progress_line(stage))(done, total)
 
         for family in names:
             target = Path(out_dir) / family
@@ -97,13 +97,13 @@ def make_models(out_dir, families, dense_steps, moe_steps, force, as_json) -> No
             reports[family] = make_model(family, target, ModelRecipe(dense_steps=dense_steps, moe_steps=moe_steps),
                                          progress=lambda stage, d, t, f=family: progress(f"{f} {stage}", d, t))  # fmt: skip
         if as_json:
-            return _emit_json(reports)
+            return emit_json(reports)
         rows = [[f, f"{r['parameters']:,}", f"{r['dense_loss'][1]:.3f}", f"{r['moe_loss'][1]:.3f}",
                  *(f"{r['expert_cosine_similarity'][q]:.2f}" for q in ("p5", "p50", "p95")), f"{r['seconds']:.0f}"]
                 for f, r in reports.items()]  # fmt: skip
         click.echo(table(["family", "params", "dense loss", "MoE loss", "cos p5", "cos p50", "cos p95", "s"], rows))
 
-    _run(body)
+    run_body(body)
 
 
 def _recipe_config(recipe_name, knob, seed, steps, gen_seed, device, settings):
@@ -141,14 +141,14 @@ def rl_run(model_dir, recipe_name, knob, steps, device, seed, gen_seed, sets, ou
             raise SpecError("--knob sets a fault recipe's knob; pass --recipe too")
         r, config = _recipe_config(recipe_name, knob, seed, steps, gen_seed, device, _settings(sets, ("seed", "steps", "device", "gen_seed")))
         trainer = GRPO(model_dir, config)
-        rows = trainer.run(progress=_progress("GRPO steps"))
+        rows = trainer.run(progress=progress_line("GRPO steps"))
         onset = r.onset(rows) if r else None
         seconds = sum(row["wall_s"] for row in rows)
         info = {"model": str(Path(model_dir).resolve()), "recipe": recipe_name, "knob": knob, "onset": onset,
                 "steps_per_s": len(rows) / seconds if seconds else None}  # fmt: skip
         write_metrics(rows, out, config, info)
         if as_json:
-            return _emit_json({**info, "last": rows[-1]})
+            return emit_json({**info, "last": rows[-1]})
         keys = ("step", "loss", "grad_norm", "entropy", "kl_ref", "reward_mean", "mismatch_k3", "topk_share_max", "overflow")
         shown = rows if len(rows) <= 12 else rows[:: max(1, len(rows) // 10)] + [rows[-1]]
         click.echo(table(list(keys), [[f"{row[k]:.4g}" if isinstance(row[k], float) else row[k] for k in keys] for row in shown]))
@@ -156,7 +156,7 @@ def rl_run(model_dir, recipe_name, knob, steps, device, seed, gen_seed, sets, ou
             click.echo(f"{r.name}: " + (f"fault at step {onset}" if onset is not None else "no fault") + f" ({r.fault})")
         click.echo(f"wrote {out}/metrics.csv ({len(rows)} steps, {info['steps_per_s']:.2f} steps/s)")
 
-    _run(body)
+    run_body(body)
 
 
 @rl.command("margin")
@@ -181,7 +181,7 @@ def rl_margin(model_dir, recipe_name, seeds, iters, steps, device, output, force
         if output:
             out = Path(output)
             refuse_existing(out / "margin.json", force)
-        seed_list = _ints(seeds)
+        seed_list = parse_ints(seeds)
         if not seed_list:
             raise SpecError("--seeds: give at least one seed")
         n = iters if iters is not None else DEFAULT_ITERS[r.kind]
@@ -195,16 +195,16 @@ def rl_margin(model_dir, recipe_name, seeds, iters, steps, device, output, force
             if not (out / "run.json").exists():
                 write_text_atomic(out / "run.json", json.dumps({"model": data["model"], "recipe": recipe_name}, indent=2))
         if as_json:
-            return _emit_json(data)
+            return emit_json(data)
         rows = [[s, f"{v:.3f}", "censored" if c else ""] for s, v, c in zip(seed_list, margin.values, margin.censored)]
         click.echo(table(["seed", f"critical {r.knob}", ""], rows))
         click.echo(f"{r.name}: critical knob {margin.mean:.3f} +- {margin.spread:.3f} over {len(seed_list)} seed(s), "
                    f"resolution {data['resolution']:.3f}, {margin.probes} probes")  # fmt: skip
 
-    _run(body)
+    run_body(body)
 
 
-@main.group()
+@click.group()
 def calibrate() -> None:
     """The fidelity grid, its dataset and the fitted estimator."""
 
@@ -234,7 +234,7 @@ def calibrate_run(grid_path, storage, workers, workdir, results, output, merge, 
         run(Grid.load(grid_path), grid_path, storage, Path(workdir), workers, Path(output), say=lambda s: click.echo(s, err=True),
             results=Path(results) if results else None, merge=merge)  # fmt: skip
 
-    _run(body)
+    run_body(body)
 
 
 @calibrate.command("status")
@@ -252,7 +252,7 @@ def calibrate_status(grid_path, storage, workdir, as_json) -> None:
             raise SpecError(f"{workdir} holds no prepared grid (no models.json); pass the --workdir of `calibrate run`")
         rows = progress(storage, Grid.load(grid_path), Path(workdir))
         if as_json:
-            return _emit_json(rows)
+            return emit_json(rows)
         body = [[r["recipe"], r["phase"], r["original"], f"{r['complete']}/{r['points']}", r["running"], r["failed"],
                  "-" if r["median_s"] is None else f"{r['median_s']:.1f}", "-" if r["left_s"] is None else f"{r['left_s'] / 60:.0f}"]
                 for r in rows]  # fmt: skip
@@ -263,7 +263,7 @@ def calibrate_status(grid_path, storage, workdir, as_json) -> None:
         click.echo(f"{done} of {total} grid points complete; about {left / 3600:.1f} worker-hours left at the measured pace"
                    + (f", and {unknown} points of recipes not measured yet" if unknown else ""))  # fmt: skip
 
-    _run(body)
+    run_body(body)
 
 
 @calibrate.command("fit")
@@ -282,7 +282,7 @@ def calibrate_fit(dataset, output, force) -> None:
         click.echo(table(["recipe", "family", "originals", "rows", "routing shape", "skill gate (held-out originals of the family)"], rows))
         click.echo(f"wrote {output} ({estimator.info['rows']} rows)")
 
-    _run(body)
+    run_body(body)
 
 
 @calibrate.command("add")
@@ -303,13 +303,13 @@ def calibrate_add(original_dir, proxy_dir, plan_path, replica_dir, recipe_name, 
         row = add_pair(Path(dataset), Path(original_dir), Path(proxy_dir), Path(plan_path), replica_dir=replica_dir and Path(replica_dir),
                        recipe_name=recipe_name)  # fmt: skip
         if as_json:
-            return _emit_json(row)
+            return emit_json(row)
         keys = ("recipe", "experts", "shift_log2", "shift_sd", "outcome", "curve_agreement", "spearman_grad_norm", "onset_original",
                 "onset_proxy", "run_reproduced")
         click.echo(table(list(keys), [[label_text(row.get(k)) for k in keys]]))
         click.echo(f"added to {dataset}; run `planner calibrate fit` to refit")
 
-    _run(body)
+    run_body(body)
 
 
 @calibrate.command("report")
@@ -322,6 +322,9 @@ def calibrate_report(dataset, as_json) -> None:
 
     def body():
         report = cross_validate(read_dataset(Path(dataset)))
-        _emit_json(report) if as_json else click.echo(render_report(report))
+        emit_json(report) if as_json else click.echo(render_report(report))
 
-    _run(body)
+    run_body(body)
+
+
+COMMANDS = (rl, calibrate)

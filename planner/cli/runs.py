@@ -1,14 +1,14 @@
-"""`planner detect` (runs in). Registered on the main command group by planner.cli; like it, each
-command parses, calls one library function and renders."""
+"""`planner detect` (runs in). Added to the main command group by planner.cli; like every
+command, it parses, calls one library function and renders."""
 
 from __future__ import annotations
 
 import click
 
-from planner.cli import _clean, _emit_json, _run, main
+from planner.cli.common import json_safe, emit_json, run_body
 
 
-@main.command()
+@click.command()
 @click.argument("run", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def detect(run: str, as_json: bool) -> None:
@@ -21,9 +21,9 @@ def detect(run: str, as_json: bool) -> None:
 
     def body():
         sig = signature(run)
-        _emit_json(sig) if as_json else click.echo(render_signature(sig))
+        emit_json(sig) if as_json else click.echo(render_signature(sig))
 
-    _run(body)
+    run_body(body)
 
 
 def _write_or_print(text: str, output: str | None, done: str) -> None:
@@ -36,7 +36,7 @@ def _write_or_print(text: str, output: str | None, done: str) -> None:
         click.echo(text, nl=False)
 
 
-@main.command("export")
+@click.command("export")
 @click.argument("plan_path", metavar="PLAN", type=click.Path(exists=True, dir_okay=False))
 @click.option("--to", "trainer", type=click.Choice(["verl", "mindspeed-rl", "nemo-rl"]), required=True)
 @click.option("--model-path", required=True, help="Where the built proxy checkpoint lies on the training cluster.")
@@ -55,10 +55,10 @@ def export(plan_path, trainer, model_path, routing_replay, output, force) -> Non
         text, _ = export_plan(load_plan(plan_path), trainer, model_path, routing_replay=routing_replay)
         _write_or_print(text, output, f"wrote {output}")
 
-    _run(body)
+    run_body(body)
 
 
-@main.command("job")
+@click.command("job")
 @click.option("--from", "trainer", type=click.Choice(["verl", "mindspeed-rl", "nemo-rl"]), required=True)
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the job file here (default: print).")
@@ -77,14 +77,14 @@ def job(trainer, config, output, force, as_json) -> None:
         spec, cards, notes = job_from(trainer, config)
         data = spec.to_dict()
         if as_json:
-            return _emit_json({"job": data, "devices": cards, "notes": notes})
+            return emit_json({"job": data, "devices": cards, "notes": notes})
         text = f"# from {trainer} config {config}: {cards} devices\n" + "".join(f"# {n}\n" for n in notes) + yaml.safe_dump(data, sort_keys=False)
         _write_or_print(text, output, f"wrote {output} ({cards} devices)")
 
-    _run(body)
+    run_body(body)
 
 
-@main.command()
+@click.command()
 @click.argument("original", type=click.Path(exists=True, file_okay=False))
 @click.argument("proxy", type=click.Path(exists=True, file_okay=False))
 @click.option("--recipe", "recipe_name", type=click.Choice(["fp16-overflow", "rollout-mismatch"]), required=True)
@@ -103,7 +103,7 @@ def probe(original, proxy, recipe_name, seeds, iters, device, sequences, seq_len
     import json
     from pathlib import Path
 
-    from planner.cli import _ints
+    from planner.cli.common import parse_ints
     from planner.errors import SpecError
     from planner.files import refuse_existing, write_text_atomic
     from planner.render import table
@@ -118,12 +118,12 @@ def probe(original, proxy, recipe_name, seeds, iters, device, sequences, seq_len
             if not text.strip():
                 raise SpecError(f"--calib-text {calib_text} is empty")
         say = (lambda s: None) if as_json else (lambda s: click.echo(s, err=True))
-        result = probe_pair(original, proxy, recipe_name, seeds=_ints(seeds), iters=iters, device=device, sequences=sequences,
+        result = probe_pair(original, proxy, recipe_name, seeds=parse_ints(seeds), iters=iters, device=device, sequences=sequences,
                             seq_len=seq_len, calib_text=text, say=say)  # fmt: skip
         if output:
-            write_text_atomic(output, json.dumps(_clean(result), indent=2))  # NaN as null: strict JSON
+            write_text_atomic(output, json.dumps(json_safe(result), indent=2))  # NaN as null: strict JSON
         if as_json:
-            return _emit_json(result)
+            return emit_json(result)
         o, p, lab = result["original"], result["proxy"], result["labels"]
         rows = [[s, f"{a:.3f}", f"{b:.3f}"] for s, a, b in zip(result["seeds"], o["values"], p["values"])]
         click.echo(table(["seed", "original", "proxy"], rows, title=f"critical {result['knob']} ({recipe_name})"))
@@ -131,4 +131,7 @@ def probe(original, proxy, recipe_name, seeds, iters, device, sequences, seq_len
                    f"noise floor (original's seed SD) {lab['noise_log2']:.3f}; {lab['outcome']} (tolerance +-1 log2 unit)")  # fmt: skip
         click.echo(f"{result['passes']} probe passes, {result['seconds_per_pass']:.2f} s each (median)" + (f"; wrote {output}" if output else ""))
 
-    _run(body)
+    run_body(body)
+
+
+COMMANDS = (detect, export, job, probe)

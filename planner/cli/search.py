@@ -1,5 +1,5 @@
 """`planner suggest`, `planner preflight`, `planner report` and `planner check`: the commands users
-start from. Registered on the main group by planner.cli; each parses, calls one library function
+start from. Added to the main group by planner.cli; each parses, calls one library function
 and renders."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from planner.cli import (DEFAULT_HARDWARE, DEFAULT_MODEL, _emit_json, _progress, _run, calibrated, calibration_options, main,
+from planner.cli.common import (DEFAULT_HARDWARE, DEFAULT_MODEL, emit_json, progress_line, run_body, calibrated, calibration_options,
                          memory_margin_option)  # fmt: skip
 from planner.errors import SpecError
 from planner.files import new_output, write_text_atomic
@@ -55,7 +55,7 @@ def _request(budget, model, hardware, job_path, fault, stats_path, min_fidelity,
                    baseline_cards=baseline_cards, baseline_job=load_job(baseline_job) if baseline_job else None)  # fmt: skip
 
 
-@main.command()
+@click.command()
 @search_options
 @calibration_options
 @click.option("--json", "as_json", is_flag=True)
@@ -69,11 +69,11 @@ def suggest(as_json, output, force, knobs_file, estimator_file, **search) -> Non
     def body():
         if output:
             new_output(output, force)
-        result = run_suggest(_request(**search), progress=None if as_json else _progress("search"))
+        result = run_suggest(_request(**search), progress=None if as_json else progress_line("search"))
         if output and result.best:
             write_text_atomic(new_output(output, force), plan_of(result, result.best).to_yaml())
         if as_json:
-            _emit_json(suggestion_json(result))
+            emit_json(suggestion_json(result))
         else:
             click.echo(render_suggestion(result))
             if output and result.best:
@@ -81,10 +81,10 @@ def suggest(as_json, output, force, knobs_file, estimator_file, **search) -> Non
         if not result.best:
             raise SystemExit(1)
 
-    _run(lambda: calibrated(knobs_file, estimator_file, body))
+    run_body(lambda: calibrated(knobs_file, estimator_file, body))
 
 
-@main.command()
+@click.command()
 @click.argument("request", type=click.Path(dir_okay=False))
 @calibration_options
 @click.option("--json", "as_json", is_flag=True)
@@ -95,14 +95,14 @@ def preflight(request, knobs_file, estimator_file, as_json) -> None:
 
     def body():
         checks = run_preflight(request)
-        _emit_json(preflight_json(checks)) if as_json else click.echo(render_preflight(checks, request))
+        emit_json(preflight_json(checks)) if as_json else click.echo(render_preflight(checks, request))
         if any(c.status == "FAIL" for c in checks):
             raise SystemExit(1)
 
-    _run(lambda: calibrated(knobs_file, estimator_file, body))
+    run_body(lambda: calibrated(knobs_file, estimator_file, body))
 
 
-@main.command()
+@click.command()
 @click.argument("plan_path", metavar="PLAN", type=click.Path(exists=True, dir_okay=False))
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), required=True, help="The original checkpoint (or the built proxy).")
 @click.option("--reference-metrics", "reference", type=click.Path(exists=True), default=None,
@@ -132,20 +132,20 @@ def check(plan_path, checkpoint, reference, proxy_metrics, replica, device, step
         bars: dict = {}
         report = run_check(plan_path, checkpoint, output, device=device, steps=steps, reference=reference, proxy_metrics=proxy_metrics,
                            replica=replica, recipe_name=recipe_name, knob=knob, seed=seed, stats_path=stats_path, force=force,
-                           progress=None if as_json else (lambda stage, d, t: bars.setdefault(stage, _progress(stage))(d, t)))  # fmt: skip
+                           progress=None if as_json else (lambda stage, d, t: bars.setdefault(stage, progress_line(stage))(d, t)))  # fmt: skip
         if add_to:
             from planner.fidelity.calibrate import add_pair
 
             add_pair(Path(add_to), Path(reference), Path(proxy_metrics or report.run_dir), Path(plan_path),
                      replica_dir=Path(replica) if replica else None, recipe_name=report.labels["recipe"])  # fmt: skip
-        _emit_json(report.to_json()) if as_json else click.echo(render_check(report))
+        emit_json(report.to_json()) if as_json else click.echo(render_check(report))
         if add_to and not as_json:
             click.echo(f"added the pair to {add_to}; refit with `planner calibrate fit --dataset {add_to}`")
 
-    _run(body)
+    run_body(body)
 
 
-@main.command()
+@click.command()
 @search_options
 @calibration_options
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Report directory (report.md, report.html, figures/).")
@@ -163,4 +163,7 @@ def report(output, force, knobs_file, estimator_file, **search) -> None:
             click.echo("no proxy clears every constraint within the budget; report.md says why and the smallest budget that would do", err=True)
             raise SystemExit(1)
 
-    _run(lambda: calibrated(knobs_file, estimator_file, body))
+    run_body(lambda: calibrated(knobs_file, estimator_file, body))
+
+
+COMMANDS = (suggest, preflight, check, report)

@@ -1,0 +1,33 @@
+"""The `planner` command. Each command parses, calls one library function, renders. The only
+package that imports click or configures logging.
+
+One module per command group (catalog: models, inspect, cost, demo, fit-knobs; checkpoints: stats,
+plan, build; search: suggest, preflight, check, report; runs: detect, export, job, probe; rl: the
+RL harness and calibration), all importing what they share from planner.cli.common and nothing
+from one another; this module makes the main group and adds their commands. The entry point is
+`planner.cli:main`."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from planner.cli import catalog, checkpoints, rl, runs, search
+
+__all__ = ["main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.version_option(package_name="planner")
+def main(verbose: int) -> None:
+    """Plan the cheapest proxy MoE model that still reproduces an RL training failure."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+
+for _module in (catalog, checkpoints, search, runs, rl):
+    for _command in _module.COMMANDS:
+        main.add_command(_command)

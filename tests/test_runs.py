@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import pprint
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,7 +231,7 @@ def test_unreadable_runs_are_usage_errors(tmp_path):
     (tmp_path / "two" / "a.jsonl").write_text("")
     (tmp_path / "two" / "b.csv").write_text("step,x\n0,1\n")
     (tmp_path / "odd.csv").write_text("step,foo/bar\n0,1\n1,2\n")
-    (tmp_path / "bad.jsonl").write_text('{"step": 0, "data": {"actor/grad_norm": 1.0}}\nnot json\n')
+    (tmp_path / "bad.jsonl").write_text('{"step": 0, "data": {"actor/grad_norm": 1.0}}\nnot json\n{"step": 1, "data": {"actor/grad_norm": 1.0}}\n')
     for target, words in (("missing", "no such run"), ("empty", "no run metrics here"), ("notes.log", "no step metrics found"),
                           ("two", "2 candidate metric files"), ("odd.csv", "no known metric"), ("bad.jsonl", "bad.jsonl:2: not a JSON line")):  # fmt: skip
         result = run_cli("detect", tmp_path / target)
@@ -302,3 +303,83 @@ def test_a_pair_without_a_recipe_takes_the_fault_the_originals_log_shows(fault, 
     write_verl_console(planted_rows(), tmp_path / "calm.log")
     with pytest.raises(Exception, match="names no recipe and shows no fault"):
         pair_recipe(tmp_path / "calm.log", None)
+
+
+# ---- runs as verl writes them: its own console formatter and file logger, at its defaults ---------
+
+def verl_loggers():
+    """verl's console formatter (concat_dict_to_str) and FileLogger, loaded from the installed verl
+    package's files (its package __init__ imports ray; these two modules need only orjson)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("verl is not installed (make installs verl==0.9.1 without its dependencies)")
+    pytest.importorskip("orjson", reason="verl's file logger serialises with orjson")
+    root = Path(spec.submodule_search_locations[0])
+    out = {}
+    for name, rel in (("tracking", "utils/tracking.py"), ("console", "utils/logger/aggregate_logger.py")):
+        module_spec = importlib.util.spec_from_file_location(f"verl_{name}_for_tests", root / rel)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        out[name] = module
+    return out["console"].concat_dict_to_str, out["tracking"].FileLogger
+
+
+def verl_run(rows, tmp_path, monkeypatch, name="run"):
+    """The rows as verl 0.9.1's trainer logs them at its defaults: `trainer.val_before_train: true`
+    logs a validation-only record at step 0, then training steps from 1; the console through its
+    formatter, the JSONL through its FileLogger (NaN becomes null there)."""
+    concat, file_logger = verl_loggers()
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / f"{name}.jsonl"))
+    jsonl = file_logger(project_name="p", experiment_name=name)
+    lines = []
+    val = {"val-core/openai/gsm8k/reward/mean@1": 0.41, "val-aux/openai/gsm8k/score/mean@1": 0.41}
+    for step, data in [(0, val)] + [(int(r["step"]) + 1, {VERL[k]: r[k] for k in VERL if k in r}) for r in rows]:
+        jsonl.log(data=data, step=step)
+        lines.append(concat(data, step=step))
+    jsonl.finish()
+    (tmp_path / f"{name}.log").write_text("\n".join(lines) + "\n")
+    return tmp_path / f"{name}.log", tmp_path / f"{name}.jsonl"
+
+
+def test_verl_at_its_defaults_validation_step_and_nan_as_null(tmp_path, monkeypatch):
+    """A grad-norm blow-up x20 from step 37 and a NaN loss from step 20, logged by verl's own code
+    with its step-0 validation record: found at their onsets in the console log and in the JSONL,
+    where NaN is null; and `calibrate add`'s reader sees what detect sees."""
+    from planner.fidelity.calibrate import _load_run
+    from planner.runs.detect import first_fault, detect, signals_of
+    from planner.runs.signature import signature
+
+    grad = [1.0 + 0.01 * i for i in range(60)]
+    blowup = planted_rows(60, grad_norm=[g * (20 if i >= 37 else 1) for i, g in enumerate(grad)])
+    nan_loss = planted_rows(60, loss=[0.1] * 20 + [math.nan] * 40)
+    for rows, fault, onset in ((blowup, "grad-blowup", 38), (nan_loss, "non-finite", 21)):  # verl's steps start at 1
+        console, jsonl = verl_run(rows, tmp_path, monkeypatch, name=fault)
+        if fault == "non-finite":
+            assert '"actor/pg_loss":null' in jsonl.read_text()  # what verl's file logger makes of NaN
+        for path in (console, jsonl):
+            sig = signature(path)
+            assert sig["trainer"] == "verl" and sig["steps"] == 60 and sig["step_range"] == [1, 60], (path.name, sig["steps"])
+            assert sig["fault"]["fault"] == fault and sig["fault"]["onset_step"] == onset, (path.name, sig["fault"])
+            assert any("no training metric" in n and "step(s) 0" in n for n in sig["notes"])
+            if fault == "non-finite" and path.suffix == ".jsonl":
+                assert any("null" in n and "actor/pg_loss" in n for n in sig["notes"])
+            pair = _load_run(path)  # the path `check --proxy-metrics` and `calibrate add` read a trainer's log by
+            found = first_fault(detect(*signals_of(pair["rows"])))
+            assert (found.fault, found.onset) == (fault, onset)
+    healthy, _ = verl_run(planted_rows(60), tmp_path, monkeypatch, name="healthy")
+    assert signature(healthy)["fault"] is None
+
+
+def test_a_run_cut_mid_line_is_read_up_to_its_last_whole_record(tmp_path, monkeypatch):
+    from planner.runs.signature import signature
+
+    console, jsonl = verl_run(planted_rows(20), tmp_path, monkeypatch)
+    for path in (console, jsonl):
+        text = path.read_text()
+        path.write_text(text[: len(text) - 40])  # killed while writing the last record
+        sig = signature(path)
+        assert sig["steps"] == 19 and any("cut" in n for n in sig["notes"]), (path.name, sig["notes"])
+    (tmp_path / "bad.jsonl").write_text('{"step": 1, "data": {"actor/grad_norm": 1.0}}\nnot json\n{"step": 2, "data": {"actor/grad_norm": 1.0}}\n')
+    assert run_cli("detect", tmp_path / "bad.jsonl").exit_code == 2  # a bad line in the middle is still an error

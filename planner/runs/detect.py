@@ -8,9 +8,9 @@ thresholds, fixed before any proxy ran and never tuned per model:
 |---|---|---|
 | fp16-overflow | overflow | an fp16 gradient overflowed (the step was skipped), or the loss scale dropped |
 | non-finite | grad_norm, loss, nonfinite | the grad norm or the loss was logged as NaN or infinite (a value missing from a step is not), or the trainer flagged a skipped non-finite update |
-| grad-blowup | grad_norm | after the first 5 logged steps, the grad norm exceeds 5 x their median |
+| grad-blowup | grad_norm | after its first 5 finite values, the grad norm exceeds 5 x their median |
 | entropy-collapse | entropy | the entropy falls below 0.2 x its first logged value |
-| rollout-mismatch | mismatch_k3; else mismatch_prob_diff or mismatch_prob_ratio | the k3 KL(rollout ‖ train) per token exceeds 0.01; a mismatch metric without an absolute scale: after the first 5 steps, its distance from the ideal exceeds 5 x their median |
+| rollout-mismatch | mismatch_k3; else mismatch_prob_diff or mismatch_prob_ratio | the k3 KL(rollout ‖ train) per token exceeds 0.01; a mismatch metric without an absolute scale: after its first 5 finite values, its distance from the ideal exceeds 5 x their median |
 | kl-blowup | kl_ref | after step 5, the KL to the reference jumps above 10 x the median of the 5 steps before it (and above 0.001) |
 | reward-collapse | reward_mean | after the first 5 steps, the 3-step rolling mean falls below its running peak minus half of max(abs(peak), peak - median of the first 5 steps) |
 | router-collapse | collapse_max | the normalised top-k share of some MoE layer exceeds 0.9 (90% of the way from balanced to collapsed) |
@@ -124,14 +124,24 @@ def grad_blowup(steps: np.ndarray, m: Signals, threshold: float | None = None) -
     if not _has(m, "grad_norm"):
         return _missing("grad-blowup", "grad_norm")
     v = np.asarray(m["grad_norm"], dtype=float)
-    if len(v) <= BASE_STEPS:
-        return _none("grad-blowup", "grad_norm", f"needs more than {BASE_STEPS} steps")
-    base = float(np.median(v[:BASE_STEPS]))
-    rule = f"grad norm above {threshold:g} x the median of the first {BASE_STEPS} steps, after them"
-    i = _first(np.r_[np.zeros(BASE_STEPS, bool), v[BASE_STEPS:] > threshold * base])
+    rule = f"grad norm above {threshold:g} x the median of its first {BASE_STEPS} finite values, after them"
+    base, after = _baseline(v, v)
+    if base is None:
+        return _none("grad-blowup", "grad_norm", f"needs more than {BASE_STEPS} finite values")
+    i = _first(np.r_[np.zeros(after, bool), v[after:] > threshold * base])
     if i is None:
         return _none("grad-blowup", "grad_norm", rule, threshold * base, base)
     return _found("grad-blowup", steps, v, i, "grad_norm", rule, threshold * base, base)
+
+
+def _baseline(values: np.ndarray, dist: np.ndarray) -> tuple[float | None, int]:
+    """The median of `dist` over the first BASE_STEPS steps where `values` is finite, and the index
+    after them (None where there are not more finite values than that): a step logged without the
+    metric, or as NaN, is no part of a baseline."""
+    finite = np.flatnonzero(np.isfinite(values))
+    if len(finite) <= BASE_STEPS:
+        return None, len(values)
+    return float(np.median(dist[finite[:BASE_STEPS]])), int(finite[BASE_STEPS - 1]) + 1
 
 
 def entropy_collapse(steps: np.ndarray, m: Signals, threshold: float | None = None) -> Finding:
@@ -164,11 +174,11 @@ def rollout_mismatch(steps: np.ndarray, m: Signals, threshold: float | None = No
 
 
 def _blowup(fault, steps, values, dist, name, factor) -> Finding:
-    if len(dist) <= BASE_STEPS:
-        return _none(fault, name, f"needs more than {BASE_STEPS} steps")
-    base = float(np.median(dist[:BASE_STEPS]))
-    rule = f"distance from ideal above {factor:g} x its median over the first {BASE_STEPS} steps"
-    i = _first(np.r_[np.zeros(BASE_STEPS, bool), dist[BASE_STEPS:] > factor * base])
+    base, after = _baseline(values, dist)
+    if base is None:
+        return _none(fault, name, f"needs more than {BASE_STEPS} finite values")
+    rule = f"distance from ideal above {factor:g} x its median over its first {BASE_STEPS} finite values"
+    i = _first(np.r_[np.zeros(after, bool), dist[after:] > factor * base])
     return _none(fault, name, rule, factor * base, base) if i is None else _found(fault, steps, values, i, name, rule, factor * base, base)
 
 

@@ -54,6 +54,7 @@ class Run:
     sources: dict[str, str]  # canonical metric -> the key it was read from
     logged_nonfinite: dict[str, np.ndarray] = field(default_factory=dict)  # canonical -> rows logged as NaN/inf
     info: dict = field(default_factory=dict)  # run.json where there is one
+    notes: list[str] = field(default_factory=list)  # what the reader dropped or read as NaN, and why
 
     @property
     def steps(self) -> np.ndarray:
@@ -66,9 +67,21 @@ class Run:
         return out
 
     def rows(self) -> list[dict]:
-        """One dict per step with "step" and the canonical metrics (the harness's metrics.csv rows)."""
+        """One dict per step with "step" and the canonical metrics (the harness's metrics.csv rows);
+        a metric the step did not log is left out of its dict, and NAME:logged_nonfinite says which
+        NaN/inf values were logged, so a detector reading the rows (planner.runs.detect.signals_of)
+        sees what it sees in the run."""
         frame = self.metrics.reset_index()
-        return [{k: float(v) for k, v in rec.items()} for rec in frame.to_dict("records")]
+        out = []
+        for i, rec in enumerate(frame.to_dict("records")):
+            row = {k: float(v) for k, v in rec.items() if k == "step" or math.isfinite(v) or self._logged(k, i)}
+            row.update({f"{c}:logged_nonfinite": bool(v[i]) for c, v in self.logged_nonfinite.items()})
+            out.append(row)
+        return out
+
+    def _logged(self, canonical: str, i: int) -> bool:
+        v = self.logged_nonfinite.get(canonical)
+        return v is not None and bool(v[i])
 
     def ideal(self) -> dict[str, float]:
         return {k: float(v["ideal"]) for k, v in mapping()["metrics"].items() if "ideal" in v}
@@ -82,8 +95,13 @@ def _number(text: str) -> float | None:
 _CONSOLES = (("verl-console", _VERL, " - "), ("mindspeed-console", _MINDSPEED, "|"))  # line pattern, item separator
 
 
-def _console(lines: list[str], path: Path) -> tuple[str, list[dict]]:
+def _console(lines: list[str], path: Path, notes: list[str], cut: bool = False) -> tuple[str, list[dict]]:
+    """Console records; `cut`: the file does not end with a newline (a run killed mid-write), so
+    its last line may be a partial record and is dropped."""
     records: dict[str, list[dict]] = {kind: [] for kind, _, _ in _CONSOLES}
+    if cut and lines:
+        notes.append(f"{path.name}: its last line has no newline (cut when the run was killed?): dropped")
+        lines = lines[:-1]
     for line in lines:
         for kind, pattern, separator in _CONSOLES:
             if (m := pattern.search(line)) is None:
@@ -102,21 +120,24 @@ def _console(lines: list[str], path: Path) -> tuple[str, list[dict]]:
     return kind, records[kind]
 
 
-def _jsonl(path: Path) -> list[dict]:
+def _jsonl(path: Path, notes: list[str]) -> list[dict]:
+    """Records of a JSON-lines file; null stays None (verl's file logger serialises NaN as null), a
+    torn last line (a run killed mid-write) is dropped with a note."""
     out = []
-    with path.open() as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise SpecError(f"{path}:{n}: not a JSON line") from None
-            if not isinstance(obj, dict):
-                raise SpecError(f"{path}:{n}: a JSON line must be an object, got {type(obj).__name__}")
-            if isinstance(obj.get("data"), dict) and "step" in obj:  # verl's file logger
-                obj = {"step": obj["step"], **obj["data"]}
-            out.append({k: v for k, v in obj.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    lines = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    for n, line in lines:
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            if n == lines[-1][0] and out:
+                notes.append(f"{path.name}:{n}: the last line is not complete JSON (cut when the run was killed?): dropped")
+                break
+            raise SpecError(f"{path}:{n}: not a JSON line") from None
+        if not isinstance(obj, dict):
+            raise SpecError(f"{path}:{n}: a JSON line must be an object, got {type(obj).__name__}")
+        if isinstance(obj.get("data"), dict) and "step" in obj:  # verl's file logger
+            obj = {"step": obj["step"], **obj["data"]}
+        out.append({k: v for k, v in obj.items() if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))})
     return out
 
 
@@ -142,9 +163,9 @@ def _csv(path: Path) -> list[dict]:
     except (pd.errors.ParserError, UnicodeDecodeError, pd.errors.EmptyDataError) as exc:
         raise SpecError(f"{path}: not a CSV table ({type(exc).__name__})") from None
     records = []
-    for rec in frame.to_dict("records"):
-        parsed = {str(k): _number(v) for k, v in rec.items() if isinstance(v, str)}
-        records.append({k: v for k, v in parsed.items() if v is not None})
+    for rec in frame.to_dict("records"):  # an empty cell stays None: pandas writes NaN as an empty cell
+        parsed = {str(k): (_number(v) if isinstance(v, str) else None) for k, v in rec.items()}
+        records.append({k: v for k, v in parsed.items() if v is not None or not isinstance(rec[k], str)})
     return records
 
 
@@ -205,6 +226,7 @@ def read_run(path: str | Path) -> Run:
     path = Path(path)
     kind, where = _locate(path)
     info: dict = {}
+    notes: list[str] = []
     if kind == "planner":
         records = _csv(where / "metrics.csv")
         if (where / "run.json").is_file():
@@ -214,31 +236,51 @@ def read_run(path: str | Path) -> Run:
     elif kind == "tensorboard":
         records = _tensorboard(where)
     elif kind == "jsonl":
-        records = _jsonl(where)
+        records = _jsonl(where, notes)
     elif kind == "csv":
         records = _csv(where)
     else:
         try:
-            lines = where.read_text(errors="replace").splitlines()
+            text = where.read_text(errors="replace")
         except OSError as exc:
             raise SpecError(f"cannot read {where}: {exc.strerror}") from None
-        kind, records = _console(lines, where)
+        kind, records = _console(text.splitlines(), where, notes, cut=bool(text) and not text.endswith("\n"))
     step_keys = mapping()["step_keys"]
-    step_key = next((k for k in step_keys if any(k in r for r in records)), None)
+    step_key = next((k for k in step_keys if any(k in r and r[k] is not None for r in records)), None)
     if not records or step_key is None:
         raise SpecError(f"{where}: no steps found" + ("" if not records else f" (no step column: one of {', '.join(step_keys)})"))
-    keys = {k for r in records for k in r} - set(step_keys)
+    keys = {k for r in records for k in r if any(isinstance(x.get(k), float | int) for x in records)} - set(step_keys)
     trainer, sources = _trainer(keys)  # a metrics.csv with verl's column names reads as verl's
-    rows = [r for r in records if step_key in r and math.isfinite(r[step_key])]
-    raw = pd.DataFrame.from_records(rows)
+    mapped = set(sources.values())
+    rows, skipped = [], []
+    for r in records:
+        if r.get(step_key) is None or not math.isfinite(r[step_key]):
+            continue
+        # a step that logs no training metric (verl's and NeMo RL's validation before training, an
+        # evaluator's own records) is not a training step: it would be missing values everywhere
+        (rows if mapped & set(r) else skipped).append(r)
+    if skipped:
+        shown = ", ".join(str(int(r[step_key])) for r in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+        notes.append(f"{len(skipped)} record(s) with no training metric (validation or evaluation only) left out: step(s) {shown}")
+    if not rows:
+        raise SpecError(f"{where}: no training step: no record holds any of {', '.join(sorted(mapped))}")
+    # a null or empty value of a training metric at a training step is a NaN the trainer wrote that way
+    nulls: dict[str, list[int]] = {}
+    for r in rows:
+        for c, key in sources.items():
+            if key in r and r[key] is None:
+                nulls.setdefault(c, []).append(int(r[step_key]))
+    for c, steps in nulls.items():
+        how = "null (verl's file logger writes NaN as null)" if kind == "jsonl" else "an empty cell (pandas writes NaN as one)"
+        notes.append(f"{sources[c]}: {len(steps)} training step(s) logged it as {how}: read as NaN, from step {steps[0]}")
+    raw = pd.DataFrame.from_records([{k: (math.nan if v is None else v) for k, v in r.items()} for r in rows])
     raw["step"] = raw[step_key].astype(int)
     grouped = raw.groupby("step", sort=True)
     metrics = grouped[[sources[c] for c in sources]].last().rename(columns={v: k for k, v in sources.items()}).astype(float)
     # a value logged as NaN or inf (not merely absent) at a step: the non-finite detector's evidence
     logged = {}
-    for c in ("grad_norm", "loss"):
-        if c in sources:
-            explicit = {int(r[step_key]) for r in rows if sources[c] in r and not math.isfinite(r[sources[c]])}
-            logged[c] = np.isin(metrics.index.to_numpy(), sorted(explicit))
+    for c in sources:
+        explicit = {int(r[step_key]) for r in rows if sources[c] in r and (r[sources[c]] is None or not math.isfinite(r[sources[c]]))}
+        logged[c] = np.isin(metrics.index.to_numpy(), sorted(explicit))
     metrics.index.name = "step"
-    return Run(path=path, kind=kind, trainer=trainer, metrics=metrics, sources=sources, logged_nonfinite=logged, info=info)
+    return Run(path=path, kind=kind, trainer=trainer, metrics=metrics, sources=sources, logged_nonfinite=logged, info=info, notes=notes)

@@ -28,6 +28,7 @@ def signature_of(run: Run) -> dict[str, Any]:
         "steps": int(len(steps)),
         "step_range": [int(steps[0]), int(steps[-1])] if len(steps) else None,
         "metrics": dict(sorted(run.sources.items())),
+        "notes": list(run.notes),
         "fault": with_source(first) if first else None,
         "detectors": [with_source(f) for f in findings],
     }
@@ -47,6 +48,7 @@ def render_signature(sig: dict[str, Any]) -> str:
     lo, hi = sig["step_range"] or (None, None)
     lines = [f"run {sig['run']}: {sig['format']} ({sig['trainer']}), {sig['steps']} steps ({lo}-{hi}), "
              f"{len(sig['metrics'])} canonical metrics"]  # fmt: skip
+    lines.extend(f"note: {n}" for n in sig.get("notes", []))
     f = sig["fault"]
     if f is None:
         lines.append("fault: none found by any detector that had its metric")

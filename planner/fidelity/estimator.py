@@ -135,7 +135,9 @@ def knob_translation(recipe: str, block: Mapping[str, Any]) -> dict[str, Any] | 
 def family_text(family: dict) -> str:
     """The calibration family a fidelity block rests on: its data, held-out score and scale."""
     h = family["held_out"]
-    score = (f"held-out shift MAE {h['mae']:.3f} (K/E alone {h['mae_ke']:.3f}, noise floor {h['noise_mae']:.3f}), interval coverage "
+    against = f"{h['baseline']} {h['baseline_mae']:.3f}, " if h.get("baseline_mae") is not None else ""
+    model = "the plan-level model" if h.get("variant") == "full" else h.get("variant", "")
+    score = (f"held-out shift MAE of {model} {h['mae']:.3f} ({against}noise floor {h['noise_mae']:.3f}), interval coverage "
              f"{h['coverage']:.2f}" if h.get("mae") is not None else "no held-out score")  # fmt: skip
     auc = f", AUC {h['auc']:.3f}" if h.get("auc") is not None else ""
     return (f"family {family['name']} ({family['routing_shape']}): {family['originals']} originals, {family['rows']} rows; {score}{auc}; "
@@ -308,11 +310,16 @@ class FidelityEstimator:
             out["measured_by_k"] = min(measured, key=lambda m: abs(m["kept_fraction"] - float(row["kept_fraction"])))
         family = self.family(row, recipe) if entry is not None else None
         if family is not None:
-            gate = entry["gates"][family]
+            if variant in (None, "full"):  # the plan-level model's held-out figures against K/E alone
+                g = entry["gates"][family]
+                held = {"variant": "full", "mae": g.get("mae"), "baseline": "K/E alone", "baseline_mae": g.get("mae_ke")}
+            else:  # the K/E-level model's against the recipe's mean shift
+                g = entry["ke_gates"][family]
+                held = {"variant": variant, "mae": g.get("mae"), "baseline": "the recipe mean", "baseline_mae": g.get("mae_mean")}
+            held.update({k: g.get(k) for k in ("noise_mae", "coverage", "auc")})
             out["family"] = {"name": family, "routing_shape": entry["families"][family]["routing_shape"],
                              "originals": entry["families"][family]["originals"], "rows": entry["families"][family]["rows"],
-                             "held_out": {k: gate.get(k) for k in ("mae", "mae_ke", "mae_ke_routing", "noise_mae", "coverage", "auc")},
-                             "scale": self.scale(row, recipe)["text"]}  # fmt: skip
+                             "held_out": held, "scale": self.scale(row, recipe)["text"]}  # fmt: skip
         translation = knob_translation(recipe, out)
         if translation:
             out["knob_translation"] = translation

@@ -256,7 +256,8 @@ def ke_gate(report: dict[str, Any], recipe: str, family: str) -> dict[str, Any]:
     figures = (f"{variant} on {len(s['mae_by_group'])} held-out originals of {family}: shift MAE {s['mae']:.3f} (recipe mean "
                f"{_fmt(mean.get('mae', math.nan))}, noise floor {s['noise_mae']:.3f}), interval coverage {s['coverage']:.2f}, AUC {_fmt(auc)}")  # fmt: skip
     return {"ok": bool(ok), "variant": variant, "reason": ("P from " if ok else "not validated: ") + figures, "mae": s["mae"],
-            "coverage": s["coverage"], "auc": _finite_or_none(auc), "originals": len(s["mae_by_group"])}  # fmt: skip
+            "mae_mean": mean.get("mae"), "noise_mae": s["noise_mae"], "coverage": s["coverage"], "auc": _finite_or_none(auc),
+            "originals": len(s["mae_by_group"])}  # fmt: skip
 
 
 def _transfer_text(fit: dict | None) -> str:

@@ -11,7 +11,8 @@
    labels of DESIGN.md section 7; `--add-to DATASET` appends them to the calibration data. A
    reference run in a trainer's format (verl, MindSpeed-RL, NeMo RL, wandb, TensorBoard) carries no
    settings for the harness to repeat: the labels then compare it with the proxy's run in the same
-   trainer (`--proxy-metrics`), and the harness run measures memory and time only.
+   trainer (`--proxy-metrics`), and the harness run measures memory and time only. Given the two
+   trainer logs and no checkpoint, the labels come from the logs alone and nothing runs.
 """
 
 from __future__ import annotations
@@ -23,26 +24,28 @@ from typing import Any, Callable
 
 from planner.errors import SpecError
 
-__all__ = ["CheckReport", "run_check", "render_check"]
+__all__ = ["CheckReport", "run_check", "label_logs", "render_check"]
 
 
 @dataclass
 class CheckReport:
-    proxy_dir: str
+    proxy_dir: str | None  # None: labels from two trainer logs alone, no harness run
     built: bool
     device: str
     steps: int
     config: dict
-    measured_peak_bytes: float
-    predicted_peak: dict[str, float]
-    step_time_s: float
+    measured_peak_bytes: float | None
+    predicted_peak: dict[str, float] | None
+    step_time_s: float | None
     cluster: dict[str, Any]  # the plan's deployment predictions, if any
     labels: dict[str, Any] | None
-    run_dir: str
+    run_dir: str | None
     onset: int | None
 
     @property
-    def memory_ratio(self) -> float:
+    def memory_ratio(self) -> float | None:
+        if not self.predicted_peak or not self.measured_peak_bytes:
+            return None
         return self.predicted_peak["total"] / self.measured_peak_bytes
 
     def to_json(self) -> dict[str, Any]:
@@ -113,6 +116,21 @@ def _reference_config(reference: Path, device: str, recipe_name: str | None, kno
     if config.steps < 2:
         raise SpecError(f"the reference run {reference} has {config.steps} step(s); a check needs at least 2 (one warm-up, one measured)")
     return config, {"recipe": ref_info.get("recipe") or recipe_name, "knob": ref_info.get("knob")}
+
+
+def label_logs(plan_path: str | Path, reference: str | Path, proxy_metrics: str | Path, *, replica: str | Path | None = None,
+               recipe_name: str | None = None) -> CheckReport:
+    """The fidelity labels of a pair the user ran in a trainer, from the two logs alone (no checkpoint,
+    no harness run)."""
+    from planner.fidelity.calibrate import measure_pair
+    from planner.plan import load_plan
+
+    plan = load_plan(plan_path)
+    labels = measure_pair(Path(reference), Path(proxy_metrics), plan, replica_dir=Path(replica) if replica else None,
+                          recipe_name=recipe_name)  # fmt: skip
+    return CheckReport(proxy_dir=None, built=False, device="-", steps=0, config={}, measured_peak_bytes=None, predicted_peak=None,
+                       step_time_s=None, cluster=dict((plan.deployment or {}).get("predicted", {})), labels=labels, run_dir=None,
+                       onset=labels.get("onset_proxy"))  # fmt: skip
 
 
 def run_check(plan_path: str | Path, checkpoint: str | Path, out_dir: str | Path, *, device: str = "cpu", steps: int = 20,
@@ -206,14 +224,18 @@ def render_check(r: CheckReport) -> str:
     from planner.render import label_text, table
     from planner.units import human_bytes
 
-    lines = [f"proxy {r.proxy_dir}" + (" (built now)" if r.built else ""), ""]
-    rows = [[k, human_bytes(v)] for k, v in r.predicted_peak.items() if k != "total" and v]
-    rows.append(["predicted peak", human_bytes(r.predicted_peak["total"])])
-    rows.append([f"measured peak on {r.device}", human_bytes(r.measured_peak_bytes)])
-    rows.append(["predicted / measured", f"{r.memory_ratio:.3f}"])
-    lines.append(table(["harness memory (one device)", "bytes"], rows))
-    lines.append("")
-    lines.append(f"step time on {r.device}: {r.step_time_s:.3f} s (median of {max(r.steps - 2, 1)} steps), {1 / r.step_time_s:.2f} steps/s")
+    if r.proxy_dir is None:
+        lines = ["labels of the pair from the two trainer logs alone (no harness run; pass --checkpoint to build the proxy and "
+                 "measure its memory and step time here)"]  # fmt: skip
+    else:
+        lines = [f"proxy {r.proxy_dir}" + (" (built now)" if r.built else ""), ""]
+        rows = [[k, human_bytes(v)] for k, v in r.predicted_peak.items() if k != "total" and v]
+        rows.append(["predicted peak", human_bytes(r.predicted_peak["total"])])
+        rows.append([f"measured peak on {r.device}", human_bytes(r.measured_peak_bytes)])
+        rows.append(["predicted / measured", f"{r.memory_ratio:.3f}"])
+        lines.append(table(["harness memory (one device)", "bytes"], rows))
+        lines.append("")
+        lines.append(f"step time on {r.device}: {r.step_time_s:.3f} s (median of {max(r.steps - 2, 1)} steps), {1 / r.step_time_s:.2f} steps/s")
     if r.cluster:
         c = r.cluster
         lines.append(f"the plan's target cluster (predicted): {human_bytes(c.get('memory_per_card_bytes', 0))} per card, "
@@ -223,5 +245,6 @@ def render_check(r: CheckReport) -> str:
         keys = ("shift_log2", "shift_sd", "noise_log2", "outcome", "curve_agreement", "spearman_grad_norm", "onset_original", "onset_proxy")
         lines.append("")
         lines.append(table(["label", "value"], [[k, label_text(r.labels.get(k))] for k in keys]))
-    lines.append(f"metrics in {r.run_dir}/metrics.csv")
+    if r.run_dir:
+        lines.append(f"metrics in {r.run_dir}/metrics.csv")
     return "\n".join(lines)

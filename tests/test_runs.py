@@ -278,6 +278,18 @@ def test_a_pair_of_trainer_runs_becomes_a_labelled_row(rl_model, tmp_path):
     assert result.exit_code == 0, result.output
     labels = json.loads(result.stdout)["labels"]
     assert labels["onset_proxy"] == row["onset_proxy"] and labels["curve_agreement"] == pytest.approx(row["curve_agreement"])
+    # the two logs alone: no checkpoint, no harness run, the same labels
+    alone = run_cli("check", plan, "--reference-metrics", tmp_path / "orig.log", "--proxy-metrics", tmp_path / "proxy.log", "--replica",
+                    tmp_path / "replica.log", "--recipe", "entropy-collapse", "-o", tmp_path / "c3", "--json")  # fmt: skip
+    assert alone.exit_code == 0, alone.output
+    report = json.loads(alone.stdout)
+    assert report["proxy_dir"] is None and report["run_dir"] is None and not (tmp_path / "c3").exists()
+    assert report["labels"]["onset_proxy"] == row["onset_proxy"] and report["labels"]["curve_agreement"] == pytest.approx(row["curve_agreement"])
+    text = run_cli("check", plan, "--reference-metrics", tmp_path / "orig.log", "--proxy-metrics", tmp_path / "proxy.log", "--recipe",
+                   "entropy-collapse").output  # fmt: skip
+    assert "from the two trainer logs alone" in text and "curve_agreement" in text
+    missing = run_cli("check", plan, "--reference-metrics", tmp_path / "orig.log")
+    assert missing.exit_code == 2 and "--checkpoint is needed" in missing.output
 
 
 def planted_rows(steps: int = 12, **series) -> list[dict]:

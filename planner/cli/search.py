@@ -104,7 +104,8 @@ def preflight(request, knobs_file, estimator_file, as_json) -> None:
 
 @click.command()
 @click.argument("plan_path", metavar="PLAN", type=click.Path(exists=True, dir_okay=False))
-@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), required=True, help="The original checkpoint (or the built proxy).")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default=None,
+              help="The original checkpoint (or the built proxy); not needed to label two trainer logs (--reference-metrics, --proxy-metrics).")
 @click.option("--reference-metrics", "reference", type=click.Path(exists=True), default=None,
               help="The original's run: a `planner rl run` directory (its settings are reused and fidelity labels computed against it) "
                    "or a trainer's log in any format `planner detect` reads (then give --proxy-metrics).")
@@ -123,16 +124,22 @@ def preflight(request, knobs_file, estimator_file, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def check(plan_path, checkpoint, reference, proxy_metrics, replica, device, steps, recipe_name, knob, seed, stats_path, output, add_to, force,
           as_json) -> None:  # fmt: skip
-    """Build the proxy if needed, run the RL harness on the device, print predicted vs measured."""
-    from planner.check import render_check, run_check
+    """Build the proxy if needed, run the RL harness on the device, print predicted vs measured; or label two trainer logs."""
+    from planner.check import label_logs, render_check, run_check
 
     def body():
         if add_to and not reference:
             raise SpecError("--add-to needs --reference-metrics: labels compare the proxy with the original's run")
+        if checkpoint is None and not (reference and proxy_metrics):
+            raise SpecError("--checkpoint is needed to build and run the proxy; only two trainer logs (--reference-metrics and "
+                            "--proxy-metrics) are labelled without one")  # fmt: skip
         bars: dict = {}
-        report = run_check(plan_path, checkpoint, output, device=device, steps=steps, reference=reference, proxy_metrics=proxy_metrics,
-                           replica=replica, recipe_name=recipe_name, knob=knob, seed=seed, stats_path=stats_path, force=force,
-                           progress=None if as_json else (lambda stage, d, t: bars.setdefault(stage, progress_line(stage))(d, t)))  # fmt: skip
+        if checkpoint is None:
+            report = label_logs(plan_path, reference, proxy_metrics, replica=replica, recipe_name=recipe_name)
+        else:
+            report = run_check(plan_path, checkpoint, output, device=device, steps=steps, reference=reference, proxy_metrics=proxy_metrics,
+                               replica=replica, recipe_name=recipe_name, knob=knob, seed=seed, stats_path=stats_path, force=force,
+                               progress=None if as_json else (lambda stage, d, t: bars.setdefault(stage, progress_line(stage))(d, t)))  # fmt: skip
         if add_to:
             from planner.fidelity.calibrate import add_pair
 

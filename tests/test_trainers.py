@@ -5,6 +5,7 @@ the YAML the verl package ships; MindSpeed-RL and NeMo RL: their published GRPO 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -125,10 +126,10 @@ def test_export_and_job_refuse_what_they_cannot_write(plans, tmp_path):
     assert again.exit_code == 2 and "--force" in again.output
     (tmp_path / "junk.txt").write_text("just words here\n")
     result = run_cli("job", "--from", "verl", tmp_path / "junk.txt")
-    assert result.exit_code == 2 and "neither a YAML config nor Hydra overrides" in result.output
+    assert result.exit_code == 2 and "neither a YAML config, nor Hydra overrides" in result.output
     (tmp_path / "part.yaml").write_text("data:\n  train_batch_size: 64\n")
     result = run_cli("job", "--from", "verl", tmp_path / "part.yaml")
-    assert result.exit_code == 2 and "not a complete verl config: missing data.max_prompt_length, data.max_response_length" in result.output
+    assert result.exit_code == 2 and "data.train_batch_size 64 is smaller than actor.ppo_mini_batch_size 256 (verl's default)" in result.output
 
 
 def test_moe_recompute_exports_as_megatron_recompute_modules(plans, tmp_path):
@@ -158,3 +159,72 @@ def test_moe_recompute_exports_as_megatron_recompute_modules(plans, tmp_path):
     assert yaml.safe_load((tmp_path / "job.yaml").read_text())["recompute"] == "moe"
     result = run_cli("export", path, "--to", "mindspeed-rl", "--model-path", "/p")
     assert result.exit_code == 2 and "no key for recomputing the MoE layers" in result.output
+
+
+# ---- verl's own launch scripts in (tests/data/verl, unchanged from verl's repository) ---------------
+
+VERL_SCRIPTS = Path(__file__).parent / "data" / "verl"
+
+
+@pytest.mark.parametrize("script, expect, model, hardware", [
+    ("run_qwen3moe-30b_megatron.sh", dict(prompts=64, samples=5, tp=4, pp=2, ep=4, cards=32, rollout_tp=4, recompute="none"), "qwen3-30b-a3b", "h100-sxm"),
+    ("run_qwen3-235b_megatron_96gb.sh", dict(prompts=32, samples=8, tp=4, pp=8, ep=4, cards=32, rollout_tp=8, recompute="none"), None, None),
+    ("run_deepseek671b_math_megatron_80gb.sh", dict(prompts=512, samples=4, tp=1, pp=16, ep=16, cards=256, rollout_tp=32, recompute="full"),
+     "deepseek-v3", "h100-sxm"),
+    ("run_qwen30_a3b_megatron_vllm.sh", dict(prompts=8, samples=8, tp=2, pp=1, ep=8, cards=8, rollout_tp=2, recompute="full"), "qwen3-30b-a3b",
+     "h100-sxm"),
+])  # fmt: skip
+def test_job_from_reads_verls_own_launch_scripts(script, expect, model, hardware, tmp_path):
+    """Shell variables, defaults (${X:-y}), arithmetic and the keys a script leaves to verl's shipped
+    defaults (ppo_epochs, context parallel, the rollout's DP and EP, max_num_seqs, bypass mode)."""
+    from planner.runs.trainers import job_from, verl_defaults
+
+    if verl_defaults() is None:
+        pytest.skip("verl is not installed: the defaults come from the verl package's shipped config")
+
+    job, cards, notes = job_from("verl", VERL_SCRIPTS / script)
+    got = dict(prompts=job.prompts_per_step, samples=job.samples_per_prompt, tp=job.train_layout.tp, pp=job.train_layout.pp,
+               ep=job.train_layout.ep, cards=cards, rollout_tp=job.rollout_layout.tp, recompute=job.recompute)  # fmt: skip
+    assert got == expect
+    assert job.train_layout.cp == 1 and job.rollout_layout.dp == 1 and job.ppo_epochs == 1  # verl's defaults, named in a note
+    assert not job.skip_old_logprob  # verl recomputes the old log-probs unless bypass mode is on
+    # verl's vLLM cap of 256 sequences a rank, where it can bind (a step of fewer sequences is not capped)
+    assert job.rollout_max_seqs == (256 if expect["prompts"] * expect["samples"] > 256 else None) and any("shipped defaults" in n for n in notes)
+    if model:  # the cost model takes the job at the script's own device count
+        out = tmp_path / "job.yaml"
+        assert run_cli("job", "--from", "verl", VERL_SCRIPTS / script, "-o", out).exit_code == 0
+        result = run_cli("cost", model, "--hardware", hardware, "--cards", cards, "--job", out, "--json")
+        assert result.exit_code == 0 and json.loads(result.stdout)["feasible"], result.output[-400:]
+
+
+def test_the_235b_script_reads_its_arithmetic_and_defaults_and_names_what_it_cannot():
+    from planner.runs.trainers import job_from, verl_defaults
+
+    if verl_defaults() is None:
+        pytest.skip("verl is not installed: the defaults come from the verl package's shipped config")
+
+    job, cards, notes = job_from("verl", VERL_SCRIPTS / "run_qwen3-235b_megatron_96gb.sh")
+    assert job.response_tokens.max == 1204 * 8 and job.prompt_tokens.max == 2048  # $((1204 * 8)), $((1024 * 2))
+    assert job.micro_batch_tokens == (2048 + 9632) * 10 // 10 and job.optimizer_offload_fraction == 1.0  # ${OFFLOAD_FRACTION:-1.}
+    assert not job.rollout_graphs  # enforce_eager=True
+    assert any("SCRIPT_DIR" in n and "command substitution" in n for n in notes)
+
+
+def test_the_shell_reader_expands_what_a_shell_would_and_runs_nothing():
+    from planner.runs.shell import script_overrides
+
+    text = """
+N=${N:-4}
+export TP=2
+L=$(( (N + 4) * 2 ))
+ARGS=(
+    a.b=$N    # a comment
+    c.d="${TP}x"
+)
+WHO=$(whoami)
+python3 -m verl.trainer.main_ppo x.y=$L "${ARGS[@]}" e.f=$UNSET g.h=$WHO i.j=${K:-7} $@
+"""
+    overrides, notes = script_overrides(text)
+    assert overrides == {"x.y": "16", "a.b": "4", "c.d": "2x", "i.j": "7"}
+    assert any(n.startswith("e.f: $UNSET: not set") for n in notes) and any("WHO" in n and "command substitution" in n for n in notes)
+    assert any(n.startswith("g.h: $WHO") for n in notes)

@@ -16,6 +16,7 @@ says so beside the key.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -117,8 +118,9 @@ def _verl(d: Deployment, replay: bool) -> dict[str, Any]:
         "trainer.n_gpus_per_node": d.gpus_per_node,
         "trainer.nnodes": d.nodes,
     }
-    if j.rollout_max_seqs is not None:
-        out["actor_rollout_ref.rollout.max_num_seqs"] = j.rollout_max_seqs
+    # vLLM's cap on the sequences a rank decodes at once (verl's default: 256); a job without a cap gets
+    # one that cannot bind, the step's every sequence
+    out["actor_rollout_ref.rollout.max_num_seqs"] = j.rollout_max_seqs or j.prompts_per_step * j.samples_per_prompt
     if j.optimizer_offload_fraction > 0:  # Megatron's hybrid CPU optimizer, passed through verl's open override mapping
         out[f"{_VERL_OPTIM}.optimizer_cpu_offload"] = True
         out[f"{_VERL_OPTIM}.optimizer_offload_fraction"] = j.optimizer_offload_fraction
@@ -258,6 +260,10 @@ def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = F
             f"routing replay: remap routes recorded on the original through {model_path}/expert_map.json (original id -> proxy id per layer)"]  # fmt: skip
     if trainer == "verl":
         lines = [f"# {h}" for h in head]
+        if plan_job_skips_old_logprob(plan):
+            lines.append("# old log-probs: verl recomputes them (algorithm.rollout_correction.bypass_mode=false, its default) where the plan's "
+                         "job skips that pass; planner job --from reads this file back with the pass (bypass_mode=true would use the "
+                         "rollout's log-probs as the old policy instead, which changes the ratio a rollout mismatch acts on)")  # fmt: skip
         lines.append("# launch: python -m verl.trainer.main_ppo --config-name ppo_megatron_trainer $(grep -v '^#' THIS_FILE)")
         # keys inside a mapping verl's config leaves open are new to Hydra: `+key=value`
         lines += [f"{'+' if k.startswith(_VERL_OPTIM + '.') else ''}{k}={_hydra(v)}" for k, v in flat.items()]
@@ -268,11 +274,21 @@ def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = F
     return text, flat
 
 
+def plan_job_skips_old_logprob(plan) -> bool:
+    from planner.specs import Job
+
+    job = (plan.deployment or {}).get("job")
+    return bool(job.get("skip_old_logprob", Job().skip_old_logprob)) if isinstance(job, dict) else Job().skip_old_logprob
+
+
 # ---- in ---------------------------------------------------------------------------------------------
 
-def _read_flat(path: Path) -> dict[str, Any]:
-    """A trainer config as dotted keys: a YAML mapping, or Hydra overrides (`key=value`, one or more per line)."""
+def _read_flat(path: Path, notes: list[str] | None = None) -> dict[str, Any]:
+    """A trainer config as dotted keys: a YAML mapping (a saved `.hydra/config.yaml` too), a file of
+    Hydra overrides (`key=value`), or a launch script whose trainer command holds them (variables
+    expanded, planner.runs.shell; what it cannot resolve is named in `notes`)."""
     from planner.files import read_text
+    from planner.runs.shell import looks_like_script, script_overrides
 
     text = read_text(path, "trainer config")
     try:
@@ -281,16 +297,75 @@ def _read_flat(path: Path) -> dict[str, Any]:
         data = None
     if isinstance(data, dict) and not any("=" in str(k) for k in data):
         return flatten(data)
-    flat = {}
-    for token in text.replace("\\\n", " ").split():
-        if token.startswith("#"):
-            continue
-        key, sep, value = token.partition("=")
-        if sep and "." in key.lstrip("+~"):
-            flat[key.lstrip("+~")] = yaml.safe_load(value) if value else None
+    if looks_like_script(text):
+        raw, unresolved = script_overrides(text)
+        if notes is not None:
+            notes.extend(f"{path.name}: {n}" for n in unresolved)
+    else:
+        raw = {}
+        for token in text.replace("\\\n", " ").split():
+            if token.startswith("#"):
+                continue
+            key, sep, value = token.partition("=")
+            if sep and "." in key.lstrip("+~"):
+                raw[key.lstrip("+~")] = value
+    flat = {k: (_yaml_value(v) if v != "" else None) for k, v in raw.items()}
     if not flat:
-        raise SpecError(f"{path}: neither a YAML config nor Hydra overrides (key=value)")
+        raise SpecError(f"{path}: neither a YAML config, nor Hydra overrides (key=value), nor a launch script holding them")
     return flat
+
+
+def _yaml_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def verl_defaults() -> tuple[dict[str, Any], str] | None:
+    """(every key of verl's Megatron trainer config with its shipped default, verl's version) from the
+    installed verl package (its composed `_generated_ppo_megatron_trainer.yaml`), or None."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, version
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "trainer" / "config" / "_generated_ppo_megatron_trainer.yaml"
+    if not path.is_file():
+        return None
+    try:
+        v = version("verl")
+    except PackageNotFoundError:
+        v = "?"
+    return flatten(yaml.safe_load(path.read_text())), v
+
+
+_SELECT = re.compile(r"^\$\{oc\.select:([\w.]+)(?:,(.*))?\}$")
+_REF = re.compile(r"^\$\{([A-Za-z_][\w.]*)\}$")
+
+
+def _resolve(flat: dict[str, Any]) -> dict[str, Any]:
+    """Hydra interpolations of the values (`${a.b}`, `${oc.select:a.b,default}`) resolved against
+    the same keys; relative or other resolvers are left as they are."""
+    out = dict(flat)
+    for _ in range(5):
+        changed = False
+        for key, value in out.items():
+            if not isinstance(value, str) or "${" not in value:
+                continue
+            if (m := _SELECT.match(value)) is not None:
+                target, default = m.group(1), m.group(2)
+                new = out.get(target, _yaml_value(default) if default is not None else None)
+            elif (m := _REF.match(value)) is not None and m.group(1) in out:
+                new = out[m.group(1)]
+            else:
+                continue
+            if new != value:
+                out[key], changed = new, True
+        if not changed:
+            break
+    return out
 
 
 def _number(flat: dict, key: str, path: Path, kind=int):
@@ -312,14 +387,26 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
     if trainer not in _TABLES:
         raise SpecError(f"unknown trainer {trainer!r}; one of {', '.join(TRAINERS)}")
     path = Path(path)
-    f = _read_flat(path)
+    notes = ["mean prompt and response lengths are not in a trainer config: the default job's ratios of mean to maximum are used; "
+             "set them from your data"]  # fmt: skip
+    f = _read_flat(path, notes)
+    raw_keys = set(f)
+    if trainer == "verl":  # what the script leaves out is verl's own default, from the config verl ships
+        shipped = verl_defaults()
+        if shipped is not None:
+            defaults, verl_version = shipped
+            taken = [k for k in _REQUIRED["verl"] + _VERL_DEFAULTED if f.get(k) is None and defaults.get(k) is not None]
+            f = _resolve({**defaults, **{k: v for k, v in f.items() if v is not None}})
+            if taken:
+                notes.append(f"from verl {verl_version}'s shipped defaults: " + ", ".join(f"{k.split('.', 1)[-1] if k.startswith('actor_rollout_ref.') else k}="
+                                                                                       f"{f.get(k)}" for k in taken))  # fmt: skip
+        else:
+            notes.append("verl is not installed, so its defaults are not known: every key the config leaves out must be set")
     missing = [k for k in _REQUIRED[trainer] if f.get(k) is None]
     if missing:
         raise SpecError(f"{path}: not a complete {trainer} config: missing {', '.join(missing)}")
     n = lambda key, kind=int: _number(f, key, path, kind)  # noqa: E731
     default = Job()
-    notes = ["mean prompt and response lengths are not in a trainer config: the default job's ratios of mean to maximum are used; "
-             "set them from your data"]  # fmt: skip
 
     def lengths(prompt_max: int, response_max: int) -> dict:
         scale = lambda d, m: Lengths(mean=round(d.mean / d.max * m, 1), max=m)  # noqa: E731
@@ -329,6 +416,10 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
     if trainer == "verl":
         mega, actor = "actor_rollout_ref.actor.megatron", "actor_rollout_ref.actor"
         prompts = n("data.train_batch_size")
+        if prompts < n(f"{actor}.ppo_mini_batch_size"):
+            raise SpecError(f"{path}: data.train_batch_size {prompts} is smaller than actor.ppo_mini_batch_size {n(f'{actor}.ppo_mini_batch_size')}"
+                            f"{' (verl' + chr(39) + 's default)' if f'{actor}.ppo_mini_batch_size' not in raw_keys else ''}: verl needs at "
+                            "least one mini-batch per step")  # fmt: skip
         recompute = f.get(f"{mega}.override_transformer_config.recompute_granularity")
         modules = f.get(f"{mega}.override_transformer_config.recompute_modules")
         if recompute == "selective" and isinstance(modules, list) and "moe" in modules:
@@ -351,11 +442,18 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
             kw["micro_batch_tokens"] = n(f"{actor}.ppo_max_token_len_per_gpu")
         if f.get("actor_rollout_ref.rollout.enforce_eager") is not None:
             kw["rollout_graphs"] = not f["actor_rollout_ref.rollout.enforce_eager"]
-        if f.get("actor_rollout_ref.rollout.max_num_seqs") is not None:
-            kw["rollout_max_seqs"] = n("actor_rollout_ref.rollout.max_num_seqs")
+        if f.get("actor_rollout_ref.rollout.max_num_seqs") is not None:  # a cap of the step's every sequence cannot bind
+            seqs = n("actor_rollout_ref.rollout.max_num_seqs")
+            kw["rollout_max_seqs"] = None if seqs >= prompts * kw["samples_per_prompt"] else seqs
         if f.get(f"{_VERL_OPTIM}.optimizer_cpu_offload"):
             kw["optimizer_offload_fraction"] = float(f.get(f"{_VERL_OPTIM}.optimizer_offload_fraction", 1.0))
         cards = n("trainer.n_gpus_per_node") * n("trainer.nnodes")
+        # verl recomputes the old log-probs unless bypass mode takes the rollout's (verl >= 0.7)
+        kw["skip_old_logprob"] = bool(f.get("algorithm.rollout_correction.bypass_mode", False))
+        for stage in ("first", "last"):
+            if f.get(f"{mega}.override_transformer_config.num_layers_in_{stage}_pipeline_stage") is not None:
+                notes.append(f"num_layers_in_{stage}_pipeline_stage is set: put the layers per stage in the job's train_layout.pipeline_layers "
+                             "(it needs the model's layer count)")  # fmt: skip
     elif trainer == "mindspeed-rl":
         prompts = n("megatron_training.global_batch_size")
         infer_ep = n("generate_config.infer_expert_parallel_size")
@@ -399,11 +497,18 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
                                                ep=int(f.get("policy.generation.vllm_cfg.expert_parallel_size", 1))))  # fmt: skip
         cards = n("cluster.gpus_per_node") * n("cluster.num_nodes")
     updates = kw.get("ppo_epochs", 1) * kw["mini_batches"]
-    kw["skip_old_logprob"] = updates == 1
+    if "skip_old_logprob" not in kw:
+        kw["skip_old_logprob"] = updates == 1
+    elif kw["skip_old_logprob"] and updates > 1:
+        notes.append(f"bypass mode with {updates} optimizer steps per RL step: the cost model keeps the old log-prob pass for off-policy updates")
+        kw["skip_old_logprob"] = False
     return Job(**kw), cards, notes
 
 
 _VERL_MEGA = "actor_rollout_ref.actor.megatron"
+# read with a default of verl's when the script leaves them out (named in the notes)
+_VERL_DEFAULTED = [f"{_VERL_MEGA}.param_offload", f"{_VERL_MEGA}.optimizer_offload", "actor_rollout_ref.actor.use_kl_loss",
+                   "algorithm.rollout_correction.bypass_mode", f"{_VERL_MEGA}.expert_tensor_parallel_size", "actor_rollout_ref.rollout.enforce_eager"]  # fmt: skip
 _VERL_OPTIM = "actor_rollout_ref.actor.optim.override_optimizer_config"  # verl passes it to Megatron's OptimizerConfig
 _REQUIRED = {  # what job_from reads without a default
     "verl": ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.n",

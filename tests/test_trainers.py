@@ -228,3 +228,44 @@ python3 -m verl.trainer.main_ppo x.y=$L "${ARGS[@]}" e.f=$UNSET g.h=$WHO i.j=${K
     assert overrides == {"x.y": "16", "a.b": "4", "c.d": "2x", "i.j": "7"}
     assert any(n.startswith("e.f: $UNSET: not set") for n in notes) and any("WHO" in n and "command substitution" in n for n in notes)
     assert any(n.startswith("g.h: $WHO") for n in notes)
+
+
+# ---- NeMo RL's own configs in, with their defaults: inheritance (tests/data/nemo-rl) -----------------
+
+NEMO_CONFIGS = Path(__file__).parent / "data" / "nemo-rl" / "examples" / "configs"
+
+
+@pytest.mark.parametrize("config, expect", [
+    ("grpo_math_qwen30ba3b_megatron.yaml", dict(prompts=64, samples=32, mini=4, tp=2, pp=1, ep=8, cp=1, cards=64, rollout=(4, 1), recompute="none")),
+    ("recipes/llm/grpo-dapomath17k-dsv3-megatron.yaml", dict(prompts=32, samples=16, mini=1, tp=8, pp=8, ep=32, cp=4, cards=256, rollout=(32, 1),
+                                                              recompute="full")),
+    ("recipes/llm/grpo-math-qwen3-30ba3b-megatron-tp4-32k.yaml", dict(prompts=64, samples=16, mini=2, tp=4, pp=1, ep=8, cp=1, cards=32,
+                                                                       rollout=(4, 1), recompute="full")),
+    ("recipes/llm/grpo-qwen3-30ba3b-8n8g-megatron-cp2-r3.yaml", dict(prompts=16, samples=8, mini=1, tp=4, pp=2, ep=4, cp=2, cards=64,
+                                                                      rollout=(4, 4), recompute="none")),
+])  # fmt: skip
+def test_job_from_nemo_rl_follows_its_defaults_inheritance(config, expect):
+    """Each config inherits most of its keys (cluster, parallel sizes, activation checkpointing) from the
+    files its `defaults:` names, as NeMo RL's own loader merges them; the values expected here are read
+    off the files by hand."""
+    from planner.runs.trainers import job_from
+
+    job, cards, notes = job_from("nemo-rl", NEMO_CONFIGS / config)
+    got = dict(prompts=job.prompts_per_step, samples=job.samples_per_prompt, mini=job.mini_batches, tp=job.train_layout.tp,
+               pp=job.train_layout.pp, ep=job.train_layout.ep, cp=job.train_layout.cp, cards=cards,
+               rollout=(job.rollout_layout.tp, job.rollout_layout.ep), recompute=job.recompute)  # fmt: skip
+    assert got == expect
+    assert any("inherits from" in n for n in notes)
+
+
+def test_nemo_rl_inheritance_override_marker_and_a_missing_parent(tmp_path):
+    from planner.runs.trainers import _inherited
+
+    (tmp_path / "base.yaml").write_text("policy: {a: 1, b: {c: 2, d: 3}}\ncluster: {num_nodes: 1}\n")
+    (tmp_path / "mid.yaml").write_text("defaults: base.yaml\npolicy: {b: {c: 20}}\n")
+    (tmp_path / "child.yaml").write_text("defaults: [mid.yaml]\npolicy:\n  b: {_override_: true, e: 5}\n  a: ???\ncluster: {num_nodes: 8}\n")
+    assert _inherited(tmp_path / "child.yaml", None) == {"policy": {"a": 1, "b": {"e": 5}}, "cluster": {"num_nodes": 8}}
+    assert _inherited(tmp_path / "mid.yaml", None) == {"policy": {"a": 1, "b": {"c": 20, "d": 3}}, "cluster": {"num_nodes": 1}}
+    (tmp_path / "orphan.yaml").write_text("defaults: ../nowhere.yaml\ngrpo: {num_prompts_per_step: 8}\n")
+    result = run_cli("job", "--from", "nemo-rl", tmp_path / "orphan.yaml")  # the parent's keys are missing, and said so
+    assert result.exit_code == 2 and "not a complete nemo-rl config: missing grpo.num_generations_per_prompt" in result.output

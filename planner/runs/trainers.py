@@ -296,6 +296,8 @@ def _read_flat(path: Path, notes: list[str] | None = None) -> dict[str, Any]:
     except yaml.YAMLError:
         data = None
     if isinstance(data, dict) and not any("=" in str(k) for k in data):
+        if "defaults" in data and isinstance(data["defaults"], (str, list)):
+            data = _inherited(path, notes)
         return flatten(data)
     if looks_like_script(text):
         raw, unresolved = script_overrides(text)
@@ -313,6 +315,50 @@ def _read_flat(path: Path, notes: list[str] | None = None) -> dict[str, Any]:
     if not flat:
         raise SpecError(f"{path}: neither a YAML config, nor Hydra overrides (key=value), nor a launch script holding them")
     return flat
+
+
+def _inherited(path: Path, notes: list[str] | None, depth: int = 0) -> dict[str, Any]:
+    """A YAML config with its `defaults:` parents merged under it, the way NeMo RL loads its configs
+    (nemo_rl/utils/config.py): parents are paths relative to the file (a list merges in order), the
+    child's keys win and merge into the parents' mappings, a mapping marked `_override_: true`
+    replaces the parents' instead, and a mandatory value (`???`) leaves the parent's."""
+    from planner.files import read_yaml
+
+    if depth > 20:
+        raise SpecError(f"{path}: more than 20 levels of defaults: inheritance (a cycle?)")
+    data = read_yaml(path, "trainer config")
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: a config file is a mapping, got {type(data).__name__}")
+    parents = data.pop("defaults", None)
+    parents = [parents] if isinstance(parents, str) else list(parents or [])
+    base: dict[str, Any] = {}
+    for parent in parents:
+        parent_path = Path(str(parent)) if str(parent).startswith("/") else path.parent / str(parent)
+        if not parent_path.is_file():  # what the file sets itself still reads; a key only the parent has is missing
+            if notes is not None:
+                notes.append(f"{path.name}: defaults: {parent} not found at {parent_path}: the keys it would give are missing (keep "
+                             "the config beside the files it inherits from)")  # fmt: skip
+            continue
+        base = _merge(base, _inherited(parent_path, notes, depth + 1))
+        if notes is not None and depth == 0:
+            notes.append(f"{path.name} inherits from {parent}: its keys that the file does not set come from there")
+    return _merge(base, data)
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        if value == "???":
+            continue
+        if isinstance(value, dict):
+            value = dict(value)
+            if value.pop("_override_", False) or not isinstance(out.get(key), dict):
+                out[key] = value
+            else:
+                out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def _yaml_value(text: str) -> Any:
@@ -479,12 +525,15 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         prompts = n("grpo.num_prompts_per_step")
         samples = n("grpo.num_generations_per_prompt")
         total = n("policy.max_total_sequence_length")
-        notes.append("NeMo RL gives one total sequence length: the prompt maximum is taken from planner's default job, the rest is response")
-        prompt_max = min(default.prompt_tokens.max, total // 2)
+        if isinstance(f.get("data.max_input_seq_length"), int) and 0 < f["data.max_input_seq_length"] < total:
+            prompt_max = f["data.max_input_seq_length"]  # the prompt's cap; the rest of the sequence is response
+        else:
+            notes.append("NeMo RL gives one total sequence length here: the prompt maximum is taken from planner's default job, the rest is response")
+            prompt_max = min(default.prompt_tokens.max, total // 2)
         mega = "policy.megatron_cfg"
-        if f.get("defaults"):
-            notes.append(f"keys this file inherits from {f['defaults']} and does not set take planner's defaults")
+        f = _resolve(f)
         kw = dict(prompts_per_step=prompts, samples_per_prompt=samples, **lengths(prompt_max, total - prompt_max),
+                  recompute="full" if f.get(f"{mega}.activation_checkpointing") else "none",
                   precision=precision.get(f.get("policy.precision", "bfloat16"), "bf16"),
                   optimizer_offload_fraction=float(f.get(f"{mega}.optimizer.optimizer_offload_fraction", 1.0))
                   if f.get(f"{mega}.optimizer.optimizer_cpu_offload") else 0.0,

@@ -107,8 +107,10 @@ def test_export_names_the_cluster_shape_and_the_expert_map(plans, tmp_path):
     assert flat["actor_rollout_ref.actor.megatron.router_replay.mode"] == "R3" and "/ckpt/proxy/expert_map.json" in text
     assert flat["actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity"] == "full"
     assert flat["actor_rollout_ref.actor.ppo_mini_batch_size"] == 256  # 512 prompts in 2 mini-batches
-    _, flat = export_plan(load_plan(plans[0]), "verl", "/ckpt/proxy")
+    assert "records this proxy run's own routes" in text
+    plain, flat = export_plan(load_plan(plans[0]), "verl", "/ckpt/proxy")
     assert (flat["trainer.n_gpus_per_node"], flat["trainer.nnodes"]) == (4, 1)
+    assert "routing replay" not in plain and "router_replay" not in "".join(flat)  # no replay asked: no word of it
 
 
 def test_export_and_job_refuse_what_they_cannot_write(plans, tmp_path):

@@ -7,10 +7,12 @@ against the config the verl package ships; MindSpeed-RL and NeMo RL get YAML, ch
 keys of their published GRPO configs (trainer_keys.yaml names them). `job_from` reads the same keys
 back, so export and import round-trip.
 
-Routing replay: the proxy renumbers experts, so routes recorded on the original (verl's
-router_replay, NeMo RL's router_replay) must be remapped through the proxy's expert_map.json
-(original id -> proxy id per MoE layer) before they are replayed on the proxy; the exported config
-says so beside the key.
+Routing replay (`--routing-replay`): the trainer records the proxy run's own routes and replays
+them within that run (verl R3: the rollout's routes replayed in training; NeMo RL's router_replay the
+same), so the proxy's expert ids are the ones recorded and nothing needs remapping. Routes recorded
+on the original are not used by either trainer; the proxy's expert_map.json (original id -> proxy
+id per MoE layer) is what a tool that replays the original's routes on the proxy would rewrite them
+through, and planner has no such tool.
 """
 
 from __future__ import annotations
@@ -256,8 +258,10 @@ def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = F
             f"({plan.method}) on {d.cards} {plan.deployment.get('device_unit', 'device')}s of {plan.deployment.get('hardware')}",
             f"predicted: {pred.get('memory_per_card_bytes', float('nan')) / 2**30:.1f} GiB per device, "
             f"{pred.get('step_time_s', float('nan')):.0f} s per step; fault {plan.deployment.get('fault')}",
-            "prompt and response lengths are the maxima; the job's mean lengths are planner's cost-model inputs only",
-            f"routing replay: remap routes recorded on the original through {model_path}/expert_map.json (original id -> proxy id per layer)"]  # fmt: skip
+            "prompt and response lengths are the maxima; the job's mean lengths are planner's cost-model inputs only"]
+    if routing_replay:
+        head.append("routing replay: the trainer records this proxy run's own routes in the rollout and replays them in training; routes "
+                    f"recorded on the original are not used (its expert ids map to the proxy's through {model_path}/expert_map.json)")  # fmt: skip
     if trainer == "verl":
         lines = [f"# {h}" for h in head]
         if plan_job_skips_old_logprob(plan):

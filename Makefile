@@ -7,6 +7,8 @@ STAMP  := $(VENV)/.installed
 # verl's own shipped trainer config checks `planner export --to verl` (tests/test_trainers.py); only its
 # YAML is read, so it is installed without its dependencies (ray, vllm, ...)
 VERL   := verl==0.9.1
+# older verl releases' wheels (their shipped configs only, read from the zip) check `export --to verl --verl-version`
+VERL_OLD := verl==0.6.1 verl==0.7.1
 
 .PHONY: demo test venv bench reports clean
 
@@ -15,6 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps $(VERL)
+	for v in $(VERL_OLD); do $(PY) -m pip download --quiet --no-deps -d $(VENV)/verl-wheels $$v; done
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -42,13 +42,17 @@ def plans(tmp_path_factory):
 def verl_config() -> dict:
     """The flattened Megatron trainer config shipped inside the verl package (read, never imported),
     with the mappings it leaves open (`{}`, e.g. override_optimizer_config) as keys ending in '.'."""
-    from planner.runs.trainers import flatten
 
     spec = importlib.util.find_spec("verl")
     if spec is None:
         pytest.skip("the verl package is not installed (make venv installs it without its dependencies)")
     path = Path(spec.origin).parent / "trainer" / "config" / "_generated_ppo_megatron_trainer.yaml"
-    tree = yaml.safe_load(path.read_text())
+    return config_keys(yaml.safe_load(path.read_text()))
+
+
+def config_keys(tree: dict) -> dict:
+    """A config tree's dotted keys, the mappings it leaves open as keys ending in '.'."""
+    from planner.runs.trainers import flatten
 
     def open_mappings(node, prefix=""):
         for k, v in node.items() if isinstance(node, dict) else ():
@@ -271,3 +275,49 @@ def test_nemo_rl_inheritance_override_marker_and_a_missing_parent(tmp_path):
     (tmp_path / "orphan.yaml").write_text("defaults: ../nowhere.yaml\ngrpo: {num_prompts_per_step: 8}\n")
     result = run_cli("job", "--from", "nemo-rl", tmp_path / "orphan.yaml")  # the parent's keys are missing, and said so
     assert result.exit_code == 2 and "not a complete nemo-rl config: missing grpo.num_generations_per_prompt" in result.output
+
+
+def verl_release_configs() -> dict[str, set[str]]:
+    """The flattened Megatron trainer config of every verl release at hand: the installed one and the
+    older wheels make downloads (.venv/verl-wheels), read from the wheel's zip."""
+    import zipfile
+
+    from planner.runs.trainers import verl_defaults
+
+    out = {}
+    shipped = verl_defaults()
+    if shipped:
+        out[".".join(shipped[1].split(".")[:2])] = set(verl_config())
+    wheels = Path(__file__).resolve().parents[1] / ".venv" / "verl-wheels"
+    for wheel in sorted(wheels.glob("verl-*.whl")):
+        release = ".".join(wheel.name.split("-")[1].split(".")[:2])
+        with zipfile.ZipFile(wheel) as z:
+            tree = yaml.safe_load(z.read("verl/trainer/config/_generated_ppo_megatron_trainer.yaml"))
+        out[release] = set(config_keys(tree))
+    return out
+
+
+def test_the_verl_export_is_written_for_each_release(plans):
+    """Every key the export writes for a verl release exists in that release's own shipped config;
+    routing replay is refused for 0.6 (none there) and written twice for 0.7, whose default worker
+    reads actor.router_replay while its engine worker reads actor.megatron.router_replay."""
+    from planner.plan import load_plan
+    from planner.runs.trainers import export_plan
+
+    releases = verl_release_configs()
+    if len(releases) < 3:
+        pytest.skip(f"verl configs at hand: {sorted(releases)}; make downloads 0.6.1 and 0.7.1")
+    plan = load_plan(plans[1])
+    for release, known in releases.items():
+        replay = release != "0.6"
+        text, flat = export_plan(plan, "verl", "/ckpt/proxy", routing_replay=replay, version=release)
+        unknown = sorted(k for k in flat if k not in known and not any(k.startswith(o) for o in known if o.endswith(".")))
+        assert not unknown, (release, unknown)
+        assert f"written for verl {release}.x" in text
+        for key in ("tensor_model", "pipeline_model", "expert_model", "context"):  # the reference in the actor's layout, on any release
+            assert flat[f"actor_rollout_ref.ref.megatron.{key}_parallel_size"] == flat[f"actor_rollout_ref.actor.megatron.{key}_parallel_size"]
+        assert ("actor_rollout_ref.actor.router_replay.mode" in flat) == (release == "0.7")
+    refused = run_cli("export", plans[1], "--to", "verl", "--model-path", "/p", "--verl-version", "0.6", "--routing-replay")
+    assert refused.exit_code == 2 and "verl 0.6 has no router replay" in refused.output
+    old = run_cli("export", plans[1], "--to", "verl", "--model-path", "/p", "--verl-version", "0.5.0")
+    assert old.exit_code == 2 and "writes the config of verl 0.6, 0.7, 0.8, 0.9" in old.output

@@ -40,10 +40,12 @@ def _write_or_print(text: str, output: str | None, done: str) -> None:
 @click.argument("plan_path", metavar="PLAN", type=click.Path(exists=True, dir_okay=False))
 @click.option("--to", "trainer", type=click.Choice(["verl", "mindspeed-rl", "nemo-rl"]), required=True)
 @click.option("--model-path", required=True, help="Where the built proxy checkpoint lies on the training cluster.")
-@click.option("--routing-replay", is_flag=True, help="Replay the original's recorded routes (verl R3, NeMo RL router_replay).")
+@click.option("--routing-replay", is_flag=True,
+              help="Turn on the trainer's routing replay (verl R3, NeMo RL router_replay): the proxy run replays its own rollout routes.")
+@click.option("--verl-version", default=None, help="The verl release to write for (0.6-0.9; default: the installed verl's, else 0.9).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write here (default: print).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
-def export(plan_path, trainer, model_path, routing_replay, output, force) -> None:
+def export(plan_path, trainer, model_path, routing_replay, verl_version, output, force) -> None:
     """The config that launches PLAN's proxy run in verl (Hydra overrides), MindSpeed-RL or NeMo RL (YAML)."""
     from planner.files import refuse_existing
     from planner.plan import load_plan
@@ -52,7 +54,7 @@ def export(plan_path, trainer, model_path, routing_replay, output, force) -> Non
     def body():
         if output:
             refuse_existing(output, force)
-        text, _ = export_plan(load_plan(plan_path), trainer, model_path, routing_replay=routing_replay)
+        text, _ = export_plan(load_plan(plan_path), trainer, model_path, routing_replay=routing_replay, version=verl_version)
         _write_or_print(text, output, f"wrote {output}")
 
     run_body(body)

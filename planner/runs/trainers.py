@@ -28,7 +28,7 @@ import yaml
 
 from planner.errors import SpecError
 
-__all__ = ["TRAINERS", "export_plan", "job_from", "flatten", "published_keys"]
+__all__ = ["TRAINERS", "VERL_VERSIONS", "export_plan", "job_from", "flatten", "published_keys", "verl_version", "verl_defaults"]
 
 TRAINERS = ("verl", "mindspeed-rl", "nemo-rl")
 _RECOMPUTE = {"none": None, "selective": "selective", "moe": "selective", "full": "full"}
@@ -49,6 +49,7 @@ class Deployment:
     per_node: int
     model_path: str
     name: str  # the model's name (MindSpeed-RL's model key)
+    device_family: str = "nvidia"  # ascend | nvidia (the accelerator profile's family)
 
     @property
     def nodes(self) -> int:
@@ -69,7 +70,8 @@ def _deployment(plan, model_path: str) -> Deployment:
     accel = load_accelerator(str(d.get("hardware", "ascend-910b2")))
     return Deployment(job=Job.from_dict(d["job"], "plan deployment.job"), train=TrainLayout.from_dict(d["train_layout"]),
                       rollout=RolloutLayout.from_dict(d["rollout_layout"]), cards=int(d["num_cards"]), per_node=accel.devices_per_node,
-                      model_path=model_path, name=Path(str(plan.model)).name.replace("-", "_").replace(".", "_"))  # fmt: skip
+                      model_path=model_path, name=Path(str(plan.model)).name.replace("-", "_").replace(".", "_"),
+                      device_family=accel.family)  # fmt: skip
 
 
 def _mini_batch(j) -> int:
@@ -80,7 +82,23 @@ def _mini_batch(j) -> int:
 
 # ---- the tables: key -> value from a Deployment ------------------------------------------------------
 
-def _verl(d: Deployment, replay: bool) -> dict[str, Any]:
+VERL_VERSIONS = ("0.6", "0.7", "0.8", "0.9")  # the verl releases whose Megatron trainer config the export writes
+
+
+def verl_version(asked: str | None = None) -> str:
+    """The verl release (major.minor) an export is written for: the one asked, else the installed
+    verl's, else the newest supported."""
+    if asked is None:
+        shipped = verl_defaults()
+        asked = shipped[1] if shipped else VERL_VERSIONS[-1]
+    release = ".".join(str(asked).split(".")[:2])
+    if release not in VERL_VERSIONS:
+        raise SpecError(f"verl {asked}: the export writes the config of verl {', '.join(VERL_VERSIONS)}")
+    return release
+
+
+def _verl(d: Deployment, replay: bool, version: str | None = None) -> dict[str, Any]:
+    version = verl_version(version)
     j, t, r = d.job, d.train, d.rollout
     if j.trainer_backend != "megatron":
         raise SpecError("verl export covers its Megatron trainer (ppo_megatron_trainer); this plan's job trains with the transformers backend")
@@ -120,6 +138,11 @@ def _verl(d: Deployment, replay: bool) -> dict[str, Any]:
         "trainer.n_gpus_per_node": d.gpus_per_node,
         "trainer.nnodes": d.nodes,
     }
+    # the reference model in the actor's layout: verl 0.7 and later inherit it, 0.6 defaults its own to 1
+    for key in ("tensor_model", "pipeline_model", "expert_model", "expert_tensor", "context"):
+        out[f"actor_rollout_ref.ref.megatron.{key}_parallel_size"] = out[f"{mega}.{key}_parallel_size"]
+    if d.device_family == "ascend":
+        out["trainer.device"] = "npu"
     # vLLM's cap on the sequences a rank decodes at once (verl's default: 256); a job without a cap gets
     # one that cannot bind, the step's every sequence
     out["actor_rollout_ref.rollout.max_num_seqs"] = j.rollout_max_seqs or j.prompts_per_step * j.samples_per_prompt
@@ -127,7 +150,12 @@ def _verl(d: Deployment, replay: bool) -> dict[str, Any]:
         out[f"{_VERL_OPTIM}.optimizer_cpu_offload"] = True
         out[f"{_VERL_OPTIM}.optimizer_offload_fraction"] = j.optimizer_offload_fraction
     if replay:
+        if version == "0.6":
+            raise SpecError("routing replay: verl 0.6 has no router replay (it came in 0.7); export for --verl-version 0.7 or later")
+        # 0.7's default (legacy) Megatron worker reads actor.router_replay, its engine worker and 0.8+ actor.megatron.router_replay
         out[f"{mega}.router_replay.mode"] = "R3"
+        if version == "0.7":
+            out[f"{actor}.router_replay.mode"] = "R3"
         out["actor_rollout_ref.rollout.enable_rollout_routing_replay"] = True
     return out
 
@@ -247,12 +275,15 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = False) -> tuple[str, dict[str, Any]]:
-    """(file text, dotted keys) that launch the plan's proxy run in `trainer`."""
+def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = False, version: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(file text, dotted keys) that launch the plan's proxy run in `trainer` (verl: for `version`,
+    by default the installed verl's)."""
     if trainer not in _TABLES:
         raise SpecError(f"unknown trainer {trainer!r}; one of {', '.join(TRAINERS)}")
+    if version is not None and trainer != "verl":
+        raise SpecError(f"--verl-version is for --to verl, not {trainer}")
     d = _deployment(plan, model_path)
-    flat = _TABLES[trainer](d, routing_replay)
+    flat = _verl(d, routing_replay, version) if trainer == "verl" else _TABLES[trainer](d, routing_replay)
     pred = (plan.deployment or {}).get("predicted", {})
     head = [f"planner export --to {trainer}: the proxy of {plan.model} keeping {plan.experts} of {plan.original_experts} experts "
             f"({plan.method}) on {d.cards} {plan.deployment.get('device_unit', 'device')}s of {plan.deployment.get('hardware')}",
@@ -263,7 +294,7 @@ def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = F
         head.append("routing replay: the trainer records this proxy run's own routes in the rollout and replays them in training; routes "
                     f"recorded on the original are not used (its expert ids map to the proxy's through {model_path}/expert_map.json)")  # fmt: skip
     if trainer == "verl":
-        lines = [f"# {h}" for h in head]
+        lines = [f"# {h}" for h in head] + [f"# written for verl {verl_version(version)}.x's ppo_megatron_trainer (--verl-version)"]
         if plan_job_skips_old_logprob(plan):
             lines.append("# old log-probs: verl recomputes them (algorithm.rollout_correction.bypass_mode=false, its default) where the plan's "
                          "job skips that pass; planner job --from reads this file back with the pass (bypass_mode=true would use the "

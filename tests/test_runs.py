@@ -222,6 +222,9 @@ def test_detectors_on_constructed_signals():
     assert {f.fault: f.onset for f in detect(steps, logged)}["non-finite"] == 7
     ratio = np.r_[np.full(8, 1.01), np.full(12, 1.2)]  # NeMo's multiplicative error: ideal 1
     assert {f.fault: f.onset for f in detect(steps, {"mismatch_prob_ratio": ratio}, ideal={"mismatch_prob_ratio": 1.0})}["rollout-mismatch"] == 8
+    # NeMo RL's documented line, 1.05: a steady 1.04 is no fault however noisy the start, 1.06 is one at once
+    assert {f.fault: f.onset for f in detect(steps, {"mismatch_prob_ratio": np.full(20, 1.04)})}["rollout-mismatch"] is None
+    assert {f.fault: f.onset for f in detect(steps, {"mismatch_prob_ratio": np.r_[np.full(3, 1.0), np.full(17, 1.06)]})}["rollout-mismatch"] == 3
 
 
 def test_unreadable_runs_are_usage_errors(tmp_path):

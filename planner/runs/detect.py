@@ -10,7 +10,7 @@ thresholds, fixed before any proxy ran and never tuned per model:
 | non-finite | grad_norm, loss, nonfinite | the grad norm or the loss was logged as NaN or infinite (a value missing from a step is not), or the trainer flagged a skipped non-finite update |
 | grad-blowup | grad_norm | after its first 5 finite values, the grad norm exceeds 5 x their median |
 | entropy-collapse | entropy | the entropy falls below 0.2 x its first logged value |
-| rollout-mismatch | mismatch_k3; else mismatch_prob_diff or mismatch_prob_ratio | the k3 KL(rollout ‖ train) per token exceeds 0.01; a mismatch metric without an absolute scale: after its first 5 finite values, its distance from the ideal exceeds 5 x their median |
+| rollout-mismatch | mismatch_k3; else mismatch_prob_ratio; else mismatch_prob_diff | the k3 KL(rollout ‖ train) per token exceeds 0.01; NeMo RL's multiplicative token probability error exceeds 1.05 (its documented line); verl's mean probability difference (no absolute scale): after its first 5 finite values, it exceeds 5 x their median |
 | kl-blowup | kl_ref | after step 5, the KL to the reference jumps above 10 x the median of the 5 steps before it (and above 0.001) |
 | reward-collapse | reward_mean | after the first 5 steps, the 3-step rolling mean falls below its running peak minus half of max(abs(peak), peak - median of the first 5 steps) |
 | router-collapse | collapse_max | the normalised top-k share of some MoE layer exceeds 0.9 (90% of the way from balanced to collapsed) |
@@ -35,6 +35,9 @@ THRESHOLDS = {
     "router-collapse": 0.9,  # normalised top-k share
     "kl-blowup": 10.0,  # x the median of the preceding BASE_STEPS steps
     "mismatch-blowup": 5.0,  # x the median of the first BASE_STEPS steps (mismatch metrics without a scale)
+    # NeMo RL's token_mult_prob_error: "when this metric exceeds 1.05, we consider it indicative of a potential
+    # framework issue" (NeMo RL docs/guides/dtensor-tp-accuracy.md; nemo_rl/algorithms/grpo.py flags > 1.05)
+    "mismatch-ratio": 1.05,
     "reward-collapse": 0.5,  # share of the peak's scale lost
 }
 BASE_STEPS = 5
@@ -165,11 +168,17 @@ def rollout_mismatch(steps: np.ndarray, m: Signals, threshold: float | None = No
         i = _first(v > threshold)
         return _none("rollout-mismatch", "mismatch_k3", rule, threshold) if i is None else \
             _found("rollout-mismatch", steps, v, i, "mismatch_k3", rule, threshold)  # fmt: skip
-    for name in ("mismatch_prob_diff", "mismatch_prob_ratio"):
-        if _has(m, name):
-            v = np.asarray(m[name], dtype=float)
-            dist = np.abs(v - (ideal or {}).get(name, 0.0))
-            return _blowup("rollout-mismatch", steps, v, dist, name, THRESHOLDS["mismatch-blowup"])
+    if _has(m, "mismatch_prob_ratio"):  # NeMo RL's token_mult_prob_error: 1 is a perfect match, it documents 1.05 as the line
+        v = np.asarray(m["mismatch_prob_ratio"], dtype=float)
+        limit = THRESHOLDS["mismatch-ratio"]
+        rule = f"multiplicative token probability error above {limit:g} (NeMo RL's documented line)"
+        i = _first(v > limit)
+        return _none("rollout-mismatch", "mismatch_prob_ratio", rule, limit) if i is None else \
+            _found("rollout-mismatch", steps, v, i, "mismatch_prob_ratio", rule, limit)  # fmt: skip
+    if _has(m, "mismatch_prob_diff"):
+        v = np.asarray(m["mismatch_prob_diff"], dtype=float)
+        dist = np.abs(v - (ideal or {}).get("mismatch_prob_diff", 0.0))
+        return _blowup("rollout-mismatch", steps, v, dist, "mismatch_prob_diff", THRESHOLDS["mismatch-blowup"])
     return _missing("rollout-mismatch", "mismatch_k3, mismatch_prob_diff or mismatch_prob_ratio")
 
 

@@ -184,6 +184,7 @@ def cross_validate(rows: list[dict], schemes: tuple[str, ...] = tuple(SCHEMES), 
         outcomes = [r.get("outcome") for r in rows if r["recipe"] == recipe]
         entry["outcomes"] = {o: outcomes.count(o) for o in sorted({str(o) for o in outcomes})}
         entry["shapes"] = {str(r["family"]): str(r.get("routing_shape") or "") for r in used}
+        entry["spread"] = {f: spread(used, recipe, f) for f in sorted({str(r["family"]) for r in used})}
         entry["controls"] = _controls(rows, recipe)
         report["recipes"][recipe] = entry
     from planner.fidelity.transfer import fit_transfer, load_points
@@ -191,6 +192,33 @@ def cross_validate(rows: list[dict], schemes: tuple[str, ...] = tuple(SCHEMES), 
     points = load_points()
     report["transfer"] = fit_transfer(points) if points else {}
     return report
+
+
+def spread(rows: list[dict], recipe: str, family: str) -> dict[str, float] | None:
+    """Which target varies less from one original to the next: the SD across originals of their own
+    critical knob; and, over the cells of one K and plan rule measured on 3 originals or more, the
+    mean SD across originals of the proxy's absolute knob and of the shift (log2 units). A shift SD
+    below the proxy knob's says the shift cancels the original's own level; above it, that the
+    proxies agree where their originals do not."""
+    from planner.fidelity.labels import knob_scale
+
+    at = [r for r in rows if str(r["family"]) == family and r["recipe"] == recipe]
+    originals = {str(r["original"]): float(r["critical_original"]) for r in at if math.isfinite(r.get("critical_original", math.nan))}
+    if len(originals) < 3:
+        return None
+    scale = knob_scale(recipe)
+    cells: dict[tuple, list[dict]] = {}
+    for r in at:
+        cells.setdefault((r["experts"], str(r["method"]).split("-")[0]), []).append(r)
+    proxy, shift = [], []
+    for members in cells.values():
+        if len({str(r["original"]) for r in members}) >= 3:
+            proxy.append(np.std([r["critical_proxy"] * scale for r in members], ddof=1))
+            shift.append(np.std([r["shift_log2"] for r in members], ddof=1))
+    if not proxy:
+        return None
+    return {"originals": len(originals), "original_knob_sd": float(np.std(np.array(list(originals.values())) * scale, ddof=1)),
+            "proxy_knob_sd": float(np.mean(proxy)), "shift_sd": float(np.mean(shift)), "cells": len(proxy)}  # fmt: skip
 
 
 def _controls(rows: list[dict], recipe: str) -> dict[str, dict[str, int]]:
@@ -314,6 +342,10 @@ def render_report(report: dict[str, Any]) -> str:
                 lines.append(table(["variant", *keys], body))
             lines.append(f"  gate, {family}: {skill_gate(report, recipe, family)['reason']}")
             lines.append(f"  K/E-level P, {family}: {ke_gate(report, recipe, family)['reason']}")
+            sp = entry.get("spread", {}).get(family)
+            if sp:
+                lines.append(f"  across {sp['originals']} originals, {family}: their own knob SD {sp['original_knob_sd']:.3f}; per (K, plan rule), "
+                             f"{sp['cells']} cells: proxy knob SD {sp['proxy_knob_sd']:.3f}, shift SD {sp['shift_sd']:.3f} (log2)")  # fmt: skip
             transfer = report.get("transfer", {}).get(f"{recipe}|{entry.get('shapes', {}).get(family, '')}")
             lines.append(f"  scale transfer, {family}: {_transfer_text(transfer)}")
     return "\n".join(lines)

@@ -36,7 +36,8 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     from planner.fidelity.labels import knob_scale, knob_shift
     from planner.rl.grpo import Models
     from planner.rl.margin import critical_knob
-    from planner.rl.models import ModelRecipe, make_model, scaled_family_config
+    from planner.families import scaled_family_config
+    from planner.rl.models import ModelRecipe, make_model
     from planner.rl.recipes import recipe
     from planner.stats.compute import compute_stats, plan_from_stats
 
@@ -50,7 +51,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     made = time.perf_counter() - start
     ckpt = Checkpoint(original)
     e, top_k = ckpt.arch.original_num_experts, ckpt.arch.moe.top_k
-    k = next(k for k in Grid(families=(family,), kept_fractions=(kept,)).experts(family))
+    k = Grid(families=(family,), kept_fractions=(kept,)).experts(family)[0]
     proxy = work / name / f"K{k}-agglomerative"
     if not (proxy / "expert_map.json").is_file():
         stats = compute_stats(ckpt, experts=[k], methods=("agglomerative",), calib_tokens=grid.calib_tokens, seq_len=64)
@@ -70,7 +71,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
                        "outcome": shift.outcome, "censored": bool(any(margins["original"].censored) or any(margins["proxy"].censored)),
                        "critical_original": margins["original"].mean * knob_scale(recipe_name),
                        "critical_proxy": margins["proxy"].mean * knob_scale(recipe_name), "device": device,
-                       "make_s": round(made, 1), "measure_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
+                       "steps": steps, "make_s": round(made, 1), "measure_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
     return points
 
 
@@ -89,20 +90,24 @@ def main() -> None:
     parser.add_argument("-o", "--output", default=str(ROOT / "calibration" / "transfer.json"))
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from planner.fidelity.grid import Grid
     from planner.fidelity.transfer import TRANSFER_SCHEMA, fit_transfer
     from planner.files import write_text_atomic
     from planner.render import table
+    from planner.families import family_architecture
 
     out = Path(args.output)
     data = json.loads(out.read_text()) if out.is_file() else {"schema": TRANSFER_SCHEMA, "points": []}
-    done = {(p["original"], p["recipe"]) for p in data["points"]}
+    done = {(p["original"], p["recipe"], p["kept_fraction"], p.get("steps")) for p in data["points"]}
     recipes = args.recipes.split(",")
     start = time.perf_counter()
     plan = [(f, int(h), int(layer), int(s)) for f in args.families.split(",") for h in args.hidden.split(",")
             for layer in args.layers.split(",") for s in args.seeds.split(",")]  # fmt: skip
     for n, (family, hidden, layers, seed) in enumerate(plan, 1):
         name = f"{family}-h{hidden}-l{layers}-s{seed}"
-        todo = [r for r in recipes if (name, r) not in done]
+        k = Grid(families=(family,), kept_fractions=(args.kept_fraction,)).experts(family)[0]
+        kept = k / family_architecture(family).original_num_experts  # a point's identity: its model, recipe, K/E and training
+        todo = [r for r in recipes if (name, r, kept, args.steps) not in done]
         if not todo:
             continue
         if args.budget_s is not None and time.perf_counter() - start > args.budget_s:

@@ -180,7 +180,7 @@ def render_comparison(c: ProxyComparison) -> str:
 
 def catalog_listing() -> dict[str, Any]:
     from planner.arch.routing import routing_shape
-    from planner.rl.models import family_of_shape
+    from planner.families import family_of_shape
 
     models = []
     for mid, m in catalog_models().items():

@@ -7,7 +7,7 @@ import pytest
 
 from planner.arch.routing import RoutingShape, routing_shape
 from planner.catalog import catalog_models, load_model
-from planner.rl.models import family_architecture, family_config, family_configs, family_of_shape
+from planner.families import family_architecture, family_config, family_configs, family_of_shape
 
 
 @pytest.mark.parametrize("model", sorted(catalog_models()))

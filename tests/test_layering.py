@@ -58,7 +58,7 @@ def test_suggest_and_preflight_run_without_torch_or_sklearn():
         "import sys\n"
         "from planner.search.suggest import Request, suggest\n"
         "assert suggest(Request(trials=20)).options\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'sklearn', 'scipy', 'matplotlib') if m in sys.modules)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'sklearn', 'scipy', 'matplotlib', 'statsmodels') if m in sys.modules)\n"
         "print(heavy)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

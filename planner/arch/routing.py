@@ -6,7 +6,7 @@ or after top-k, renormalisation of the top-k gates, grouped routing (groups and 
 correction bias that steers selection, the router's own bias, shared experts and their gate (a
 share of every token's output pruning never touches), dense decoder layers, and the routed scaling
 factor. Two models whose shapes are equal prune alike, whatever their width, depth and vocabulary:
-a calibration family is one shape (planner.rl.models makes its small models), and the fidelity
+a calibration family is one shape (planner.families names it, planner.rl.models makes its small models), and the fidelity
 estimator's gate asks whether a target's shape was calibrated.
 
 `mechanism` is the shape without E and top_k: models that route alike but differ in their expert

@@ -74,7 +74,8 @@ def rl() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def make_models(out_dir, families, dense_steps, moe_steps, force, as_json) -> None:
     """Make the small upcycled MoE models deterministically (OUT_DIR/FAMILY)."""
-    from planner.rl.models import ModelRecipe, family_configs, make_model
+    from planner.families import family_configs
+    from planner.rl.models import ModelRecipe, make_model
 
     def body():
         names = [f.strip() for f in families.split(",") if f.strip()]

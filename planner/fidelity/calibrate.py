@@ -89,16 +89,16 @@ def progress(storage: str, grid: Grid, workdir: Path) -> list[dict]:
     seconds of a completed point, and the seconds of work left at that pace (one worker)."""
     import optuna
 
-    from planner.fidelity.grid import _storage, _units, study_name
+    from planner.fidelity.grid import grid_storage, grid_units, study_name
 
     records = json.loads((workdir / "models.json").read_text())
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out = []
     for recipe_name in grid.recipes:
         for phase in ("originals", "proxies"):
-            for base, units in _units(grid, records, recipe_name, phase).items():
+            for base, units in grid_units(grid, records, recipe_name, phase).items():
                 try:
-                    trials = optuna.load_study(study_name=study_name(grid, recipe_name, phase, base), storage=_storage(storage)).get_trials(deepcopy=False)
+                    trials = optuna.load_study(study_name=study_name(grid, recipe_name, phase, base), storage=grid_storage(storage)).get_trials(deepcopy=False)
                 except KeyError:
                     trials = []
                 state = lambda name: [t for t in trials if t.state.name == name]  # noqa: E731
@@ -269,10 +269,11 @@ def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path
     labels = pair_row(recipe_name, original, proxy, experts=plan.experts, top_k=top_k)
     arch = architecture_features(config, plan.experts)
     from planner.arch.routing import routing_shape
-    from planner.rl.models import family_of_shape
+    from planner.families import family_of_shape
 
-    # a pair joins the calibration family of its routing shape, where there is one
-    row = {"family": family_of_shape(routing_shape(original_arch)) or config.get("model_type", "?"), "routing_shape": shape_key(config),
+    # a pair joins the calibration family of its routing shape, where there is one; else a family of
+    # its own shape, named so that it is never taken for a calibration family
+    row = {"family": family_of_shape(routing_shape(original_arch)) or f"added:{shape_key(config)}", "routing_shape": shape_key(config),
            "original": original_ref, "model": str(proxy_dir), "method": plan.method,
            "recipe": recipe_name, "experts": plan.experts, "original_experts": plan.original_experts, "top_k": top_k,
            "source": f"add:{original_dir}|{proxy_dir}"}  # fmt: skip

@@ -1,19 +1,24 @@
 """The fidelity estimator: from a plan's statistics, how far does the proxy move the fault, and
 does it still reproduce it?
 
-Per fault recipe, a sign-constrained ridge model (planner.fidelity.learners, on planner.fidelity.model's
-features) predicts the signed
-shift of the critical knob (planner.fidelity.labels) from a few monotone features: K/E, the routing
-mass dropped, router entropy and load after pruning, log KL(original || proxy) and the MoE-output
-reconstruction error. Its held-out residuals (leave one original out) give the conformal interval of
-the shift and its predictive distribution; P(reproduced) is the share of that distribution within
-the equivalence tolerance. Two baselines are fitted the same way: K/E alone and the recipe's mean.
+Per fault recipe, sign-constrained ridge models (planner.fidelity.learners, on planner.fidelity.model's
+features) predict the signed shift of the critical knob (planner.fidelity.labels): the full model
+from the plan's statistics, and its baselines from K/E (with the routing type for router collapse)
+and the recipe's mean. A calibration family with 3 originals or more has models of its own; the
+others use those fitted on every family. Held-out residuals (leave one original out), widened to the
+original-to-original variance component where that is wider, give the conformal interval of the
+shift and its predictive distribution; P(reproduced) is the share of that distribution within the
+equivalence tolerance, and the measured scale transfer (planner.fidelity.transfer) widens both at
+the target's width and depth.
 
-A skill gate, decided on held-out originals when fitting: a recipe whose full model does not beat
-K/E alone prints no P ("no-skill") and shows the measured shift by K instead. A row outside the
-calibrated range (another expert count, a K/E or statistic never measured) is "uncalibrated", and a
-fault that cannot occur at this K is "not-applicable". The fitted estimator is JSON (never pickle)
-and predicts with numpy alone, so `planner suggest` does not import scikit-learn.
+A target is matched to the family of its routing shape (planner.arch.routing); a shape never
+calibrated is "uncalibrated", as is a recipe not in the data or a statistic outside the family's
+calibrated range. The family's gates, decided on its held-out originals when fitting, choose the
+basis: the plan's statistics where the full model beats K/E on them (planner.fidelity.validate:
+skill_gate), else K/E where that variant's interval is validated (ke_gate), else "no-skill" with
+the measured shift at the nearest K; a fault that cannot occur at this K is "not-applicable". The
+fitted estimator is JSON (never pickle) and predicts with numpy alone, so `planner suggest` imports
+neither scikit-learn nor scipy nor statsmodels.
 """
 
 from __future__ import annotations
@@ -147,8 +152,9 @@ def family_text(family: dict) -> str:
 
 @dataclass
 class FidelityEstimator:
-    """Per recipe: the full shift model, its baselines, the skill gate, the calibrated domain and
-    the measured shift by K/E."""
+    """Per recipe: the shift models fitted on every family and each large family's own, their
+    baselines, the gates per family (plan-level and K/E-level), the calibrated domains, the routing
+    shapes and families calibrated, and the measured shift by family and K/E."""
 
     recipes: dict[str, dict[str, Any]]  # recipe -> {"models": {variant: ShiftModel}, "gate", "domain", "experts", "measured_by_k"}
     info: dict[str, Any]
@@ -298,10 +304,9 @@ class FidelityEstimator:
             shift_low, shift_high = model.predict_interval(x)
             scale = self.scale(row, recipe)
             w = scale.get("halfwidth") or 0.0
-            if w:  # the label may move by up to w at the target's scale: P at both ends of that move
-                ends = [model.p_within(x, self.tolerance, offset=o) for o in (-w, w)]
-                low = np.minimum(low, np.minimum(ends[0][0], ends[1][0]))
-                high = np.maximum(high, np.maximum(ends[0][0], ends[1][0]))
+            if w:  # the label may move by up to w at the target's scale: P over that move (it peaks inside it, not at an end)
+                moved = np.array([model.p_within(x, self.tolerance, offset=o)[0] for o in np.linspace(-w, w, 9)])
+                low, high = np.minimum(low, moved.min(0)), np.maximum(high, moved.max(0))
             out.update(p_reproduced=float(p[0]), interval=[float(low[0]), float(high[0])], shift_log2=float(model.predict(x)[0]),
                        shift_interval=[float(shift_low[0]) - w, float(shift_high[0]) + w])  # fmt: skip
         elif status == "no-skill" and entry is not None and _finite(row.get("kept_fraction")) and entry["measured_by_k"]:

@@ -19,9 +19,14 @@ Phase 1 measures the originals: the critical knob per margin seed (at least 4; t
 noise floor of that original and recipe), bisected to a stated resolution in log2 units, and for
 dynamic recipes a curve run at the critical knob plus a fixed offset with replicas (same prompts,
 other sampling seeds). Phase 2 measures every proxy the same way at its original's knob. Dynamic
-recipes are budgeted: they run on the first `dynamic_originals` originals of each family. A (recipe,
-K) where the fault cannot occur (router collapse at K <= top_k) is not measured. Results live in
-the trials' user attributes; `planner.fidelity.calibrate.export` joins them into the dataset.
+recipes are budgeted: they run on the first `dynamic_originals` originals from `first_original`
+(model seeds first_original .. originals-1: a later grid adds originals to a family measured
+before). A (recipe, K) where the fault cannot occur (router collapse at K <= top_k) is not measured.
+Negative controls (`controls`: mis-sliced routers, built from the clustered plan) are measured like
+any proxy. Results live in the trials' user attributes and, with `results`, in one JSON-lines file
+per study, each point with the fingerprint of the model it was measured on: a fresh storage (another
+checkout, another machine) takes a file's points for the same models instead of measuring them.
+`planner.fidelity.calibrate.export` joins them into the dataset.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from planner.errors import SpecError
 from planner.files import read_json, read_yaml, write_text_atomic
 from planner.rl.margin import DEFAULT_PROBE_STEPS
 
-__all__ = ["Grid", "prepare", "run_phase", "run_workers", "collect", "study_name"]
+__all__ = ["Grid", "prepare", "run_phase", "run_workers", "collect", "study_name", "grid_storage", "grid_units", "results_file", "read_results",
+           "import_results", "mis_slice"]
 
 log = logging.getLogger(__name__)
 # a worker beats every HEARTBEAT_S; a trial whose worker went silent for GRACE_S fails and is re-queued
@@ -90,7 +96,7 @@ class Grid:
 
     def __post_init__(self) -> None:
         from planner.plan import SELECTION_METHODS
-        from planner.rl.models import family_configs
+        from planner.families import family_configs
         from planner.rl.recipes import RECIPES
 
         for name, known in (("families", family_configs()), ("recipes", RECIPES), ("methods", SELECTION_METHODS)):
@@ -160,7 +166,7 @@ class Grid:
         """The K of a family: each kept fraction of E, raised to the smallest K the routing allows
         (K >= top_k, whole groups), below E."""
         from planner.errors import ConfigError
-        from planner.rl.models import family_architecture
+        from planner.families import family_architecture
 
         arch = family_architecture(family)
         e, legal = arch.original_num_experts, []
@@ -304,7 +310,7 @@ def mis_slice(proxy: Path, out: Path) -> None:
     tmp.replace(out)
 
 
-def _storage(url: str):
+def grid_storage(url: str):
     import optuna
 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -321,7 +327,7 @@ def _study(storage: str, grid: Grid, recipe_name: str, phase: str, original: str
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
         study_name=study_name(grid, recipe_name, phase, original),
-        storage=_storage(storage),
+        storage=grid_storage(storage),
         sampler=optuna.samplers.GridSampler({"unit": units}),
         load_if_exists=True,
     )
@@ -331,7 +337,7 @@ def _study(storage: str, grid: Grid, recipe_name: str, phase: str, original: str
     return study
 
 
-def _units(grid: Grid, records: dict[str, dict], recipe_name: str, phase: str) -> dict[str, list[str]]:
+def grid_units(grid: Grid, records: dict[str, dict], recipe_name: str, phase: str) -> dict[str, list[str]]:
     """ORIGINAL/MODEL/RECIPE of every model the phase measures under the recipe (not where the
     fault cannot occur, nor beyond the dynamic budget), by original: one study each."""
     from planner.fidelity.labels import applicable
@@ -394,10 +400,11 @@ def _append_result(path: Path, unit: str, result: dict) -> None:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def read_results(path: Path) -> dict[str, dict]:
-    """A results file's points by unit (the first record of a unit wins; a torn last line, from a
-    worker killed mid-write, is skipped)."""
-    out: dict[str, dict] = {}
+def read_results(path: Path) -> dict[str, list[dict]]:
+    """A results file's points by unit, every record of a unit in the order written (one per model
+    it was measured on: a point measured again on other weights is appended); a torn line, from a
+    worker killed mid-write, is skipped."""
+    out: dict[str, list[dict]] = {}
     if not path.is_file():
         return out
     for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -406,7 +413,7 @@ def read_results(path: Path) -> dict[str, dict]:
         except json.JSONDecodeError:
             log.warning("%s:%d: not a JSON line (a torn write?); skipped", path, number)
             continue
-        out.setdefault(record["unit"], record["result"])
+        out.setdefault(record["unit"], []).append(record["result"])
     return out
 
 
@@ -420,10 +427,12 @@ def import_results(study, units: list[str], path: Path, fingerprint_of=None) -> 
     done = {t.params.get("unit") for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))}
     added, other = 0, []
     distribution = optuna.distributions.CategoricalDistribution(units)
-    for unit, result in read_results(path).items():
+    for unit, results in read_results(path).items():
         if unit in done or unit not in units:
             continue
-        if fingerprint_of is not None and result.get("fingerprint") and result["fingerprint"] != fingerprint_of(unit):
+        here = fingerprint_of(unit) if fingerprint_of is not None else None
+        result = next((r for r in results if here is None or not r.get("fingerprint") or r["fingerprint"] == here), None)
+        if result is None:
             other.append(unit)
             continue
         study.add_trial(optuna.trial.create_trial(params={"unit": unit}, distributions={"unit": distribution}, value=0.0,
@@ -507,7 +516,7 @@ def run_phase(storage: str, grid: Grid, workdir: Path, phase: str, results: Path
     pending = []
     for recipe_name in grid.recipes:
         originals = collect(storage, grid, "originals", recipes=(recipe_name,)) if phase == "proxies" else {}
-        needed = [u for units in _units(grid, records, recipe_name, "originals").values() for u in units]
+        needed = [u for units in grid_units(grid, records, recipe_name, "originals").values() for u in units]
         missing = [u for u in needed if u not in originals] if phase == "proxies" else []
         if missing:
             raise SpecError(f"the originals phase is not complete ({len(missing)} missing, e.g. {missing[0]}); run it first")
@@ -516,7 +525,7 @@ def run_phase(storage: str, grid: Grid, workdir: Path, phase: str, results: Path
             base, model, _ = unit.split("/")
             return _measure(grid, records[f"{base}/{model}"], recipe_name, originals.get(f"{base}/original/{recipe_name}"))
 
-        for base, units in _units(grid, records, recipe_name, phase).items():
+        for base, units in grid_units(grid, records, recipe_name, phase).items():
             pending.append((_study(storage, grid, recipe_name, phase, base, units), units, measure, results))
     while pending:
         pending = [p for p in pending if not _work(*p)]
@@ -542,7 +551,7 @@ def run_workers(storage: str, grid: Grid, grid_path: str | None, workdir: Path, 
         return Checkpoint(records[f"{base}/{model}"]["path"]).fingerprint()
 
     for recipe_name in grid.recipes:
-        for base, units in _units(grid, records, recipe_name, phase).items():
+        for base, units in grid_units(grid, records, recipe_name, phase).items():
             study = _study(storage, grid, recipe_name, phase, base, units)
             if results is not None:
                 added, skipped = import_results(study, units, results_file(results, study), fingerprint_of)
@@ -573,7 +582,7 @@ def collect(storage: str, grid: Grid, phase: str, recipes: tuple[str, ...] | Non
                if grid.measured_on(r, seed)]  # fmt: skip
     for recipe_name, base in studies:
         try:
-            study = optuna.load_study(study_name=study_name(grid, recipe_name, phase, base), storage=_storage(storage))
+            study = optuna.load_study(study_name=study_name(grid, recipe_name, phase, base), storage=grid_storage(storage))
         except KeyError:
             continue
         for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):

@@ -41,8 +41,8 @@ def _variance_components(residuals: np.ndarray, groups) -> tuple[float, float]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # boundary (zero between-group variance) and convergence notes
         fit = MixedLM(residuals, np.ones((len(residuals), 1)), groups=np.asarray(groups)).fit(reml=True)
-    return float(np.sqrt(max(float(fit.cov_re.iloc[0, 0]) if hasattr(fit.cov_re, "iloc") else float(np.asarray(fit.cov_re)[0, 0]), 0.0))), \
-        float(np.sqrt(fit.scale))
+    between = max(float(np.asarray(fit.cov_re)[0, 0]), 0.0)
+    return float(np.sqrt(between)), float(np.sqrt(fit.scale))
 
 
 class ShiftRegressor(RegressorMixin, BaseEstimator):

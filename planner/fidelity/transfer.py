@@ -108,19 +108,20 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
                 "text": f"transfer not measured beyond hidden {BASE_HIDDEN}{why}: {target} is outside the calibrated scale"}  # fmt: skip
     if hidden is None or layers is None:
         return {"halfwidth": None, "measured": True, "text": "target scale unknown"}
-    dh, dl = math.log2(hidden / BASE_HIDDEN), math.log2(layers / BASE_LAYERS)
-    v = np.array([0.0, dh, dl])
+    distance = {"log2_hidden": math.log2(hidden / BASE_HIDDEN), "log2_layers": math.log2(layers / BASE_LAYERS)}
+    inside, far = {}, {}
+    for name, measured, base in (("log2_hidden", entry["hidden"], BASE_HIDDEN), ("log2_layers", entry["layers"], BASE_LAYERS)):
+        d, top = distance[name], math.log2(max(measured) / base)
+        if entry["interval"][name] is None and d != 0:
+            return {"halfwidth": None, "measured": False, "text": f"transfer in {name[5:]} not measured ({target})"}
+        inside[name] = min(d, top)  # the fitted change up to the measured scale ...
+        if d > top:  # ... and beyond it the slope at the far end of its interval
+            lo, hi = entry["interval"][name]
+            far[name] = (d - top) * max(abs(lo), abs(hi))
+    v = np.array([0.0, inside["log2_hidden"], inside["log2_layers"]])
     cov = np.array(entry["cov"])
     change = float(np.dot([entry["coef"]["intercept"], entry["coef"]["log2_hidden"], entry["coef"]["log2_layers"]], v))
     half = float(entry["t"] * math.sqrt(max(v @ cov @ v, 0.0)))
-    far = {}
-    for name, d, measured in (("log2_hidden", dh, entry["hidden"]), ("log2_layers", dl, entry["layers"])):
-        top = math.log2(max(measured) / (BASE_HIDDEN if name == "log2_hidden" else BASE_LAYERS))
-        if entry["interval"][name] is None and abs(d) > 0:
-            return {"halfwidth": None, "measured": False, "text": f"transfer in {name[5:]} not measured ({target})"}
-        if d > top:
-            lo, hi = entry["interval"][name]
-            far[name] = (d - top) * max(abs(lo), abs(hi))  # beyond the data: the slope at the far end of its interval
     halfwidth = abs(change) + half + sum(far.values())
     beyond = f", beyond the measured hidden {max(entry['hidden'])} / {max(entry['layers'])} layers" if far else ""
     return {"halfwidth": halfwidth, "measured": True, "change": change,

@@ -201,15 +201,17 @@ def spread(rows: list[dict], recipe: str, family: str) -> dict[str, float] | Non
     below the proxy knob's says the shift cancels the original's own level; above it, that the
     proxies agree where their originals do not."""
     from planner.fidelity.labels import knob_scale
+    from planner.plan import CONTROL_METHODS
 
-    at = [r for r in rows if str(r["family"]) == family and r["recipe"] == recipe]
+    at = [r for r in rows if str(r["family"]) == family and r["recipe"] == recipe and r.get("method") not in CONTROL_METHODS
+          and r.get("censored") != 1 and all(math.isfinite(r.get(k, math.nan)) for k in ("critical_original", "critical_proxy", "shift_log2"))]  # fmt: skip
     originals = {str(r["original"]): float(r["critical_original"]) for r in at if math.isfinite(r.get("critical_original", math.nan))}
     if len(originals) < 3:
         return None
     scale = knob_scale(recipe)
     cells: dict[tuple, list[dict]] = {}
     for r in at:
-        cells.setdefault((r["experts"], str(r["method"]).split("-")[0]), []).append(r)
+        cells.setdefault((r["experts"], "random" if str(r["method"]).startswith("random-") else str(r["method"])), []).append(r)
     proxy, shift = [], []
     for members in cells.values():
         if len({str(r["original"]) for r in members}) >= 3:
@@ -244,9 +246,8 @@ def skill_gate(report: dict[str, Any], recipe: str, family: str | None = None) -
         return {"skill": False, "reason": f"{label}: too few originals or rows to validate on held-out originals", "family": family}
     full = scores["full"]
     auc_full = full.get("auc", math.nan)
-    skill, figures, differences = True, [], {}
-    if math.isfinite(auc_full) and auc_full < AUC_MIN:
-        skill = False
+    low_auc = math.isfinite(auc_full) and auc_full < AUC_MIN
+    skill, figures, differences = not low_auc, [], {}
     for name, text in (("K/E only", "K/E alone"), ("K/E + routing", "K/E with the routing type")):
         base = scores.get(name)
         if not base:
@@ -260,7 +261,7 @@ def skill_gate(report: dict[str, Any], recipe: str, family: str | None = None) -
                        f"[{low:+.3f}, {high:+.3f}] over {len(full['mae_by_group'])} originals), AUC {_fmt(auc_full)} vs {_fmt(auc_base)}")  # fmt: skip
     ke = scores["K/E only"]
     reason = f"held-out originals (noise floor {full['noise_mae']:.3f}): " + "; ".join(figures)
-    if math.isfinite(auc_full) and auc_full < AUC_MIN:
+    if low_auc:
         reason += f"; AUC below {AUC_MIN}"
     return {"skill": bool(skill), "reason": ("plan-level skill: " if skill else "no plan-level skill: ") + reason, "family": family,
             "originals": len(full["mae_by_group"]), "rows": full["n"], "mae": full["mae"], "mae_ke": ke["mae"],

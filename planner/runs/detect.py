@@ -7,7 +7,7 @@ thresholds, fixed before any proxy ran and never tuned per model:
 | fault | metric | fires at the first step where |
 |---|---|---|
 | fp16-overflow | overflow | an fp16 gradient overflowed (the step was skipped), or the loss scale dropped |
-| non-finite | grad_norm, loss, nonfinite | the grad norm or the loss was logged as NaN or infinite (a value missing from a step is not), or the trainer flagged a skipped non-finite update |
+| non-finite | grad_norm, loss, nonfinite | the grad norm or the loss was logged as NaN or infinite (a step that did not log it is not; a null in verl's file logger or an empty cell in a pandas CSV at a training step is a NaN written that way), or the trainer flagged a skipped non-finite update |
 | grad-blowup | grad_norm | after its first 5 finite values, the grad norm exceeds 5 x their median |
 | entropy-collapse | entropy | the entropy falls below 0.2 x its first logged value |
 | rollout-mismatch | mismatch_k3; else mismatch_prob_ratio; else mismatch_prob_diff | the k3 KL(rollout ‖ train) per token exceeds 0.01; NeMo RL's multiplicative token probability error exceeds 1.05 (its documented line); verl's mean probability difference (no absolute scale): after its first 5 finite values, it exceeds 5 x their median |

@@ -96,12 +96,9 @@ _CONSOLES = (("verl-console", _VERL, " - "), ("mindspeed-console", _MINDSPEED, "
 
 
 def _console(lines: list[str], path: Path, notes: list[str], cut: bool = False) -> tuple[str, list[dict]]:
-    """Console records; `cut`: the file does not end with a newline (a run killed mid-write), so
-    its last line may be a partial record and is dropped."""
+    """Console records; `cut`: the file does not end with a newline (a run killed mid-write), so its
+    last line may be a partial record: dropped where it holds fewer metrics than the one before."""
     records: dict[str, list[dict]] = {kind: [] for kind, _, _ in _CONSOLES}
-    if cut and lines:
-        notes.append(f"{path.name}: its last line has no newline (cut when the run was killed?): dropped")
-        lines = lines[:-1]
     for line in lines:
         for kind, pattern, separator in _CONSOLES:
             if (m := pattern.search(line)) is None:
@@ -114,6 +111,11 @@ def _console(lines: list[str], path: Path, notes: list[str], cut: bool = False) 
             records[kind].append(rec)
             break
     kind = max(records, key=lambda k: len(records[k]))
+    found = records[kind]
+    if cut and len(found) > 1 and len(found[-1]) < len(found[-2]):  # an unterminated last line with fewer keys: cut mid-record
+        notes.append(f"{path.name}: its last line has no newline and fewer metrics than the one before (cut when the run was killed?): "
+                     "dropped")  # fmt: skip
+        found.pop()
     if not records[kind]:
         raise SpecError(f"{path}: no step metrics found: expected verl console lines (`step:N - key:value - ...`) or MindSpeed-RL "
                         f"lines (`iteration: N / M | key : value | ...`); NeMo RL: pass its TensorBoard directory")  # fmt: skip
@@ -158,7 +160,7 @@ def _tensorboard(path: Path) -> list[dict]:
 def _csv(path: Path) -> list[dict]:
     import pandas as pd
 
-    try:  # as text, so that an empty cell (absent) and "nan" (logged) stay apart
+    try:  # as text: an empty cell stays None (read_run takes a training metric's as a NaN pandas wrote that way)
         frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
     except (pd.errors.ParserError, UnicodeDecodeError, pd.errors.EmptyDataError) as exc:
         raise SpecError(f"{path}: not a CSV table ({type(exc).__name__})") from None
@@ -278,9 +280,10 @@ def read_run(path: str | Path) -> Run:
     grouped = raw.groupby("step", sort=True)
     metrics = grouped[[sources[c] for c in sources]].last().rename(columns={v: k for k, v in sources.items()}).astype(float)
     # a value logged as NaN or inf (not merely absent) at a step: the non-finite detector's evidence
+    # (only where the step's kept value is one: a step with a finite record of the metric is finite)
     logged = {}
     for c in sources:
         explicit = {int(r[step_key]) for r in rows if sources[c] in r and (r[sources[c]] is None or not math.isfinite(r[sources[c]]))}
-        logged[c] = np.isin(metrics.index.to_numpy(), sorted(explicit))
+        logged[c] = np.isin(metrics.index.to_numpy(), sorted(explicit)) & ~np.isfinite(metrics[c].to_numpy())
     metrics.index.name = "step"
     return Run(path=path, kind=kind, trainer=trainer, metrics=metrics, sources=sources, logged_nonfinite=logged, info=info, notes=notes)

@@ -21,7 +21,7 @@ __all__ = ["script_overrides", "looks_like_script"]
 
 _ASSIGN = re.compile(r"^(?:export\s+|local\s+|declare\s+(?:-\w+\s+)?)?([A-Za-z_]\w*)=(.*)$", re.S)
 _VAR = re.compile(r"\$(?:\{([A-Za-z_]\w*)(\[@\]|\[\*\])?(?::?-((?:[^{}]|\{[^{}]*\})*))?\}|([A-Za-z_]\w*))")
-_ARITH = re.compile(r"\$\(\((.*?)\)\)")
+_ARITH = re.compile(r"\$\(\(((?:[^()]|\((?:[^()]|\([^()]*\))*\))*)\)\)")  # $(( ... )) with up to two levels of parentheses inside
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv, ast.Div: operator.floordiv,
         ast.Mod: operator.mod}  # fmt: skip
 
@@ -57,7 +57,8 @@ def _expand(text: str, env: dict[str, str], arrays: dict[str, list[str]]) -> str
         raise Unresolved(f"{text.strip()[:60]}: a command substitution $(...) is not run")
 
     def arith(m):
-        inner = re.sub(r"\$?\b([A-Za-z_]\w*)\b", lambda v: _scalar(v.group(1), env, arrays), m.group(1))
+        inner = _VAR.sub(var, m.group(1))  # ${A}, $A inside the arithmetic
+        inner = re.sub(r"\b([A-Za-z_]\w*)\b", lambda v: _scalar(v.group(1), env, arrays), inner)
         return str(_arith(inner))
 
     def var(m):
@@ -105,6 +106,39 @@ def _statements(text: str) -> list[str]:
     return out
 
 
+def _words(line: str) -> list[str]:
+    """The shell words of a command line, unexpanded: split at unquoted blanks outside `$(( ))`,
+    `$( )` and `${ }`, quotes kept (a shell reads `key=$((a + b))` as one word)."""
+    words, word, depth, quote, i = [], "", 0, None, 0
+    while i < len(line):
+        c = line[i]
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "\"'" and depth == 0:
+            quote = c
+        elif line.startswith("$((", i) or line.startswith("$(", i) or line.startswith("${", i):
+            opener = "$((" if line.startswith("$((", i) else line[i : i + 2]
+            word += opener
+            depth += len(opener) - 1
+            i += len(opener)
+            continue
+        elif c in "({" and depth:
+            depth += 1
+        elif c in ")}" and depth:
+            depth -= 1
+        elif c.isspace() and depth == 0:
+            if word:
+                words.append(word)
+            word = ""
+            i += 1
+            continue
+        word += c
+        i += 1
+    if word:
+        words.append(word)
+    return words
+
+
 def _uncommented(line: str) -> str:
     return "" if line.startswith("#") else line.split(" #", 1)[0]
 
@@ -138,7 +172,7 @@ def script_overrides(text: str, command: str = "main_ppo") -> tuple[dict[str, st
     lines = commands[-1:] or [s for s in _statements(text) if "=" in s and not _ASSIGN.match(s)]
     overrides: dict[str, str] = {}
     for line in lines:
-        for raw in re.findall(r"(?:[^\s\"']+|\"[^\"]*\"|'[^']*')+", line):
+        for raw in _words(line):
             key, sep, value = raw.partition("=")
             key = key.lstrip("+~")
             array = re.fullmatch(r'"?\$\{([A-Za-z_]\w*)\[[@*]\]\}"?', raw)
@@ -154,6 +188,8 @@ def script_overrides(text: str, command: str = "main_ppo") -> tuple[dict[str, st
                 continue
             try:
                 words = shlex.split(_expand(value, env, arrays))
+                if any("$" in w for w in words):  # an expansion this reader does not know (it would be a shell's)
+                    raise Unresolved(f"{value}: not expanded")
             except Unresolved as exc:
                 notes.append(f"{key}: {exc}: the trainer's default is used")
                 continue

@@ -89,8 +89,12 @@ def verl_version(asked: str | None = None) -> str:
     """The verl release (major.minor) an export is written for: the one asked, else the installed
     verl's, else the newest supported."""
     if asked is None:
-        shipped = verl_defaults()
-        asked = shipped[1] if shipped else VERL_VERSIONS[-1]
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            asked = version("verl")
+        except PackageNotFoundError:
+            asked = VERL_VERSIONS[-1]
     release = ".".join(str(asked).split(".")[:2])
     if release not in VERL_VERSIONS:
         raise SpecError(f"verl {asked}: the export writes the config of verl {', '.join(VERL_VERSIONS)}")
@@ -476,8 +480,8 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         shipped = verl_defaults()
         if shipped is not None:
             defaults, verl_version = shipped
-            taken = [k for k in _REQUIRED["verl"] + _VERL_DEFAULTED if f.get(k) is None and defaults.get(k) is not None]
-            f = _resolve({**defaults, **{k: v for k, v in f.items() if v is not None}})
+            taken = [k for k in _REQUIRED["verl"] + _VERL_DEFAULTED if k not in f and defaults.get(k) is not None]
+            f = _resolve({**defaults, **f})  # the script's keys win, an explicit null too
             if taken:
                 notes.append(f"from verl {verl_version}'s shipped defaults: " + ", ".join(f"{k.split('.', 1)[-1] if k.startswith('actor_rollout_ref.') else k}="
                                                                                        f"{f.get(k)}" for k in taken))  # fmt: skip
@@ -591,8 +595,11 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
 
 _VERL_MEGA = "actor_rollout_ref.actor.megatron"
 # read with a default of verl's when the script leaves them out (named in the notes)
-_VERL_DEFAULTED = [f"{_VERL_MEGA}.param_offload", f"{_VERL_MEGA}.optimizer_offload", "actor_rollout_ref.actor.use_kl_loss",
-                   "algorithm.rollout_correction.bypass_mode", f"{_VERL_MEGA}.expert_tensor_parallel_size", "actor_rollout_ref.rollout.enforce_eager"]  # fmt: skip
+_VERL_DEFAULTED = ["algorithm.adv_estimator", f"{_VERL_MEGA}.param_offload", f"{_VERL_MEGA}.optimizer_offload", f"{_VERL_MEGA}.dtype",
+                   f"{_VERL_MEGA}.use_distributed_optimizer", f"{_VERL_MEGA}.expert_tensor_parallel_size",
+                   f"{_VERL_MEGA}.override_transformer_config.recompute_granularity", "actor_rollout_ref.actor.use_kl_loss",
+                   "actor_rollout_ref.actor.use_dynamic_bsz", "algorithm.rollout_correction.bypass_mode", "actor_rollout_ref.rollout.enforce_eager",
+                   "actor_rollout_ref.rollout.max_num_seqs"]  # fmt: skip
 _VERL_OPTIM = "actor_rollout_ref.actor.optim.override_optimizer_config"  # verl passes it to Megatron's OptimizerConfig
 _REQUIRED = {  # what job_from reads without a default
     "verl": ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.n",

@@ -89,11 +89,17 @@ def resolve_model_id(ref: str) -> str | None:
     return _lookup_table().get(ref.strip().lower())
 
 
-def _read_json(path: Path) -> dict:
+def _text(path: Path) -> str:
     try:
-        text = path.read_text()
+        return path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})") from None
+
+
+def _read_json(path: Path) -> dict:
+    text = _text(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -155,7 +161,7 @@ def load_accelerator(ref: str) -> Accelerator:
     path = Path(ref).expanduser()
     if path.is_file():
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.safe_load(_text(path))
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if isinstance(data, dict) and isinstance(data.get("accelerators"), dict) and data["accelerators"]:

@@ -15,10 +15,13 @@ __all__ = ["read_text", "read_yaml", "read_json", "refuse_existing", "new_output
 
 
 def read_text(path: Path, what: str, hint: str = "") -> str:
+    """A text file as UTF-8; an unreadable or non-UTF-8 file is a SpecError naming it and the byte."""
     try:
-        return path.read_text()
+        return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise SpecError(f"cannot read {what} {path}: {exc.strerror}{hint}") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path}: not a {what} in UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}){hint}") from None
 
 
 def read_yaml(path: str | Path, what: str, hint: str = "") -> Any:

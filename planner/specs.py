@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
 
 from planner.errors import SpecError
 
@@ -399,13 +398,7 @@ def load_job(path: str | Path | None) -> Job:
     """A job from a YAML file; the default job (DESIGN.md's GRPO reference run) when None."""
     if path is None:
         return Job()
+    from planner.files import read_yaml
+
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise SpecError(f"cannot read job file {p}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{p}: not valid YAML: {exc}") from None
-    return Job.from_dict(data, where=str(p))
+    return Job.from_dict(read_yaml(p, "job file"), where=str(p))

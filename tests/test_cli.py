@@ -328,3 +328,32 @@ def test_storage_and_published_runs_errors_are_one_line(tmp_path):
     job = write_job(tmp_path, prompts_per_step=64)
     runs = run("fit-knobs", "--runs", job)
     assert runs.exit_code == 2 and "not a published-runs file" in runs.output and "fitting" not in runs.output
+
+
+def test_input_that_is_not_utf8_text_or_not_integers_is_a_usage_error(tmp_path):
+    """Bytes that are not UTF-8 in any file a user hands over, and a K list with a word in it: one
+    line naming the file and the byte, exit 2, no traceback."""
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00garbage\x81")
+    latin = tmp_path / "latin1.yaml"
+    latin.write_bytes("prompts_per_step: 512  # caf\xe9\n".encode("latin-1"))
+    for args, what in ((("preflight", binary), "request"), (("suggest", "--budget", "8npu", "--job", latin), "job file"),
+                       (("job", "--from", "verl", latin), "trainer config"), (("cost", binary, "--cards", "8"), ""),
+                       (("cost", "qwen3-30b-a3b", "--hardware", binary, "--cards", "8"), "")):  # fmt: skip
+        result = CliRunner().invoke(main, [str(a) for a in args])
+        assert result.exit_code == 2 and "UTF-8" in result.output and what in result.output, (args, result.output)
+        assert not isinstance(result.exception, UnicodeDecodeError)
+    for experts in ("abc", "64,x"):
+        result = CliRunner().invoke(main, ["demo", "--experts", experts])
+        assert result.exit_code == 2 and "comma-separated integers" in result.output, result.output
+
+
+def test_calibrate_report_and_fit_run_from_any_folder(tmp_path, monkeypatch):
+    """The shipped dataset is found through the package, not the working folder."""
+    monkeypatch.chdir(tmp_path)
+    report = CliRunner().invoke(main, ["calibrate", "report", "--json"])
+    assert report.exit_code == 0 and json.loads(report.stdout)["rows"] > 0, report.output[-300:]
+    fit = CliRunner().invoke(main, ["calibrate", "fit", "-o", str(tmp_path / "est.json")])
+    assert fit.exit_code == 0 and (tmp_path / "est.json").is_file(), fit.output[-300:]
+    missing = CliRunner().invoke(main, ["calibrate", "report", "--dataset", "nope.csv"])
+    assert missing.exit_code == 2 and "nope.csv: no such file" in missing.output

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from planner.cli.common import DEFAULT_HARDWARE, DEFAULT_MODEL, DEMO_EXPERTS, calibrated, emit_json, memory_margin_option, run_body
+from planner.cli.common import DEFAULT_HARDWARE, DEFAULT_MODEL, DEMO_EXPERTS, calibrated, emit_json, memory_margin_option, parse_ints, run_body
 from planner.errors import InfeasibleError, PlannerError, SpecError
 from planner.files import refuse_existing
 
@@ -118,7 +118,7 @@ def demo(model, hardware, job_path, experts, memory_margin, as_json) -> None:
     from planner.summary import compare_proxies, render_comparison
 
     def body():
-        ks = [int(k) for k in str(experts).split(",") if k.strip()]
+        ks = parse_ints(experts)
         comparison = compare_proxies(model, load_accelerator(hardware), load_job(job_path), ks, memory_margin=memory_margin)
         emit_json(comparison.to_json()) if as_json else click.echo(render_comparison(comparison))
 

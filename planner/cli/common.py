@@ -112,4 +112,5 @@ def parse_ints(text: str | None) -> list[int]:
     try:
         return [int(x) for x in str(text).split(",") if x.strip()] if text else []
     except ValueError:
-        raise SpecError(f"expected comma-separated integers, got {text!r}") from None
+        bad = next(x.strip() for x in str(text).split(",") if x.strip() and not x.strip().lstrip("-").isdigit())
+        raise SpecError(f"expected comma-separated integers, got {text!r} ({bad!r} is not one)") from None

@@ -17,8 +17,19 @@ from planner.errors import SpecError
 from planner.files import refuse_existing, write_text_atomic
 from planner.render import label_text, table
 
-DATASET = "calibration/fidelity_dataset.csv"
+DATASET = "calibration/fidelity_dataset.csv"  # shown as the default; the files themselves are the package's
 ESTIMATOR = "calibration/fidelity.json"
+
+
+def packaged(path: str | None, default: str, must_exist: bool = False) -> Path:
+    """`path`; where it is the default, the calibration file the package ships (found through the
+    package, installed or editable, so the commands run from any folder)."""
+    from importlib import resources
+
+    out = Path(str(resources.files("planner._calibration"))) / Path(default).name if path in (None, default) else Path(path)
+    if must_exist and not out.is_file():
+        raise SpecError(f"{out}: no such file")
+    return out
 RECIPE_NAMES = ("fp16-overflow", "rollout-mismatch", "entropy-collapse", "grad-blowup", "router-collapse")
 
 
@@ -228,11 +239,12 @@ def calibrate_run(grid_path, storage, workers, workdir, results, output, merge, 
     from planner.fidelity.grid import Grid
 
     def body():
+        out = packaged(output, DATASET)
         if not merge:
-            refuse_existing(output, force, f" (the grid itself resumes from {storage}; --merge adds a family's rows to it)")
+            refuse_existing(out, force, f" (the grid itself resumes from {storage}; --merge adds a family's rows to it)")
         if workers < 1:
             raise SpecError(f"--workers must be at least 1, got {workers}")
-        run(Grid.load(grid_path), grid_path, storage, Path(workdir), workers, Path(output), say=lambda s: click.echo(s, err=True),
+        run(Grid.load(grid_path), grid_path, storage, Path(workdir), workers, out, say=lambda s: click.echo(s, err=True),
             results=Path(results) if results else None, merge=merge)  # fmt: skip
 
     run_body(body)
@@ -268,7 +280,7 @@ def calibrate_status(grid_path, storage, workdir, as_json) -> None:
 
 
 @calibrate.command("fit")
-@click.option("--dataset", type=click.Path(exists=True, dir_okay=False), default=DATASET, show_default=True)
+@click.option("--dataset", type=click.Path(dir_okay=False), default=DATASET, show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=ESTIMATOR, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing estimator file.")
 def calibrate_fit(dataset, output, force) -> None:
@@ -276,12 +288,13 @@ def calibrate_fit(dataset, output, force) -> None:
     from planner.fidelity.calibrate import fit
 
     def body():
-        refuse_existing(output, force)
-        estimator = fit(Path(dataset), Path(output))
+        output_path = packaged(output, ESTIMATOR)
+        refuse_existing(output_path, force)
+        estimator = fit(packaged(dataset, DATASET, must_exist=True), output_path)
         rows = [[recipe, family, f["originals"], f["rows"], f["routing_shape"], e["gates"][family]["reason"]]
                 for recipe, e in estimator.recipes.items() for family, f in e["families"].items()]  # fmt: skip
         click.echo(table(["recipe", "family", "originals", "rows", "routing shape", "skill gate (held-out originals of the family)"], rows))
-        click.echo(f"wrote {output} ({estimator.info['rows']} rows)")
+        click.echo(f"wrote {output_path} ({estimator.info['rows']} rows)")
 
     run_body(body)
 
@@ -301,20 +314,21 @@ def calibrate_add(original_dir, proxy_dir, plan_path, replica_dir, recipe_name, 
     from planner.fidelity.calibrate import add_pair
 
     def body():
-        row = add_pair(Path(dataset), Path(original_dir), Path(proxy_dir), Path(plan_path), replica_dir=replica_dir and Path(replica_dir),
+        dataset_path = packaged(dataset, DATASET)
+        row = add_pair(dataset_path, Path(original_dir), Path(proxy_dir), Path(plan_path), replica_dir=replica_dir and Path(replica_dir),
                        recipe_name=recipe_name)  # fmt: skip
         if as_json:
             return emit_json(row)
         keys = ("recipe", "experts", "shift_log2", "shift_sd", "outcome", "curve_agreement", "spearman_grad_norm", "onset_original",
                 "onset_proxy", "run_reproduced")
         click.echo(table(list(keys), [[label_text(row.get(k)) for k in keys]]))
-        click.echo(f"added to {dataset}; run `planner calibrate fit` to refit")
+        click.echo(f"added to {dataset_path}; run `planner calibrate fit` to refit")
 
     run_body(body)
 
 
 @calibrate.command("report")
-@click.option("--dataset", type=click.Path(exists=True, dir_okay=False), default=DATASET, show_default=True)
+@click.option("--dataset", type=click.Path(dir_okay=False), default=DATASET, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def calibrate_report(dataset, as_json) -> None:
     """Held-out validation per recipe (leave one original out, leave one family out) against K/E alone and the recipe's mean."""
@@ -322,7 +336,7 @@ def calibrate_report(dataset, as_json) -> None:
     from planner.fidelity.validate import cross_validate, render_report
 
     def body():
-        report = cross_validate(read_dataset(Path(dataset)))
+        report = cross_validate(read_dataset(packaged(dataset, DATASET, must_exist=True)))
         emit_json(report) if as_json else click.echo(render_report(report))
 
     run_body(body)

@@ -192,8 +192,8 @@ def test_a3_device_count_must_be_whole_cards():
 def test_min_cards_json_when_nothing_fits():
     result = CliRunner().invoke(main, ["cost", "deepseek-v3", "--hardware", "h100-sxm", "--min-cards", "--max-cards", "16", "--json"])
     assert result.exit_code == 2
-    data = json.loads(result.output[: result.output.rindex("}") + 1])
-    assert data["feasible"] is False and "does not fit on up to 16 gpus" in data["reasons"][0]
+    data = json.loads(result.stdout)  # one JSON object: the verdict, its error and exit code
+    assert data["feasible"] is False and "does not fit on up to 16 gpus" in data["reasons"][0] and data["exit_code"] == 2
 
 
 def test_ppo_costs_a_critic(tmp_path):
@@ -357,3 +357,12 @@ def test_calibrate_report_and_fit_run_from_any_folder(tmp_path, monkeypatch):
     assert fit.exit_code == 0 and (tmp_path / "est.json").is_file(), fit.output[-300:]
     missing = CliRunner().invoke(main, ["calibrate", "report", "--dataset", "nope.csv"])
     assert missing.exit_code == 2 and "nope.csv: no such file" in missing.output
+
+
+def test_errors_under_json_are_a_json_object_with_the_exit_code():
+    for args in (["suggest", "--budget", "8xpu", "--json"], ["cost", "nosuchmodel", "--cards", "8", "--json"], ["detect", "missing.log", "--json"]):
+        result = CliRunner().invoke(main, args)
+        error = json.loads(result.stdout)
+        assert result.exit_code == 2 and error["exit_code"] == 2 and error["error"], (args, result.output)
+    plain = CliRunner().invoke(main, ["cost", "nosuchmodel", "--cards", "8"])
+    assert plain.exit_code == 2 and plain.stdout == "" and plain.stderr.startswith("error: unknown model")

@@ -71,9 +71,10 @@ def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_
             try:
                 result = min_devices(arch, accel, job, max_devices=max_cards, memory_margin=memory_margin)
             except InfeasibleError as exc:
-                if as_json:
+                if as_json:  # one JSON object: the verdict with its error and exit code
                     emit_json({"feasible": False, "model": arch.name, "experts": arch.moe.num_experts,
-                                "accelerator": accel.id, "reasons": [str(exc)]})
+                               "accelerator": accel.id, "reasons": [str(exc)], "error": str(exc), "exit_code": exc.exit_code})
+                    sys.exit(exc.exit_code)
                 raise
         else:
             result = evaluate(arch, accel, job, cards, memory_margin=memory_margin)

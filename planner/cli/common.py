@@ -50,19 +50,29 @@ def _terminated(signum, frame):
     raise Terminated()
 
 
+def _fail(message: str, code: int) -> None:
+    """An error's message and exit: under --json a JSON object on stdout (the message and the exit
+    code), else one line on stderr."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.params.get("as_json"):
+        click.echo(json.dumps({"error": message, "exit_code": code}))
+    else:
+        click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
 def run_body(fn):
-    """Run a command body; planner errors print their message and exit with their code. Ctrl-C and
-    SIGTERM unwind the body (outputs in progress are removed) and exit with 128 + the signal."""
+    """Run a command body; planner errors print their message and exit with their code (a JSON object
+    on stdout under --json). Ctrl-C and SIGTERM unwind the body (outputs in progress are removed) and
+    exit with 128 + the signal."""
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return fn()
     except PlannerError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(exc.exit_code)
+        _fail(str(exc), exc.exit_code)
     except OSError as exc:  # an unwritable output, a parent that is a file, a full disk: the OS's words and the path
         where = f"{exc.filename}: " if exc.filename else ""
-        click.echo(f"error: {where}{exc.strerror or exc}", err=True)
-        sys.exit(2)
+        _fail(f"{where}{exc.strerror or exc}", 2)
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
         note = getattr(exc, "note", "") or "nothing half-written was kept; run the command again"

@@ -56,7 +56,7 @@ SETTING_KEYS = ("precision", "max_prompt_tokens", "max_response_tokens", "top_k"
 @dataclass(frozen=True)
 class Check:
     name: str
-    status: str  # PASS | WARN | FAIL
+    status: str  # PASS | WARN | FAIL | SKIP (not checked: a check it needs failed)
     reason: str
 
     def to_json(self) -> dict[str, str]:
@@ -520,8 +520,8 @@ def preflight(path: str | Path) -> list[Check]:
     failed: set[str] = set()
     for name, fn, needs in CHECKS:
         blocked = [n for n in needs if n in failed]
-        if blocked:
-            results.append(Check(name, "FAIL", f"not checked: {', '.join(blocked)} failed"))
+        if blocked:  # not a failure of its own: counted as not checked, and what needs it is not checked either
+            results.append(Check(name, "SKIP", f"not checked: {', '.join(blocked)} failed"))
             failed.add(name)
             continue
         try:
@@ -541,13 +541,13 @@ def preflight(path: str | Path) -> list[Check]:
 def render_preflight(checks: list[Check], path: str) -> str:
     from planner.render import table
 
-    fails = sum(c.status == "FAIL" for c in checks)
-    warns = sum(c.status == "WARN" for c in checks)
-    verdict = "FAIL" if fails else ("PASS with warnings" if warns else "PASS")
+    count = {status: sum(c.status == status for c in checks) for status in ("PASS", "WARN", "FAIL", "SKIP")}
+    verdict = "FAIL" if count["FAIL"] else ("PASS with warnings" if count["WARN"] else "PASS")
     body = table(["check", "status", "reason"], [[c.name, c.status, c.reason] for c in checks], title=f"pre-flight {path}")
     from planner.search.output import calibration_line
 
-    return f"{body}\n\n{verdict}: {fails} failed, {warns} warned, {len(checks) - fails - warns} passed\n{calibration_line()}"
+    skipped = f", {count['SKIP']} not checked" if count["SKIP"] else ""
+    return f"{body}\n\n{verdict}: {count['FAIL']} failed, {count['WARN']} warned, {count['PASS']} passed{skipped}\n{calibration_line()}"
 
 
 def preflight_json(checks: list[Check]) -> dict[str, Any]:

@@ -225,4 +225,6 @@ def test_the_failing_runs_log_fills_and_cross_checks_the_fault(suggested, tmp_pa
     _verl_log(tmp_path / "healthy.log", [1.2, 1.1, 1.2, 1.15, 1.1, 1.12, 1.1, 1.05])
     code, checks = verdict(write(tmp_path, base_request(fault={"settings": dict(GOOD_SETTINGS), "metrics": "healthy.log"}), plan))
     assert code == 1 and checks["fault type"]["status"] == "FAIL" and "none found" in checks["fault type"]["reason"]
-    assert checks["fidelity"]["reason"] == "not checked: fault type failed"
+    assert checks["fidelity"] == {"check": "fidelity", "status": "SKIP", "reason": "not checked: fault type failed"}
+    text = run_cli("preflight", tmp_path / "request.yaml").output  # one check failed; the two that need it were not checked
+    assert "FAIL: 1 failed" in text and "2 not checked" in text

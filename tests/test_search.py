@@ -47,7 +47,7 @@ CASES = [
     Request(model="qwen3-30b-a3b", hardware="ascend-910b2", budget="8npu", fault="grad-overflow"),
     Request(model="glm-4.5-air", hardware="h20", budget="16gpu", fault="entropy-collapse"),
     Request(model="mixtral-8x7b", hardware="h100-sxm", budget="8gpu", fault="grad-overflow", min_k_ratio=2.0),
-    Request(model="deepseek-v3", hardware="atlas-a3", budget="128npu", fault="grad-overflow", trials=200),  # NSGA-II: 396 points
+    Request(model="deepseek-v3", hardware="atlas-a3", budget="128npu", fault="grad-overflow", trials=200),  # 528 points: enumerated
 ]
 
 
@@ -229,3 +229,14 @@ def test_reductions_against_the_baseline_the_user_names(tmp_path):
     assert default["original"]["baseline"] == "default" and default["plans"][0]["reduction"]["by_mechanism"]["smaller_job"] == 1.0
     bad = run_cli("suggest", "--budget", "8npu", "--baseline-cards", "3")
     assert bad.exit_code == 2 and "--baseline-cards 3: the original does not fit there" in bad.output
+
+
+def test_an_hours_budget_finds_what_a_device_budget_finds_and_a_larger_budget_is_never_worse():
+    """The space is enumerated where it is small: `--budget 59npu-h` finds the plan `--budget 8npu`
+    finds (2.93 NPU-h a step, 58.6 for 20 steps), where 300 NSGA-II trials once missed it."""
+    by_devices = suggest(Request(budget="8npu")).best
+    hours = {b: suggest(Request(budget=b)) for b in ("59npu-h", "80npu-h", "200npu-h")}
+    assert all(s.enumerated and s.trials == s.space_points for s in hours.values())
+    assert hours["59npu-h"].best.hours == pytest.approx(by_devices.hours, rel=1e-12)
+    best = [hours[b].best.hours for b in ("59npu-h", "80npu-h", "200npu-h")]
+    assert best == sorted(best, reverse=True)  # more budget: never a dearer answer

@@ -102,7 +102,9 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
                   o.cost.num_devices, f"{o.cost.device_hours_per_step:,.2f}", fidelity_text(o.fidelity)] for o in s.pareto]  # fmt: skip
         lines.append(table(["K", "method", unit + "s", f"{unit}-h/step", "fidelity"], front, title="Pareto set: cost vs predicted fidelity"))
     lines.append("")
-    lines.append(f"{s.trials} trials, {len(s.options)} distinct points evaluated, {s.seconds:.1f} s"
+    how = (f"the whole space of {s.space_points} points enumerated" if s.enumerated
+           else f"NSGA-II over a space of {s.space_points} points, too large to enumerate")  # fmt: skip
+    lines.append(f"{s.trials} trials, {len(s.options)} distinct points evaluated ({how}), {s.seconds:.1f} s"
                  + (f"; the best first appeared at trial {s.best_trial}" if s.best_trial is not None else ""))  # fmt: skip
     lines.append(calibration_line())
     return "\n".join(lines)
@@ -130,6 +132,7 @@ def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
         "fault_relevant_factors": s.factors,
         "device_counts": s.device_counts,
         "trials": s.trials,
+        "search": {"space_points": s.space_points, "enumerated": s.enumerated},
         "evaluated_points": len(s.options),
         "best_trial": s.best_trial,
         "seconds": s.seconds,

@@ -9,8 +9,9 @@ are enumerated exactly by the vectorised cost model (planner.cost), which return
 
 Optuna searches the space (two objectives: accelerator-hours per step down, predicted fidelity up;
 constraints: memory fits, within budget, fidelity at or above the threshold), seeded, in memory or
-on RDB storage shared by several processes: NSGA-II, or when the trials cover the whole space a
-brute-force sampler that visits each point once (the result is then exhaustive enumeration's). Every evaluated point is kept; the
+on RDB storage shared by several processes: a sampler that visits each point once, in a seeded order,
+where the space has at most ENUMERATE_UP_TO points or the trials cover it (the result is then
+exhaustive enumeration's), else NSGA-II. Every evaluated point is kept; the
 Pareto set (cost vs fidelity) is computed from them. `enumerate_all` evaluates the whole space, the
 reference the search is checked against.
 
@@ -62,7 +63,8 @@ FAULTS = {
 }
 OFFLOADS = {"none": Offload(params=False, grads=False, optimizer=False), "optimizer": Offload(params=False, grads=False, optimizer=True),
             "all": Offload(params=True, grads=True, optimizer=True)}  # fmt: skip
-RECOMPUTES = ("none", "selective", "full")
+ENUMERATE_UP_TO = 2000  # a space of at most this many points is enumerated (each point once), whatever --trials says
+RECOMPUTES = ("none", "selective", "moe", "full")  # every mode the cost model prices (moe: MindSpeed moe_zero_memory, Megatron recompute_modules moe)
 DEFAULT_METHOD = "agglomerative"
 
 
@@ -247,6 +249,8 @@ class Suggestion:
     factors: list[str]  # fault-relevant factors a proxy keeps
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)  # the request cannot show the fault as asked
+    space_points: int = 0  # the points of the search space
+    enumerated: bool = False  # every point was visited (else NSGA-II sampled the space)
 
     @property
     def best(self) -> Option | None:
@@ -417,6 +421,10 @@ class Suggester:
     def space_size(self) -> int:
         return len(self.experts) * len(self.methods) * len(self.devices) * len(RECOMPUTES) * len(OFFLOADS)
 
+    def enumerates(self) -> bool:
+        """Does the search visit every point of the space (else NSGA-II samples it)?"""
+        return self.space_size() <= max(self.request.trials, ENUMERATE_UP_TO)
+
     def enumerate_all(self) -> list[Option]:
         return [self.option(k, m, d, r, o) for k in self.experts for m in self.methods for d in self.devices for r in RECOMPUTES for o in OFFLOADS]
 
@@ -433,7 +441,9 @@ class Suggester:
         space = {"experts": self.experts, "method": self.methods, "devices": self.devices, "recompute": list(RECOMPUTES),
                  "offload": list(OFFLOADS)}  # fmt: skip
         names = tuple(space)
-        brute = self.space_size() <= req.trials  # the trials cover the space: visit every point once, in a seeded order
+        # a space small enough (or trials enough) to visit every point once, in a seeded order: the result is
+        # enumeration's; NSGA-II only for a space too large to enumerate
+        brute = self.enumerates()
         if brute:
             from planner.search.space import SpaceSampler
 
@@ -612,7 +622,7 @@ def suggest(request: Request, *, progress: Callable[[int, int], None] | None = N
     best_trial = first_seen[(best.experts, best.method, best.cost.num_devices, best.recompute, best.offload)] if best else None
     return Suggestion(
         request=request, accelerator=s.accel, budget=s.budget, recipe=s.recipe, baseline=s.baseline(), options=options, ranked=ranked,
-        pareto=_pareto(options), trials=trials, device_counts=s.devices, best_trial=best_trial,
+        pareto=_pareto(options), trials=trials, space_points=s.space_size(), enumerated=s.enumerates(), device_counts=s.devices, best_trial=best_trial,
         diagnosis=[] if ranked else _diagnose(s, options), fidelity_source="stats" if request.stats else "prior", factors=s.factors,
         seconds=time.perf_counter() - start, warnings=s.warnings,
     )  # fmt: skip

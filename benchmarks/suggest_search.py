@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.render import table  # noqa: E402
-from planner.search.suggest import Option, Request, Suggester, suggest  # noqa: E402
+from planner.search.suggest import Option, Request, Suggester, proposable, suggest  # noqa: E402
 
 CASES = [
     Request(model="qwen3-30b-a3b", hardware="ascend-910b2", budget="8npu", fault="grad-overflow"),
@@ -46,7 +46,8 @@ def main() -> int:
         start = time.perf_counter()
         space = Suggester(req)
         everything = space.enumerate_all()
-        exhaustive = min((o for o in everything if o.acceptable(req.min_fidelity)), key=Option.rank_key, default=None)
+        baseline = space.baseline()
+        exhaustive = min((o for o in everything if proposable(o, baseline, req.min_fidelity)), key=Option.rank_key, default=None)
         t_enum = time.perf_counter() - start
         result = suggest(req)
         match = same(result.best, exhaustive)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from planner.errors import SpecError
+from planner.units import plural
 
 __all__ = ["CheckReport", "run_check", "label_logs", "render_check"]
 
@@ -235,7 +236,7 @@ def render_check(r: CheckReport) -> str:
         rows.append(["predicted / measured", f"{r.memory_ratio:.3f}"])
         lines.append(table(["harness memory (one device)", "bytes"], rows))
         lines.append("")
-        lines.append(f"step time on {r.device}: {r.step_time_s:.3f} s (median of {max(r.steps - 2, 1)} steps), {1 / r.step_time_s:.2f} steps/s")
+        lines.append(f"step time on {r.device}: {r.step_time_s:.3f} s (median of {plural(max(r.steps - 2, 1), 'step')}), {1 / r.step_time_s:.2f} steps/s")
     if r.cluster:
         c = r.cluster
         lines.append(f"the plan's target cluster (predicted): {human_bytes(c.get('memory_per_card_bytes', 0))} per card, "

@@ -164,6 +164,16 @@ def figure_pareto(r: Report, path: Path) -> None:
         ax.set_ylabel("calibrated P(fault reproduced)")
         ax.set_ylim(-0.02, 1.05)
         ax.set_title(f"Cost against calibrated fidelity within {s.request.budget}")
+    elif not pts:  # nothing to place: say so, and why, instead of an empty pair of axes
+        import textwrap
+
+        why = s.diagnosis[0] if s.diagnosis else "no evaluated point fits in memory within the budget"
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "Nothing fits within the budget " + s.budget.describe(s.accelerator) + ":\n" + textwrap.fill(why, 80),
+                ha="center", va="center", fontsize=9, transform=ax.transAxes)  # fmt: skip
+        ax.set_title(f"No point to draw within {s.request.budget}")
+        _save(plt, fig, path)
+        return
     else:
         statuses = sorted({o.fidelity["status"] for o in pts if o.fidelity["status"] != "original"})
         ax.scatter([o.hours for o in pts], [o.experts for o in pts], s=14, color="#8C8C8C", alpha=0.6, label="evaluated, fits the budget")
@@ -221,7 +231,11 @@ def _markdown(r: Report) -> str:
     for name, why in r.skipped.items():
         lines.append(f"| {name} | does not fit: {why} | | | | | | | |")
     lines += ["", "![memory](figures/memory.png)", "", "![phases](figures/phases.png)", "", "![scaling](figures/scaling.png)", ""]
-    lines += ["## The cheapest proxy within the budget", "", "```", render_suggestion(s), "```", "", "![pareto](figures/pareto.png)", ""]
+    lines += ["## The cheapest proxy within the budget", ""]
+    if s.best is None:
+        lines += [f"No proxy clears every constraint within {s.budget.describe(s.accelerator)}: "
+                  + (s.diagnosis[0] if s.diagnosis else "nothing fits") + ". The search's account follows.", ""]  # fmt: skip
+    lines += ["```", render_suggestion(s), "```", "", "![pareto](figures/pareto.png)", ""]
     lines += ["## Inputs and versions", "", "```"]
     lines.append(json.dumps({"model": req.model, "hardware": req.hardware, "budget": req.budget, "fault": req.fault, "job": req.job.to_dict(),
                              "min_fidelity": req.min_fidelity, "trials": req.trials, "seed": req.seed, "steps": req.steps,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GIB", "gib", "human_bytes"]
+__all__ = ["GIB", "gib", "human_bytes", "plural"]
 
 GIB = 1024**3
 
@@ -18,3 +18,8 @@ def human_bytes(n_bytes: float) -> str:
         if abs(n_bytes) >= size:
             return f"{n_bytes / size:,.2f} {unit}"
     return f"{n_bytes:,.0f} B"
+
+
+def plural(n: float, word: str) -> str:
+    """'1 npu', '8 npus', '1 step': a count with its noun."""
+    return f"{n:,g} {word}" + ("" if n == 1 else "s")

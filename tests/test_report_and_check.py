@@ -45,7 +45,13 @@ def test_report_writes_markdown_html_and_figures(tmp_path):
     assert not (tmp_path / "report.tmp").exists()
     none = run_cli("report", "--budget", "1npu", "--trials", "20", "-o", tmp_path / "none")
     assert none.exit_code == 1 and "no proxy clears every constraint" in none.output  # as suggest, though the report is written
-    assert "smallest budget that would do" in (tmp_path / "none" / "report.md").read_text()
+    md = (tmp_path / "none" / "report.md").read_text()
+    assert "smallest budget that would do" in md and "No proxy clears every constraint within 1 npu: " in md
+    assert png_size(tmp_path / "none" / "figures" / "pareto.png") == FIGURE_SIZE_PX  # drawn, saying that nothing fits
+    as_json = run_cli("report", "--budget", "8npu", "--trials", "60", "-o", tmp_path / "json", "--json")
+    assert as_json.exit_code == 0, as_json.output
+    data = json.loads(as_json.stdout)
+    assert data["suggestion"]["plans"] and str(tmp_path / "json" / "report.md") in data["files"]
 
 
 @pytest.mark.slow

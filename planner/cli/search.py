@@ -157,17 +157,25 @@ def check(plan_path, checkpoint, reference, proxy_metrics, replica, device, step
 @calibration_options
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Report directory (report.md, report.html, figures/).")
 @click.option("--force", is_flag=True, help="Replace an existing report directory (only a report directory).")
-def report(output, force, knobs_file, estimator_file, **search) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print report.json (with the files written) instead of the summary line.")
+def report(output, force, as_json, knobs_file, estimator_file, **search) -> None:
     """A capacity-planning report: Markdown and HTML with PNG figures (the search is `suggest`'s)."""
+    import json
+
     from planner.report import build_report, check_report_dir, write_report
 
     def body():
         check_report_dir(output, force)
-        result = build_report(_request(**search), progress=lambda s: click.echo(s, err=True))
+        result = build_report(_request(**search), progress=(lambda s: None) if as_json else (lambda s: click.echo(s, err=True)))
         out = write_report(result, output, force=force)
-        click.echo(f"wrote {out}/report.md, {out}/report.html and {len(list((out / 'figures').glob('*.png')))} figures")
+        files = sorted(str(f) for f in out.rglob("*") if f.is_file())
+        if as_json:
+            emit_json({**json.loads((out / "report.json").read_text()), "files": files})
+        else:
+            click.echo(f"wrote {out}/report.md, {out}/report.html and {len(list((out / 'figures').glob('*.png')))} figures")
         if not result.suggestion.best:  # as suggest: the report says why, and the exit code says it too
-            click.echo("no proxy clears every constraint within the budget; report.md says why and the smallest budget that would do", err=True)
+            if not as_json:
+                click.echo("no proxy clears every constraint within the budget; report.md says why and the smallest budget that would do", err=True)
             raise SystemExit(1)
 
     run_body(lambda: calibrated(knobs_file, estimator_file, body))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from planner.cost.hardware import Accelerator
 from planner.errors import SpecError
+from planner.units import plural
 
 __all__ = ["Budget", "parse_budget", "MAX_DEVICES"]
 
@@ -38,13 +39,15 @@ class Budget:
     def describe(self, accel: Accelerator) -> str:
         if self.device_hours is not None:
             return f"{self.device_hours:g} {accel.device_unit}-hours"
-        cards = f" ({self.max_devices // accel.devices_per_card} cards)" if accel.devices_per_card > 1 else ""
+        cards = f" ({plural(self.max_devices // accel.devices_per_card, 'card')})" if accel.devices_per_card > 1 else ""
         nodes = f" on {self.nodes} nodes" if self.nodes else ""
-        return f"{self.max_devices} {accel.device_unit}s{cards}{nodes}"
+        return f"{plural(self.max_devices, accel.device_unit)}{cards}{nodes}"
 
 
 def parse_budget(text: str, accel: Accelerator) -> Budget:
     m = _PATTERN.match(str(text))
+    if not m and str(text).startswith("-") and _PATTERN.match(str(text)[1:]):
+        raise SpecError(f"--budget {text!r}: a budget is a positive amount (a device count is a positive integer, hours are positive)")
     if not m:
         raise SpecError(f"--budget {text!r}: expected e.g. 8npu, 16gpu, 2x8npu, 64card or 40npu-h")
     nodes, amount, kind, hours = m.group(1), float(m.group(2)), m.group(3).lower(), m.group(4)

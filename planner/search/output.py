@@ -42,10 +42,17 @@ def _row(o: Option, baseline) -> list[Any]:
         f"{gib(peak, suffix=False)} ({gib(c.usable_bytes_per_device - peak, suffix=False)})",
         f"{c.step_time_s:,.0f}",
         f"{c.device_hours_per_step:,.2f}",
-        f"{r['cards']:.1f}x" if r["cards"] else "-",
-        f"{r['accelerator_hours']:.2f}x" if r["accelerator_hours"] else "-",
+        _times(r["cards"], 1),
+        _times(r["accelerator_hours"], 2),
         fidelity_text(o.fidelity),
     ]
+
+
+def _times(ratio: float | None, digits: int) -> str:
+    """A reduction as the table shows it: '4.0x' fewer, or '2.0x more' where the point needs more."""
+    if not ratio:
+        return "-"
+    return f"{ratio:.{digits}f}x" if ratio >= 1 else f"{1 / ratio:.{digits}f}x more"
 
 
 def _settings(c) -> str:
@@ -75,7 +82,10 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
                f"{unit}-h/step", f"fewer {unit}s", "fewer hours", "fidelity: P(reproduced) [interval] or status"]  # fmt: skip
     if s.ranked:
         lines.append("")
-        lines.append(table(headers, [_row(o, s.baseline) for o in s.ranked[:top]], title="cheapest proxies that clear the threshold"))
+        shown = s.ranked[:top]
+        title = ("cheapest proxies that clear the threshold" if any(o.p_reproduced is not None for o in shown)
+                 else "cheapest proxies that pass the hard rules (none has a calibrated P)")  # fmt: skip
+        lines.append(table(headers, [_row(o, s.baseline) for o in shown], title=title))
         best = s.best
         lines.append("")
         f = best.fidelity
@@ -94,9 +104,9 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
         lines.extend(f"note: {n}" for n in best.cost.notes)
     else:
         lines.append("")
-        lines.append("no proxy clears every constraint:")
+        lines.append("no proxy clears every constraint (no plan is written):")
         lines.extend(f"  - {d}" for d in s.diagnosis)
-    if s.pareto:
+    if any(o.experts != o.cost.original_experts for o in s.pareto):  # a front of the original alone says nothing
         lines.append("")
         front = [["original" if o.experts == o.cost.original_experts else o.experts, o.method if o.experts != o.cost.original_experts else "-",
                   o.cost.num_devices, f"{o.cost.device_hours_per_step:,.2f}", fidelity_text(o.fidelity)] for o in s.pareto]  # fmt: skip

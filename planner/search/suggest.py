@@ -46,8 +46,9 @@ from planner.search.budget import Budget, parse_budget
 from planner.specs import Job, Offload
 from planner.plan import BAD_METHODS
 from planner.stats.store import plan_statistics, stale_note
+from planner.units import plural
 
-__all__ = ["FAULTS", "OFFLOADS", "RECOMPUTES", "Request", "Option", "Suggestion", "Suggester", "suggest", "fault_conflicts"]
+__all__ = ["FAULTS", "OFFLOADS", "RECOMPUTES", "Request", "Option", "Suggestion", "Suggester", "suggest", "proposable", "saves", "reduction", "fault_conflicts"]
 
 # user-facing fault names -> the calibration recipe that provokes them
 FAULTS = {
@@ -213,22 +214,26 @@ def reduction(c: CostResult, baseline: Baseline | None) -> dict[str, Any]:
     hours = base.device_hours_per_step / c.device_hours_per_step
     devices = base.num_devices / c.num_devices
     job = baseline.job_factor
+    step = hours / (devices * (job or 1.0))  # = the baseline's step with the proxies' job over this step
     return {"cards": baseline.minimum.num_devices / c.num_devices, "accelerator_hours": hours,
-            "by_mechanism": {"fewer_devices": devices, "smaller_job": job, "step_time": hours / (devices * (job or 1.0))}}  # fmt: skip
+            "by_mechanism": {"fewer_devices": devices, "smaller_job": job, "step_time": step, "step_s": c.step_time_s,
+                             "baseline_step_s": c.step_time_s * step}}  # fmt: skip
 
 
 def mechanism_text(r: dict[str, Any], unit: str) -> str | None:
-    """'12.0x fewer npu-hours per step = 4.0x fewer npus x 2.0x smaller job x 1.50x step time'."""
+    """'12.0x fewer npu-hours per step = 4.0x (fewer npus) x 2.0x (smaller job) x 1.50 (step: 300 s
+    against 450 s)': the step factor names the two step times it compares, so it reads against the table."""
     m = r.get("by_mechanism")
     if not m:
         return None
     job = f" x {m['smaller_job']:.2f} (smaller job)" if m["smaller_job"] not in (None, 1.0) else ""
-    why = "fewer experts, this layout" if m["smaller_job"] is not None else \
-          "the smaller job, fewer experts and this layout together: the proxies' job does not fit the baseline's devices"  # fmt: skip
     step = m["step_time"]
-    longer = f"a {1 / step:.2f}x longer step" if step < 1 else f"a {step:.2f}x shorter step"
-    return (f"{r['accelerator_hours']:.2f}x fewer {unit}-hours per step = {m['fewer_devices']:.2f} (fewer {unit}s){job} x {step:.2f} "
-            f"({longer}: {why})")  # fmt: skip
+    if m["smaller_job"] is None:
+        why = "the smaller job, fewer experts and this layout together: the proxies' job does not fit the baseline's devices"
+    else:
+        against = "the original's step with this job on its devices" if m["smaller_job"] != 1.0 else "the original's step"
+        why = f"this step {m['step_s']:,.0f} s against {against}, {m['baseline_step_s']:,.0f} s: fewer experts, this layout"
+    return f"{r['accelerator_hours']:.2f}x fewer {unit}-hours per step = {m['fewer_devices']:.2f} (fewer {unit}s){job} x {step:.2f} ({why})"
 
 
 @dataclass
@@ -518,8 +523,10 @@ class Suggester:
             return None
         all_counts = candidate_device_counts(self.accel, min(self.request.max_devices, 4 * minimum.num_devices))
         counts = [n for n in all_counts if n >= minimum.num_devices]
-        counts = sorted(set(counts[:3]) | {counts[round(i * (len(counts) - 1) / 7)] for i in range(8)})  # the first three, then spread
-        fitting = [c for n in counts for r in RECOMPUTES for o in OFFLOADS if (c := self.cost(e, n, r, o)).feasible]
+        counts = set(counts[:3]) | {counts[round(i * (len(counts) - 1) / 7)] for i in range(8)}  # the first three, then spread
+        # and every count the search visits: no original the search evaluates is cheaper than the baseline
+        counts |= {n for n in self.devices if n >= minimum.num_devices}
+        fitting = [c for n in sorted(counts) for r in RECOMPUTES for o in OFFLOADS if (c := self.cost(e, n, r, o)).feasible]
         return Baseline(minimum, min(fitting + [minimum], key=lambda c: c.device_hours_per_step))
 
 
@@ -547,7 +554,9 @@ class Suggester:
 
 
 def _pareto(options: list[Option]) -> list[Option]:
-    pool = sorted({(o.hours, -o.score): o for o in options if o.fits and o.within_budget and o.fidelity["status"] != "not-applicable"}.items())
+    # the original (P = 1) ends the front; a proxy that fails a hard rule (the fault cannot occur at its K, a
+    # rejected plan) is on no front
+    pool = sorted({(o.hours, -o.score): o for o in options if o.fits and o.within_budget and fidelity_passes(o.fidelity, 0.0)}.items())
     front, best_p = [], -math.inf
     for (hours, neg_p), o in pool:
         if -neg_p > best_p:
@@ -556,33 +565,62 @@ def _pareto(options: list[Option]) -> list[Option]:
     return front
 
 
-def _diagnose(s: Suggester, options: list[Option]) -> list[str]:
-    """Why nothing qualifies, and the smallest budget that would."""
+def _diagnose(s: Suggester, options: list[Option], baseline: Baseline | None) -> list[str]:
+    """Why no proxy qualifies: which rule removed each candidate K (and method), and the smallest
+    budget that would do."""
     req, unit = s.request, s.accel.device_unit
+    e, top_k = s.arch.original_num_experts, s.arch.moe.top_k
     out = []
+    if s.experts == [e]:
+        below = [k for k in s.arch.legal_expert_counts() if k < e and k & (k - 1) == 0]
+        out.append(f"no proxy in the search space: --min-k-ratio {req.min_k_ratio:g} x top_k {top_k} keeps K >= {req.min_k_ratio * top_k:g}, "
+                   f"and of the legal K (powers of two) only E={e} itself is that large"
+                   + (f"; lower --min-k-ratio to search K in {below}" if below else ""))  # fmt: skip
     fitting = [o for o in options if o.fits]
     if not fitting:
         frugal = [o for o in options if o.recompute == "full" and o.offload == "all"] or options
         closest = max(frugal, key=lambda o: (o.cost.num_devices, -o.experts)) if frugal else None  # most devices, fewest experts
         why = closest.cost.reasons[0] if closest and closest.cost.reasons else "?"
-        out.append(f"no evaluated point fits in memory on up to {s.devices[-1]} {unit}s; the closest (K={closest.experts if closest else '?'}, "
-                   f"{closest.cost.num_devices if closest else '?'} {unit}s, full recompute, offload all): {why}")  # fmt: skip
-    in_budget = [o for o in fitting if o.within_budget]
-    if fitting and not in_budget:
-        cheapest = min(fitting, key=lambda o: o.hours)
-        out.append(f"every fitting point is over the budget ({s.budget.describe(s.accel)}); the cheapest: K={cheapest.experts} on "
-                   f"{cheapest.cost.num_devices} {unit}s, {cheapest.budget_note}")  # fmt: skip
-    if in_budget and not [o for o in in_budget if o.passes_fidelity(req.min_fidelity)]:
-        calibrated = [o for o in in_budget if o.p_reproduced is not None]
-        if calibrated:
-            top = max(calibrated, key=lambda o: o.p_reproduced)
-            out.append(f"within the budget the highest predicted fidelity is {top.p_reproduced:.4g} (K={top.experts}), below --min-fidelity {req.min_fidelity}")
-        why = sorted({o.fidelity.get("rejected") or o.fidelity["reason"] for o in in_budget if o.p_reproduced is None})
-        out.extend(f"no proxy passes the hard rules: {w}" for w in why[:3])
+        out.append(f"no evaluated point fits in memory on up to {plural(s.devices[-1], unit)}; the closest (K={closest.experts if closest else '?'}, "
+                   f"{plural(closest.cost.num_devices, unit) if closest else '?'}, full recompute, offload all): {why}")  # fmt: skip
+    for (k, method), points in sorted(_by_candidate(options, e).items()):
+        out.append(f"K={k}/{method}: {_why_not(points, req.min_fidelity, baseline, s.budget.describe(s.accel), unit)}")
     smallest = _smallest_budget(s, fitting)
     if smallest:
         out.append(smallest)
     return out
+
+
+def _by_candidate(options: list[Option], original_experts: int) -> dict[tuple[int, str], list[Option]]:
+    out: dict[tuple[int, str], list[Option]] = {}
+    for o in options:
+        if o.experts != original_experts:
+            out.setdefault((o.experts, o.method), []).append(o)
+    return out
+
+
+def _why_not(points: list[Option], min_fidelity: float, baseline: Baseline | None, budget: str, unit: str) -> str:
+    """The first rule that removes every evaluated point of one candidate (K, method), in the order
+    they apply: fidelity's hard rules, the threshold, memory, the budget, a saving over the original."""
+    f = points[0].fidelity  # one fidelity block per (K, method)
+    if f["status"] == "not-applicable":
+        return f"the fault cannot occur at this K: {f['reason']}"
+    if f.get("rejected"):
+        return f"rejected: {f['rejected']}"
+    if f["p_reproduced"] is not None and f["p_reproduced"] < min_fidelity:
+        return f"predicted P {f['p_reproduced']:.2f} [{f['interval'][0]:.2f}, {f['interval'][1]:.2f}] is below --min-fidelity {min_fidelity}"
+    fitting = [o for o in points if o.fits]
+    if not fitting:
+        o = max(points, key=lambda o: o.cost.num_devices)
+        return f"fits in memory on none of the evaluated counts (on {o.cost.num_devices} {unit}s: {(o.cost.reasons or ['?'])[0]})"
+    within = [o for o in fitting if o.within_budget]
+    if not within:
+        o = min(fitting, key=lambda o: o.hours)
+        return f"over the budget {budget}: the cheapest fitting point needs {o.budget_note}"
+    o = min(within, key=lambda o: (o.hours, o.cost.num_devices))
+    b = baseline
+    return (f"costs more than the original in every measure: at best {o.cost.num_devices} {unit}s and {o.hours:,.2f} {unit}-hours/step "
+            f"against the original's {b.minimum.num_devices} {unit}s minimum and {b.cheapest.device_hours_per_step:,.2f} {unit}-hours/step cheapest")  # fmt: skip
 
 
 def _smallest_budget(s: Suggester, fitting: list[Option]) -> str:
@@ -591,10 +629,11 @@ def _smallest_budget(s: Suggester, fitting: list[Option]) -> str:
     accelerator-hours of the points evaluated or of each K's minimum count."""
     req, unit = s.request, s.accel.device_unit
     kind = "npu" if s.accel.family == "ascend" else "gpu"
-    good = [k for k in s.experts if any(fidelity_passes(s.fidelity(k, m), req.min_fidelity) for m in s.methods)]
+    e = s.arch.original_num_experts  # the original is no proxy: it names no budget
+    good = [k for k in s.experts if k != e and any(fidelity_passes(s.fidelity(k, m), req.min_fidelity) for m in s.methods)]
     minima = [(m, k) for k in good if (m := s.minimum(k)) is not None]
     if s.budget.device_hours is not None:
-        points = [(o.hours, o.experts, o.cost.num_devices) for o in fitting if o.passes_fidelity(req.min_fidelity)]
+        points = [(o.hours, o.experts, o.cost.num_devices) for o in fitting if o.experts != e and o.passes_fidelity(req.min_fidelity)]
         points += [(m.device_hours_per_step, k, m.num_devices) for m, k in minima]
         if not points:
             return ""
@@ -607,6 +646,22 @@ def _smallest_budget(s: Suggester, fitting: list[Option]) -> str:
     return f"smallest budget that would do: {m.num_devices}{kind} (K={k} fits there, {m.device_hours_per_step:,.2f} {unit}-hours/step)"
 
 
+def saves(o: Option, baseline: Baseline | None) -> bool:
+    """Does the point cost less than the original in some measure (fewer devices than its minimum,
+    or fewer accelerator-hours per step than its cheapest)? A plan dearer in every measure is no
+    proxy to propose. Without a baseline (the original fits nowhere in the search bound) every
+    fitting proxy saves."""
+    if baseline is None:
+        return True
+    return o.cost.num_devices < baseline.minimum.num_devices or o.hours < baseline.cheapest.device_hours_per_step
+
+
+def proposable(o: Option, baseline: Baseline | None, min_fidelity: float) -> bool:
+    """A proxy (not the original itself) that fits, is within the budget, passes the fidelity rules
+    and saves over the original in some measure."""
+    return o.experts != o.cost.original_experts and o.acceptable(min_fidelity) and saves(o, baseline)
+
+
 def suggest(request: Request, *, progress: Callable[[int, int], None] | None = None, estimator=None,
             suggester: Suggester | None = None) -> Suggestion:  # fmt: skip
     import time
@@ -614,15 +669,16 @@ def suggest(request: Request, *, progress: Callable[[int, int], None] | None = N
     start = time.perf_counter()
     s = suggester or Suggester(request, estimator)
     options, first_seen, trials = s.search(progress)
+    baseline = s.baseline()  # one baseline, computed once, for every line of the output
     ranked: list[Option] = []
-    for o in sorted((o for o in options if o.acceptable(request.min_fidelity)), key=Option.rank_key):
+    for o in sorted((o for o in options if proposable(o, baseline, request.min_fidelity)), key=Option.rank_key):
         if not any(r.dominates(o) for r in ranked):  # a setting that buys neither time nor memory is not listed
             ranked.append(o)
     best = ranked[0] if ranked else None
     best_trial = first_seen[(best.experts, best.method, best.cost.num_devices, best.recompute, best.offload)] if best else None
     return Suggestion(
-        request=request, accelerator=s.accel, budget=s.budget, recipe=s.recipe, baseline=s.baseline(), options=options, ranked=ranked,
+        request=request, accelerator=s.accel, budget=s.budget, recipe=s.recipe, baseline=baseline, options=options, ranked=ranked,
         pareto=_pareto(options), trials=trials, space_points=s.space_size(), enumerated=s.enumerates(), device_counts=s.devices, best_trial=best_trial,
-        diagnosis=[] if ranked else _diagnose(s, options), fidelity_source="stats" if request.stats else "prior", factors=s.factors,
+        diagnosis=[] if ranked else _diagnose(s, options, baseline), fidelity_source="stats" if request.stats else "prior", factors=s.factors,
         seconds=time.perf_counter() - start, warnings=s.warnings,
     )  # fmt: skip

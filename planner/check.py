@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import shutil
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,6 +75,10 @@ def _is_the_proxy(plan, ckpt) -> bool:
     """Is the checkpoint given the plan's proxy already (else its original)? Anything else is refused."""
     e = ckpt.arch.original_num_experts
     if e == plan.experts and plan.experts != plan.original_experts:
+        if not (ckpt.path / "expert_map.json").is_file():
+            raise SpecError(f"the plan is for {plan.model} ({plan.original_experts} experts per layer) and its K={plan.experts} proxy; "
+                            f"{ckpt.path} has {e} experts per layer but no expert_map.json, so it is neither: not this plan's original "
+                            f"({plan.original_experts} experts) and not a proxy `planner build` wrote from it")  # fmt: skip
         why = _built_from_other_plan(ckpt.path, plan)
         if why:
             raise SpecError(f"{ckpt.path} has {e} experts per layer, as the plan's proxy would, but {why}")
@@ -140,10 +145,8 @@ def run_check(plan_path: str | Path, checkpoint: str | Path, out_dir: str | Path
               knob: float | None = None, seed: int = 0, stats_path=None, force: bool = False,
               progress: Callable[[str, int, int], None] | None = None) -> CheckReport:  # fmt: skip
     from planner.checkpoint import Checkpoint
-    from planner.fidelity.calibrate import measure_pair
     from planner.plan import load_plan
-    from planner.rl.grpo import GRPO, RLConfig, write_metrics
-    from planner.rl.memory import measure_step_peak, predict_peak
+    from planner.rl.grpo import RLConfig
     from planner.rl.recipes import recipe
 
     plan = load_plan(plan_path)
@@ -192,7 +195,24 @@ def run_check(plan_path: str | Path, checkpoint: str | Path, out_dir: str | Path
 
         info["recipe"] = pair_recipe(Path(reference), info.get("recipe"))
     _is_the_proxy(plan, ckpt)
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _build_and_run(plan, ckpt, out, run_dir, config, info, reference, proxy_metrics, replica, stats_path, force, progress)
+    except BaseException:  # an error, Ctrl-C or SIGTERM: an output folder this check made is not left behind, empty or half-filled
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _build_and_run(plan, ckpt, out: Path, run_dir: Path, config, info: dict, reference, proxy_metrics, replica, stats_path, force: bool,
+                   progress) -> "CheckReport":  # fmt: skip
+    from planner.checkpoint import Checkpoint
+    from planner.fidelity.calibrate import measure_pair
+    from planner.rl.grpo import GRPO, write_metrics
+    from planner.rl.memory import measure_step_peak, predict_peak
+    from planner.rl.recipes import recipe
+
     proxy_dir, built = _proxy(plan, ckpt, out, stats_path, force, progress and (lambda d, t: progress("build", d, t)))
 
     trainer = GRPO(proxy_dir, config)

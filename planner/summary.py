@@ -203,6 +203,9 @@ def catalog_listing() -> dict[str, Any]:
                 "active_params": counts.active,
                 "published_total": parse_count(m.published["total_params"]),
                 "published_active": parse_count(m.published["active_params"]),
+                "published_active_counts": m.published.get("active_counts", "embeddings"),
+                # our count the way the publisher counts active parameters (with or without embeddings)
+                "active_params_as_published": counts.active_counted(m.published.get("active_counts", "embeddings")),
                 "source": m.published["source"],
                 "config_source": m.config_source,
             }
@@ -229,6 +232,16 @@ def catalog_listing() -> dict[str, Any]:
     return {"models": models, "accelerators": accels}
 
 
+_CONVENTION_WORDS = {"no_input_embedding": "without the input embedding", "non_embedding": "without embeddings and output head"}
+
+
+def _convention_note(m: dict[str, Any]) -> str:
+    convention = m["published_active_counts"]
+    if convention == "embeddings":
+        return ""
+    return f" ({_CONVENTION_WORDS[convention]}: ours {count(m['active_params_as_published'])})"
+
+
 def render_catalog(listing: dict[str, Any]) -> str:
     rows = [
         [
@@ -238,7 +251,7 @@ def render_catalog(listing: dict[str, Any]) -> str:
             m["top_k"],
             count(m["total_params"]),
             count(m["active_params"]),
-            f"{count(m['published_total'])} / {count(m['published_active'])}",
+            f"{count(m['published_total'])} / {count(m['published_active'])}" + _convention_note(m),
             m["routing_shape"],
             m["calibration_family"] or "-",
         ]
@@ -246,6 +259,9 @@ def render_catalog(listing: dict[str, Any]) -> str:
     ]
     out = [table(["model", "model type", "experts", "top-k", "total", "active", "published total / active", "routing shape", "calibration family"],
                  rows, title="Models (planner inspect MODEL for the breakdown; sources in models/catalog.yaml)")]
+    if any(m["published_active_counts"] != "embeddings" for m in listing["models"]):
+        out.append("active: every parameter a token touches, embeddings and output head included; where a publisher counts "
+                   "otherwise, its convention and our count under it follow the published figure")  # fmt: skip
     out.append("")
     rows = [
         [

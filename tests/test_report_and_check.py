@@ -99,8 +99,10 @@ def test_check_refuses_what_would_fail_late_before_building(rl_model, tmp_path):
     assert npu.exit_code == 2 and "torch_npu" in npu.output and not (tmp_path / "a").exists()
     assert run_cli("suggest", "--budget", "8npu", "--trials", "20", "-o", tmp_path / "big.yaml").exit_code == 0  # Qwen3-30B-A3B: 128 experts
     other = run_cli("check", tmp_path / "big.yaml", "--checkpoint", model, "-o", tmp_path / "b")  # a plan of 128 experts
-    said = ("not a proxy `planner build` wrote", "the plan is for a model with 128")  # K=32 looks like this model's 32: still refused
-    assert other.exit_code == 2 and any(w in other.output for w in said) and not (tmp_path / "b").exists()
+    # the plan's K=32 proxy has this model's 32 experts: refused, naming the plan's original and what the checkpoint lacks
+    said = "the plan is for qwen3-30b-a3b (128 experts per layer) and its K=32 proxy;"
+    assert other.exit_code == 2 and said in other.output and "no expert_map.json, so it is neither" in other.output
+    assert not (tmp_path / "b").exists()
     assert run_cli("rl", "run", model, "--steps", "3", "--set", "prompts=2", "--set", "new_tokens=4", "-o", tmp_path / "plain").exit_code == 0
     plain = run_cli("check", tmp_path / "plan.yaml", "--checkpoint", model, "--reference-metrics", tmp_path / "plain", "-o", tmp_path / "c")
     assert plain.exit_code == 2 and "names no recipe and shows no fault" in plain.output and not (tmp_path / "c").exists()
@@ -123,3 +125,28 @@ def test_a_plan_suggested_without_stats_builds(rl_model, tmp_path):
     assert built.arch.original_num_experts == plan.experts
     emap = json.loads((tmp_path / "proxy" / "expert_map.json").read_text())
     assert emap["method"] == plan.method and emap["experts"] == plan.experts
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_check_leaves_no_output_folder(rl_model, tmp_path):
+    """Interrupted once the run has begun (its metrics folder exists), `check -o DIR` exits 130 and
+    leaves no DIR behind (it made DIR, so nothing that was there before is lost)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model = rl_model[0]
+    assert run_cli("plan", model, "--experts", "16", "-o", tmp_path / "plan.yaml").exit_code == 0
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "check", str(tmp_path / "plan.yaml"), "--checkpoint", str(model),
+                             "--steps", "500", "-o", str(out)], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    deadline = time.time() + 300
+    while not (out / "proxy").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the check finished before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT and "interrupted (SIGINT)" in err, err
+    assert not out.exists()

@@ -306,3 +306,22 @@ def test_one_baseline_feeds_every_line():
     r = reduction(result.best.cost, result.baseline)["by_mechanism"]
     assert r["baseline_step_s"] == pytest.approx(result.baseline.cheapest.step_time_s, rel=1e-12)  # the step factor's two seconds
     assert r["step_s"] == result.best.cost.step_time_s
+
+
+def test_a_custom_profile_is_named_by_its_name_and_the_plan_reads_it_back(tmp_path):
+    """A user's profile file: outputs name it by its `name:` and its file; the plan stores the file,
+    so `preflight` and `check` load the same profile back (its stem is no catalog id)."""
+    import yaml
+
+    from planner.catalog import load_accelerator
+    from planner.plan import load_plan
+
+    profile = tmp_path / "lab32.yaml"
+    profile.write_text(yaml.safe_dump({"name": "H100 32GB (our lab)", "family": "nvidia", "hbm_gib": 32, "reserved_gib": 2.0,
+                                       "hbm_tb_per_s": 3.35, "intra_node_gb_per_s": 450, "inter_node_gb_per_s": 50, "devices_per_node": 8,
+                                       "peak_bf16_tflops": 989}))  # fmt: skip
+    out = tmp_path / "plan.yaml"
+    result = run_cli("suggest", "--budget", "16gpu", "--hardware", profile, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert f"qwen3-30b-a3b on H100 32GB (our lab) (profile {profile.resolve()})" in result.output
+    assert load_accelerator(load_plan(out).deployment["hardware"]).name == "H100 32GB (our lab)"

@@ -135,10 +135,29 @@ def test_default_method_keeps_more_mass_and_reconstructs_better_than_random(trai
 
 
 @pytest.mark.slow
-def test_same_seed_same_plan(trained):
-    a = compute_stats(trained, experts=[4], methods=("kmeans",), calib_tokens=512, seq_len=64, seed=3)
-    b = compute_stats(trained, experts=[4], methods=("kmeans",), calib_tokens=512, seq_len=64, seed=3)
+def test_same_seed_same_plan_and_the_seed_picks_the_profiled_tokens(trained):
+    """The seed reaches every random choice: the same seed gives the same plan and distances; another
+    seed profiles other tokens (2048 of them, more than the 256 shared output-profile tokens), so the
+    expert distances differ (they were fixed at seed 0 whatever the seed said)."""
+    a = compute_stats(trained, experts=[4], methods=("kmeans",), calib_tokens=2048, seq_len=64, seed=3)
+    b = compute_stats(trained, experts=[4], methods=("kmeans",), calib_tokens=2048, seq_len=64, seed=3)
+    c = compute_stats(trained, experts=[4], methods=("kmeans",), calib_tokens=2048, seq_len=64, seed=4)
     assert a["plans"]["K=4/kmeans"]["kept"] == b["plans"]["K=4/kmeans"]["kept"]
+    layer = next(iter(a["layers"]))
+    assert np.array_equal(a["layers"][layer]["distance"], b["layers"][layer]["distance"])
+    assert not np.array_equal(a["layers"][layer]["distance"], c["layers"][layer]["distance"])
+
+
+def test_load_cv_is_the_population_coefficient_of_variation():
+    """One definition for stats and the RL harness: counts 1, 3 over two experts have mean 2 and
+    population SD 1 (ddof 0), so CV 0.5 (ddof 1 would give 0.707); torch and numpy counts agree."""
+    import torch
+
+    from planner.arch.routing import load_cv
+
+    assert load_cv(np.array([1.0, 3.0])) == pytest.approx(0.5, rel=1e-12)
+    assert load_cv(torch.tensor([1.0, 3.0])) == pytest.approx(0.5, rel=1e-12)
+    assert load_cv(np.zeros(4)) == 0.0 and load_cv(np.full(8, 5.0)) == 0.0
 
 
 # ---- every plan from one calibration pass (statistics version 2) ----------------------------------

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from planner.arch.model import Architecture
 
-__all__ = ["RoutingShape", "routing_shape"]
+__all__ = ["RoutingShape", "routing_shape", "load_cv"]
 
 _SCORING = {
     "softmax": "softmax over all experts, then top-k",
@@ -126,3 +126,16 @@ def routing_shape(arch: Architecture) -> RoutingShape:
         dense_layers=arch.num_dense_layers > 0,
         scaling=float(moe.routed_scaling_factor),
     )
+
+
+def load_cv(counts) -> float:
+    """The coefficient of variation of tokens per expert: the standard deviation of the counts over
+    their mean, over the experts of one layer as a whole population (ddof 0: the layer's experts are
+    all the experts, not a sample of them); 0 where no token was routed. The one definition that
+    `planner stats` (load CV after pruning) and the RL harness (load_cv_max) share. Takes a numpy
+    array or a torch tensor of counts."""
+    import numpy as np
+
+    c = np.asarray(counts.detach().cpu() if hasattr(counts, "detach") else counts, dtype=np.float64)
+    mean = c.mean()
+    return float(c.std(ddof=0) / mean) if mean > 0 else 0.0

@@ -27,6 +27,7 @@ from typing import Callable
 
 import numpy as np
 
+from planner.arch.routing import load_cv
 from planner.errors import SpecError
 from planner.files import write_csv_atomic, write_text_atomic
 from planner.hf import require_torch
@@ -273,7 +274,7 @@ class GRPO:
             frac = counts / counts.sum()
             # with E <= k every token uses every expert: the loss is constant, there is nothing to balance
             losses.append((e * (frac * probs.mean(0)).sum() - 1.0) / (e / k - 1.0) if e > k else probs.sum() * 0.0)
-            cvs.append(float((counts.std() / counts.mean().clamp_min(1e-9)).detach()))
+            cvs.append(load_cv(counts))
             ents.append(float((-(probs * probs.clamp_min(1e-12).log()).sum(-1)).mean().detach() / math.log(e)))
             share = float(frac.sort(descending=True).values[:k].sum())  # k/E when balanced, 1 when collapsed
             # the same from 0 (balanced) to 1 (collapsed) for any E; NaN where E <= k (nothing can collapse)

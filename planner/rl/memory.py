@@ -24,6 +24,7 @@ quantity, tensor memory, without the process's runtime and page cache.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from planner.arch import Architecture
@@ -81,6 +82,25 @@ def _live_storage_bytes(tensors) -> int:
     return total
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """The profiler's C++ side writes its start/stop and allocator notices ("profiler_start",
+    "Memory block of unknown size ...") straight to file descriptor 2, past Python's sys.stderr:
+    point that descriptor at /dev/null for the profiled step only. Python errors still surface:
+    they are raised, and printed after the descriptor is restored."""
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def measure_step_peak(trainer, step: int) -> float:
     """Run one step of `trainer` (planner.rl.grpo.GRPO) and return its peak tensor bytes."""
     torch, _ = require_torch("measuring memory")
@@ -102,7 +122,7 @@ def measure_step_peak(trainer, step: int) -> float:
     tensors += [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     tensors += list((trainer.models.initial or {}).values())
     live = _live_storage_bytes(tensors)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer.step(step)
     events = []
     for e in prof.events():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from planner.cost.fit import step_validation
@@ -48,6 +49,19 @@ def _row(o: Option, baseline) -> list[Any]:
     ]
 
 
+def _custom_profile(s: Suggestion) -> Path | None:
+    """The user's profile file the accelerator came from (None: a catalog accelerator)."""
+    from planner.catalog import catalog_accelerators
+
+    return None if s.request.hardware.strip().lower() in catalog_accelerators() else Path(s.request.hardware).expanduser().resolve()
+
+
+def _accelerator_text(s: Suggestion) -> str:
+    """A catalog id, or a user's profile by the name it gives and its file."""
+    profile = _custom_profile(s)
+    return s.accelerator.id if profile is None else f"{s.accelerator.name} (profile {profile})"
+
+
 def _times(ratio: float | None, digits: int) -> str:
     """A reduction as the table shows it: '4.0x' fewer, or '2.0x more' where the point needs more."""
     if not ratio:
@@ -62,7 +76,7 @@ def _settings(c) -> str:
 
 def render_suggestion(s: Suggestion, top: int = 5) -> str:
     req, unit = s.request, s.accelerator.device_unit
-    head = (f"{req.model} on {s.accelerator.id}, budget {s.budget.describe(s.accelerator)}, fault {req.fault} "
+    head = (f"{req.model} on {_accelerator_text(s)}, budget {s.budget.describe(s.accelerator)}, fault {req.fault} "
             f"(recipe {s.recipe}), calibrated P >= {req.min_fidelity} ({'plan statistics' if s.fidelity_source == 'stats' else 'no plan statistics: K/E only'})")  # fmt: skip
     lines = [head]
     lines.extend(f"WARNING: {w}" for w in s.warnings)
@@ -157,7 +171,7 @@ def plan_of(s: Suggestion, o: Option) -> Plan:
     c = o.cost
     target_ep = tuple(sorted({c.train_layout.ep, c.rollout_layout.ep}))
     deployment = {
-        "hardware": s.accelerator.id,
+        "hardware": s.accelerator.id if _custom_profile(s) is None else str(_custom_profile(s)),  # what load_accelerator reads back
         "num_cards": c.num_devices,
         "device_unit": c.device_unit,
         "train_layout": c.train_layout.to_dict(),

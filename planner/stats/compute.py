@@ -28,6 +28,7 @@ from typing import Callable
 
 import numpy as np
 
+from planner.arch.routing import load_cv
 from planner.checkpoint.reader import Checkpoint
 from planner.errors import CheckpointError
 from planner.plan import Plan
@@ -62,8 +63,7 @@ def _entropy_cv(probs: np.ndarray, counts: np.ndarray) -> tuple[float, float]:
     p = np.clip(probs, 1e-12, 1.0)
     n = probs.shape[-1]
     ent = float((-(p * np.log(p)).sum(-1)).mean() / np.log(n)) if n > 1 else 0.0
-    cv = float(counts.std() / counts.mean()) if counts.mean() > 0 else 0.0
-    return ent, cv
+    return ent, load_cv(counts)
 
 
 def _router_probs(logits, scoring: str):
@@ -143,7 +143,7 @@ class _RoutedNorms:
         return run
 
 
-def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict, "object", _Trace]:
+def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress, seed: int = 0) -> tuple[dict, "object", _Trace]:
     import torch
 
     from planner.checkpoint.layerwise import LayerwiseModel
@@ -152,7 +152,7 @@ def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress) -> tuple[dict
     scoring = ckpt.arch.moe.scoring
     trunk = [i for i, layer in ckpt.moe_layers.items() if not layer.mtp]
     raw: dict[int, dict] = {}
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)  # which tokens are profiled: compute_stats(seed=...)
     trace = _Trace(positions=_kl_positions(ids))
     at = torch.from_numpy(trace.positions)
     e = ckpt.arch.original_num_experts
@@ -450,7 +450,7 @@ def compute_stats(
         from planner.stats.text import calibration_ids
 
         ids, provenance = calibration_ids(ckpt.path, arch.vocab_size, text=calib_text, tokens=calib_tokens, seq_len=seq_len)
-        raw, runner, trace = _calibration_pass(ckpt, ids, step("calibration"))
+        raw, runner, trace = _calibration_pass(ckpt, ids, step("calibration"), seed=seed)
     features = _features(ckpt, weights, raw)
     spec = []
     if raw:

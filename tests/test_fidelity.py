@@ -483,3 +483,20 @@ def test_running_a_dynamic_recipe_on_more_originals_keeps_the_measured_studies()
     assert list(more)[:2] == ["deepseek_v3-s0", "qwen3_moe-s0"]  # seed first: a budget cut short keeps whole seeds
     assert study_name(one, "router-collapse", "proxies", "qwen3_moe-s0") == study_name(three, "router-collapse", "proxies", "qwen3_moe-s0")
     assert len(grid_units(one, records, "fp16-overflow", "originals")) == 6  # static recipes run on every original
+
+
+def test_variance_components_fall_back_to_anova_which_equals_reml_on_balanced_groups():
+    """Where MixedLM's information matrix is singular, the between/within SDs come from the one-way
+    ANOVA method of moments; on a balanced design with a positive between-group variance the two
+    are the same estimator (REML = ANOVA there), so they agree on planted data."""
+    from planner.fidelity.learners import _anova_components, _variance_components
+
+    rng = np.random.default_rng(0)
+    groups = np.repeat(np.arange(6), 20)
+    y = rng.normal(0.0, 0.5, 6)[groups] + rng.normal(0.0, 0.2, groups.size)  # between SD 0.5, within 0.2
+    reml, anova = _variance_components(y, groups), _anova_components(y, groups)
+    assert anova == pytest.approx(reml, rel=1e-3)
+    assert 0.15 < anova[1] < 0.25  # the within SD planted
+    # identical groups: no between-group variance, and the within SD is the rows' own
+    flat = np.tile(np.array([0.1, -0.1]), 6)
+    assert _anova_components(flat, np.repeat(np.arange(3), 4))[0] == 0.0

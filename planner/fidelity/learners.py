@@ -40,9 +40,25 @@ def _variance_components(residuals: np.ndarray, groups) -> tuple[float, float]:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # boundary (zero between-group variance) and convergence notes
-        fit = MixedLM(residuals, np.ones((len(residuals), 1)), groups=np.asarray(groups)).fit(reml=True)
+        try:
+            fit = MixedLM(residuals, np.ones((len(residuals), 1)), groups=np.asarray(groups)).fit(reml=True)
+        except np.linalg.LinAlgError:  # a singular information matrix (a degenerate subset of rows): the ANOVA estimate
+            return _anova_components(np.asarray(residuals, dtype=float), np.asarray(groups))
     between = max(float(np.asarray(fit.cov_re)[0, 0]), 0.0)
     return float(np.sqrt(between)), float(np.sqrt(fit.scale))
+
+
+def _anova_components(y: np.ndarray, groups: np.ndarray) -> tuple[float, float]:
+    """(SD between groups, SD within) by the one-way ANOVA method of moments for unbalanced groups:
+    within = MSW; between = max(0, (MSB - MSW) / n0), n0 = (N - sum n_i^2 / N) / (g - 1)."""
+    labels, inverse = np.unique(groups, return_inverse=True)
+    g, n = len(labels), len(y)
+    sizes = np.bincount(inverse).astype(float)
+    means = np.bincount(inverse, weights=y) / sizes
+    msw = float(((y - means[inverse]) ** 2).sum() / max(n - g, 1))
+    msb = float((sizes * (means - y.mean()) ** 2).sum() / (g - 1))
+    n0 = (n - (sizes**2).sum() / n) / (g - 1)
+    return float(np.sqrt(max((msb - msw) / n0, 0.0))), float(np.sqrt(msw))
 
 
 class ShiftRegressor(RegressorMixin, BaseEstimator):

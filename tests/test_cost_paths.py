@@ -1,0 +1,123 @@
+"""Cost-model paths no other test reached: Llama-4's chunked attention, a rollout capped by its KV
+pool, DAPO's extra sampling rounds, a baseline job whose proxies' job does not fit, an hours budget
+end to end. Each against a hand calculation or transformers, not the module's own formula."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from click.testing import CliRunner
+
+from planner.arch import Architecture
+from planner.catalog import load_accelerator, load_model_config
+from planner.cli import main
+from planner.cost.evaluate import evaluate
+from planner.cost.layouts import RolloutCandidates
+from planner.cost.model import CostModel
+from planner.specs import Job, Lengths
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def _arch(model: str) -> Architecture:
+    name, config = load_model_config(model)
+    return Architecture.from_config(config, name=name)
+
+
+def test_llama4_chunked_layers_are_transformers_and_their_pairs_are_the_hand_count():
+    """Llama-4-Scout: transformers' own config types every 4th layer full attention and the others
+    chunked (8192-token chunks). A 20,000-token sequence then attends, per chunked layer, two whole
+    chunks of 8192 (8192 x 8193 / 2 pairs each) and a last chunk of 3616 (3616 x 3617 / 2); per
+    full layer 20000 x 20001 / 2."""
+    from transformers import Llama4TextConfig
+
+    _, config = load_model_config("llama-4-scout")
+    arch = _arch("llama-4-scout")
+    hf = Llama4TextConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})
+    assert [w is not None for w in arch.layer_windows] == [t == "chunked_attention" for t in hf.layer_types]
+    assert {w for w in arch.layer_windows if w} == {("chunked", 8192)}
+    chunked = sum(w is not None for w in arch.layer_windows)
+    full = arch.num_layers - chunked
+    assert (chunked, full) == (36, 12)  # 48 layers
+    model = CostModel(arch, load_accelerator("h100-sxm"), Job())
+    per_chunked = 2 * 8192 * 8193 / 2 + 3616 * 3617 / 2
+    per_full = 20000 * 20001 / 2
+    assert float(model._pairs([20000])[0]) == pytest.approx(chunked * per_chunked + full * per_full, rel=1e-12)
+
+
+def test_kv_per_token_is_the_hand_count_and_a_batch_beyond_the_pool_waits():
+    """Qwen3-30B-A3B's cache: 48 layers x (K and V) x 4 KV heads x 128 x 2 bytes = 98,304 bytes a
+    token at TP1 (published config.json: num_hidden_layers 48, num_key_value_heads 4, head_dim 128);
+    at TP8 each rank keeps one KV head. When a DP rank holds more sequences than its pool, it
+    decodes only as many at once as fit, and the output says so."""
+    arch = _arch("qwen3-30b-a3b")
+    model = CostModel(arch, load_accelerator("ascend-910b2"), Job())
+    cand = RolloutCandidates.of([(8, 1, 8, 1), (8, 8, 1, 8)])
+    per_token = model.kv_bytes_per_token(cand)
+    assert list(per_token) == [48 * 2 * 4 * 128 * 2, 48 * 2 * 1 * 128 * 2]
+    r = model.rollout(cand)
+    assert all(r.concurrency < r.sequences_per_rank)  # 4096 sequences per rank, the pool holds fewer
+    result = evaluate(arch, load_accelerator("ascend-910b2"), Job(), 16)  # its minimum count
+    assert result.feasible and any(n.startswith("rollout is KV-bound") for n in result.notes)
+    small = evaluate(arch, load_accelerator("ascend-910b2"), replace(Job(), prompts_per_step=8, samples_per_prompt=2), 16)
+    assert not any(n.startswith("rollout is KV-bound") for n in small.notes)  # 16 sequences fit at once
+
+
+def test_dapo_oversampling_repeats_the_rollout_and_nothing_else():
+    """DAPO's dynamic sampling generates rollout_oversampling rounds for each kept batch: at fixed
+    layouts, twice the rounds is twice the rollout time, and the training phases are unchanged."""
+    arch = _arch("qwen3-30b-a3b")
+    accel = load_accelerator("ascend-910b2")
+    fixed = {"train_layout": {"tp": 2, "pp": 1, "ep": 8, "cp": 1, "etp": 1}, "rollout_layout": {"tp": 4, "dp": 4, "ep": 16}}
+    grpo = Job.from_dict({**fixed, "algorithm": "grpo"})
+    dapo = Job.from_dict({**fixed, "algorithm": "dapo", "rollout_oversampling": 2.0})
+    a, b = evaluate(arch, accel, grpo, 16), evaluate(arch, accel, dapo, 16)
+    assert a.feasible and b.feasible
+    assert b.phase_times_s["rollout"] == pytest.approx(2 * a.phase_times_s["rollout"], rel=1e-9)
+    for phase in a.phase_times_s:
+        if phase != "rollout":
+            assert b.phase_times_s[phase] == pytest.approx(a.phase_times_s[phase], rel=1e-12), phase
+
+
+def test_a_baseline_whose_devices_do_not_hold_the_proxies_job(tmp_path):
+    """The original ran a short-response job on 16 NPUs; the proxies run 128K-token responses that
+    do not fit the original on 16 (its update phase needs more than an NPU holds there). The hours reduction is then not split into 'smaller job' and
+    'step time': it is stated as one factor, and the product still equals the reduction."""
+    ran = tmp_path / "ran.yaml"
+    ran.write_text("response_tokens: {mean: 400, max: 1024}\n")
+    long = tmp_path / "long.yaml"
+    long.write_text("response_tokens: {mean: 65536, max: 131072}\n")
+    result = run_cli("suggest", "--budget", "16npu", "--job", long, "--baseline-cards", "16", "--baseline-job", ran, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["plans"]
+    for plan in data["plans"]:
+        m, r = plan["reduction"]["by_mechanism"], plan["reduction"]
+        assert m["smaller_job"] is None
+        assert m["fewer_devices"] * m["step_time"] == pytest.approx(r["accelerator_hours"], rel=1e-9)
+    text = run_cli("suggest", "--budget", "16npu", "--job", long, "--baseline-cards", "16", "--baseline-job", ran).output
+    assert "the proxies' job does not fit the baseline's devices" in text
+
+
+def test_an_hours_budget_end_to_end(tmp_path):
+    """`--budget 60npu-h` for 20 steps: the plan written holds a point whose 20 steps cost at most
+    60 NPU-hours, with the budget it was chosen under."""
+    from planner.plan import load_plan
+
+    out = tmp_path / "plan.yaml"
+    result = run_cli("suggest", "--budget", "60npu-h", "--steps", "20", "-o", out)
+    assert result.exit_code == 0, result.output
+    d = load_plan(out).deployment
+    assert d["budget"] == "60npu-h" and d["predicted"]["accelerator_hours_per_step"] * 20 <= 60.0
+    under = run_cli("suggest", "--budget", "1npu-h", "--steps", "20")
+    assert under.exit_code == 1 and "smallest budget that would do" in under.output
+
+
+def test_lengths_of_a_job_reach_the_kv_count():
+    """A job's max prompt + response is the cache a sequence can reach (256 + 3072 by default)."""
+    assert Job().max_sequence_tokens == 256 + 3072
+    assert replace(Job(), response_tokens=Lengths(mean=100, max=1000)).max_sequence_tokens == 256 + 1000

@@ -1,8 +1,9 @@
 """The pruning plan: which original experts each MoE layer keeps. Frozen, validated, YAML in/out.
 
 A plan with ids is built exactly as written. Kept ids are renumbered 0..K-1 in ascending original
-order, which keeps every routing group's experts together. The rules (DESIGN.md section 5) are
-checked against the model before anything is written; a violation names the rule and the numbers.
+order, which keeps every routing group's experts together. The rules (docs/proxy-rules.md section
+"Pruning rules") are checked against the model before anything is written; a violation names the
+rule and the numbers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ __all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "METHODS", "SELECTION_METHODS", "
 
 PLAN_SCHEMA = "planner.plan/1"
 # the last two are deliberately bad plans, for calibration: the estimator has to learn what an
-# unfaithful proxy looks like (DESIGN.md section 7); `suggest` never proposes them
+# unfaithful proxy looks like (docs/fidelity-labels.md section "Why the grid holds bad plans");
+# `suggest` never proposes them
 SELECTION_METHODS = ("agglomerative", "kmeans", "router", "saliency", "frequency", "random", "least-used", "one-cluster")
 BAD_METHODS = ("least-used", "one-cluster")
 # negative controls of the calibration grid: proxies built wrongly on purpose (mis-sliced: the kept

@@ -1,4 +1,5 @@
-"""Published memory facts (DESIGN.md section 8; cann-recipes-train Qwen3-235B 32K doc), within 2%."""
+"""Published memory facts (docs/reference-figures.md section "Memory facts"; cann-recipes-train
+Qwen3-235B 32K doc), within 2%."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """`Architecture`: the shape facts of one MoE causal LM, read from an HF config.json.
 
 Built by `Architecture.from_config(config_dict)`; `with_experts(K)` gives the proxy that keeps K
-routed experts per MoE layer (everything else unchanged, DESIGN.md section 1). Pure Python.
+routed experts per MoE layer (everything else unchanged, docs/proxy-rules.md section "What a proxy
+keeps"). Pure Python.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Two backends, one structure: a decoder layer saves, per token, what its attentio
 pass. The coefficients differ with the kernels that run:
 
 `megatron` (Megatron-Core / MindSpeed with fused kernels; the form of Korthikanti et al., arXiv
-2205.05198, Table 2, extended to GQA/MLA and MoE as in shared/reference/cost-model.md section 5.1):
+2205.05198, Table 2, extended to GQA/MLA and MoE as in docs/cost-model.md section "Activation
+memory"):
   fused RMSNorm keeps its input and the fp32 inverse RMS; a linear keeps its input; flash attention
   keeps q, k, v, its output and the fp32 log-sum-exp per head; fused SwiGLU keeps its input only;
   a routed copy keeps the permuted input, the fc1 output (gate|up), the SwiGLU output and the fc2

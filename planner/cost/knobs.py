@@ -35,7 +35,7 @@ class Knobs:
         return asdict(self)
 
 
-# Priors: the midpoints of public ranges (shared/reference/cost-model.md section 4):
+# Priors: the midpoints of public ranges (docs/cost-model.md section "Efficiency-knob priors"):
 # MoE training MFU 0.24-0.35 on H100, ~0.10 on A3 RL updates; decode MBU 0.70-0.85 rule of thumb;
 # per-step host sync 3-14 ms (cann-recipes); verl's per-tensor weight sync moves Qwen3-30B-A3B (12.8k
 # Megatron tensors, 61 GB) in 15.8 s and Qwen3-235B-A22B (25k, 470 GB) in 58.6 s on H20 (verl

@@ -1,4 +1,4 @@
-"""Fidelity labels from measured runs (DESIGN.md section 7, revised), in order of weight.
+"""Fidelity labels from measured runs (docs/fidelity-labels.md section "Labels"), in order of weight.
 
 shift             the primary label: the proxy's critical knob minus the original's, both the mean
                   over at least 4 seeds, in log2 units of the knob (log10 knobs x log2 10; loss

@@ -3,8 +3,8 @@
 Methods (per MoE layer, and within each routing group when routing is grouped):
   agglomerative  average linkage on a blended distance: (1 - w) x output distance + w x router
                  distance (HC-SMoE / REAP-merge use output similarity; router similarity predicts
-                 routing, MC-SMoE; w = 0.3, shared/reference/pruning.md 5.1). Without calibration the
-                 output distance is the weight-sketch distance.
+                 routing, MC-SMoE; w = 0.3, docs/proxy-rules.md section "Choosing the kept
+                 experts"). Without calibration the output distance is the weight-sketch distance.
   kmeans         k-means++ on a low-dimensional embedding of the same distances (classical MDS)
   router         average linkage on the router distance alone
   saliency       keep the K most salient experts (REAP: router-weighted output norm)

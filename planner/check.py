@@ -8,7 +8,7 @@
    activation accounting) and measured on the device; step time measured. The plan's own
    predictions for its target cluster are shown beside them.
 4. With the original's run (`--reference-metrics`, a `planner rl run` directory), the fidelity
-   labels of DESIGN.md section 7; `--add-to DATASET` appends them to the calibration data. A
+   labels of docs/fidelity-labels.md ("Labels"); `--add-to DATASET` appends them to the calibration data. A
    reference run in a trainer's format (verl, MindSpeed-RL, NeMo RL, wandb, TensorBoard) carries no
    settings for the harness to repeat: the labels then compare it with the proxy's run in the same
    trainer (`--proxy-metrics`), and the harness run measures memory and time only. Given the two
@@ -235,7 +235,7 @@ def _build_and_run(plan, ckpt, out: Path, run_dir: Path, config, info: dict, ref
         labels = measure_pair(Path(reference), Path(proxy_metrics) if proxy_metrics else run_dir, plan,
                               replica_dir=Path(replica) if replica else None, recipe_name=info.get("recipe"))  # fmt: skip
     return CheckReport(
-        proxy_dir=str(proxy_dir), built=built, device=device, steps=config.steps, config=asdict(config), measured_peak_bytes=peak,
+        proxy_dir=str(proxy_dir), built=built, device=config.device, steps=config.steps, config=asdict(config), measured_peak_bytes=peak,
         predicted_peak=predict_peak(Checkpoint(proxy_dir).arch, config), step_time_s=statistics.median(timed),
         cluster=dict((plan.deployment or {}).get("predicted", {})), labels=labels, run_dir=str(run_dir), onset=onset,
     )  # fmt: skip

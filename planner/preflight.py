@@ -42,7 +42,7 @@ from typing import Any, Callable
 from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN
 from planner.errors import PlannerError, SpecError
 from planner.files import read_yaml
-from planner.stats.store import plan_statistics, stale_note
+from planner.stats.store import plan_key, plan_statistics, stale_note
 
 __all__ = ["Check", "REQUEST_KEYS", "preflight", "render_preflight"]
 
@@ -343,7 +343,7 @@ def check_fidelity(c: _Context) -> Check:
     statistics = plan.statistics
     stats = c.stats
     if not statistics and stats:
-        statistics = plan_statistics(stats, f"K={plan.experts}/{plan.method}")
+        statistics = plan_statistics(stats, plan_key(plan.experts, plan.method))
     f = FidelityEstimator.load(default_estimator_path()).predict(plan_row(c.config[1], plan.experts, statistics), recipe)
     knob = f"; knob: {f['knob_translation']['text']}" if f.get("knob_translation") else ""
     if f.get("family"):

@@ -301,6 +301,12 @@ class Job:
         return self.prompts_per_step * self.samples_per_prompt
 
     @property
+    def trained_models(self) -> int:
+        """Models the update phase trains with the same layout and optimizer: PPO's critic is a copy of
+        the actor's architecture (verl and MindSpeed-RL build it from the actor's config), so 2; else 1."""
+        return 2 if self.algorithm == "ppo" else 1
+
+    @property
     def max_sequence_tokens(self) -> int:
         return self.prompt_tokens.max + self.response_tokens.max
 
@@ -395,7 +401,8 @@ class Job:
 
 
 def load_job(path: str | Path | None) -> Job:
-    """A job from a YAML file; the default job (DESIGN.md's GRPO reference run) when None."""
+    """A job from a YAML file; the default job (the DeepSeek-R1 GRPO run of docs/reference-figures.md
+    section "Published RL runs") when None."""
     if path is None:
         return Job()
     from planner.files import read_yaml

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN
 from planner.errors import PlannerError, SpecError
 from planner.interrupts import Terminated
 
@@ -22,7 +23,7 @@ DEFAULT_MODEL = "qwen3-30b-a3b"
 DEFAULT_HARDWARE = "ascend-910b2"
 DEMO_EXPERTS = (64, 32, 16)
 # one margin for every command that sizes devices, so the same job gets the same minimum count
-memory_margin_option = click.option("--memory-margin", type=click.FloatRange(0.0, 0.9), default=0.1, show_default=True,
+memory_margin_option = click.option("--memory-margin", type=click.FloatRange(0.0, 0.9), default=DEFAULT_MEMORY_MARGIN, show_default=True,
                                     help="Share of usable device memory kept free in the training phases.")  # fmt: skip
 
 

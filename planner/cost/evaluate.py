@@ -31,7 +31,7 @@ from planner.errors import InfeasibleError, LayoutError, SpecError
 from planner.specs import Job, RolloutLayout, TrainLayout
 from planner.units import gib
 
-__all__ = ["CostResult", "evaluate", "min_devices", "candidate_device_counts", "DEFAULT_MEMORY_MARGIN"]
+__all__ = ["CostResult", "evaluate", "infeasible", "min_devices", "candidate_device_counts", "DEFAULT_MEMORY_MARGIN"]
 
 # the share of usable device memory kept free in the training phases, the same for every command that
 # sizes devices (cost, demo, suggest, report, preflight): the same job gets the same minimum count
@@ -292,7 +292,7 @@ class _Evaluator:
         """The chosen layouts' step time as its terms, each with the inputs of its formula."""
         m, job, accel = self.model, self.job, self.accel
         kn = m.knobs
-        models = 2 if job.algorithm == "ppo" else 1
+        models = job.trained_models
         f = lambda a: float(a[ti])  # noqa: E731
         u = lambda a: models * float(a[ti])  # noqa: E731  (PPO updates the critic the same way)
         per = f" (x{models}: actor and critic)" if models > 1 else ""
@@ -385,27 +385,33 @@ class _Evaluator:
         return notes
 
     def _infeasible(self, devices: int, reasons: list[str], n: int, train=None, rollout=None) -> CostResult:
-        return CostResult(
-            model=self.arch.name,
-            experts=self.arch.moe.num_experts,
-            original_experts=self.arch.original_num_experts,
-            accelerator=self.accel.id,
-            device_unit=self.accel.device_unit,
-            devices_per_card=self.accel.devices_per_card,
-            num_devices=devices,
-            feasible=False,
-            reasons=reasons,
-            train_layout=train,
-            rollout_layout=rollout,
-            phase_times_s={},
-            memory_per_device_bytes={},
-            peak_phase=None,
-            usable_bytes_per_device=self.usable,
-            host_memory_bytes_per_node=float("nan"),
-            host_memory_limit_bytes_per_node=self.host_limit,
-            layouts_evaluated=n,
-            job=self.job,
-        )
+        return infeasible(self.arch, self.accel, self.job, devices, reasons, layouts_evaluated=n, train=train, rollout=rollout)
+
+
+def infeasible(arch: Architecture, accel: Accelerator, job: Job, devices: int, reasons: list[str], *, layouts_evaluated: int = 0,
+               train=None, rollout=None) -> CostResult:  # fmt: skip
+    """The result of a point that cannot run, with the reasons (the layouts tried, if any)."""
+    return CostResult(
+        model=arch.name,
+        experts=arch.moe.num_experts,
+        original_experts=arch.original_num_experts,
+        accelerator=accel.id,
+        device_unit=accel.device_unit,
+        devices_per_card=accel.devices_per_card,
+        num_devices=devices,
+        feasible=False,
+        reasons=reasons,
+        train_layout=train,
+        rollout_layout=rollout,
+        phase_times_s={},
+        memory_per_device_bytes={},
+        peak_phase=None,
+        usable_bytes_per_device=accel.usable_bytes,
+        host_memory_bytes_per_node=float("nan"),
+        host_memory_limit_bytes_per_node=accel.host_memory_bytes_per_node * HOST_USABLE_FRACTION,
+        layouts_evaluated=layouts_evaluated,
+        job=job,
+    )
 
 
 def evaluate(arch: Architecture, accel: Accelerator, job: Job, devices: int, knobs: Knobs | None = None, *,

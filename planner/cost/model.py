@@ -4,7 +4,8 @@
 take arrays of candidate layouts (`TrainCandidates`, `RolloutCandidates`) and return arrays, so one
 formula serves `planner cost --cards N` (arrays of length 1) and the enumeration of every layout.
 
-Phases of one GRPO/PPO/DAPO step (verl / MindSpeed-RL timers; shared/reference/cost-model.md 2.1):
+Phases of one GRPO/PPO/DAPO step (verl / MindSpeed-RL timers; docs/cost-model.md section "Phases of
+an RL step"):
   rollout      prefill (compute-bound) + decode (bandwidth/overhead-bound, a shrinking batch)
   reference    forward pass of the frozen reference model over every trained token
   old_logprob  forward pass of the actor (skipped on-policy)
@@ -13,7 +14,8 @@ Phases of one GRPO/PPO/DAPO step (verl / MindSpeed-RL timers; shared/reference/c
   switch       offload/onload to host, resharding train -> rollout weights, fixed engine costs
   reward       a fixed time the job states (rule-based rewards overlap and cost ~0)
 
-Memory per device (Megatron-LM theoretical_memory_usage.py, extended; DESIGN.md section 4):
+Memory per device (Megatron-LM theoretical_memory_usage.py, extended; docs/cost-model.md section
+"Memory per device"):
   model states  bf16 weights 2 B/param, fp32 main grads 4 B, Adam: fp32 master 4 B + moments 8 B
                 (or 4 B in bf16), the optimizer part sharded over DP*CP (dense) and EDP (experts)
                 by the distributed optimizer; dense parts split by TP, k/v by min(TP, kv heads),
@@ -61,10 +63,8 @@ class TrainEval:
     logprob_bytes: np.ndarray  # actor forward-only pass
     reference_bytes: np.ndarray
     kept_bytes: np.ndarray  # training states that stay on the device while rolling out
-    offloaded_bytes: np.ndarray  # per device, moved to host and back around the rollout
     switch_host_s: np.ndarray  # the switch's host moves (offload, onload; reference weights)
     switch_gather_s: np.ndarray  # weight_sync gather: every full tensor over the training groups (0 for shard)
-    reference_weight_bytes: np.ndarray  # reference weights per device (onloaded for its pass)
     host_bytes_per_node: np.ndarray
     update_s: np.ndarray
     reference_s: np.ndarray
@@ -270,7 +270,7 @@ class CostModel:
         edp = devices / (etp * ep * pp)
         dp_opt = dp * cp if job.distributed_optimizer else np.ones_like(dp)
         edp_opt = edp if job.distributed_optimizer else np.ones_like(dp)
-        models = 2.0 if job.algorithm == "ppo" else 1.0  # PPO: a critic of the actor's size
+        models = float(job.trained_models)  # PPO: a critic of the actor's size
 
         owner, stage, ppf, starts, s = self._stages(cand)
         o = owner
@@ -415,10 +415,8 @@ class CostModel:
             logprob_bytes=logprob_bytes,
             reference_bytes=reference_bytes,
             kept_bytes=kept_max,
-            offloaded_bytes=moved,
             switch_host_s=2.0 * host_moves / accel.host_link_bytes_per_s,
             switch_gather_s=gather,
-            reference_weight_bytes=ref_weights,
             host_bytes_per_node=host_per_node,
             update_s=update + dispatch.get("update", 0.0),
             reference_s=logprob + dispatch.get("reference", 0.0) if job.reference_model else zeros,
@@ -471,7 +469,7 @@ class CostModel:
     def update_model_flops(self) -> float:
         """Model FLOPs of the update (forward + backward = 3 forwards, per epoch; PPO adds the
         critic), the numerator of the MFU verl reports; recomputation is not model FLOPs."""
-        models = 2.0 if self.job.algorithm == "ppo" else 1.0
+        models = float(self.job.trained_models)
         return 3.0 * self.job.ppo_epochs * self.forward_flops_per_step() * models
 
     def saved_activation_bytes(self, tokens: float) -> float:

@@ -214,7 +214,7 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
     from planner.checkpoint import Checkpoint, build
     from planner.rl.models import ModelRecipe, make_model
     from planner.stats.compute import compute_stats, plan_from_stats
-    from planner.stats.store import STATISTICS_VERSION, load_stats, plan_statistics, save_stats
+    from planner.stats.store import STATISTICS_VERSION, load_stats, plan_key, plan_statistics, save_stats
 
     workdir.mkdir(parents=True, exist_ok=True)
     settings = grid.model_settings()
@@ -259,7 +259,7 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
                 path = root / model
                 if not (path / "expert_map.json").is_file():
                     kind = method.rsplit("-", 1)[0] if method.startswith("random-") else method
-                    stored = {**stats, "seed": int(plan.get("seed", 0)), "plans": {f"K={k}/{kind}": plan}}
+                    stored = {**stats, "seed": int(plan.get("seed", 0)), "plans": {plan_key(k, kind): plan}}
                     p = plan_from_stats(stored, k, kind, model=str(original), seed=int(plan.get("seed", 0)))
                     build(ckpt, p, path, verify="never", force=True)
                 records[f"{base}/{model}"] = {"family": family, "original": base, "seed": seed, "model": model, "path": str(path),

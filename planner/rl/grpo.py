@@ -1,4 +1,4 @@
-"""GRPO on any transformers MoE causal LM, with every metric of DESIGN.md section 7 per step.
+"""GRPO on any transformers MoE causal LM, with every metric of docs/fidelity-labels.md per step.
 
 One step: sample `prompts` x `group` responses from a separate rollout copy of the policy (its own
 precision, optionally its weights rounded to fewer mantissa bits, so train-rollout mismatch exists

@@ -19,7 +19,7 @@ from planner.cost.hardware import Accelerator
 from planner.errors import SpecError
 from planner.units import plural
 
-__all__ = ["Budget", "parse_budget", "MAX_DEVICES"]
+__all__ = ["Budget", "budget_kind", "parse_budget", "MAX_DEVICES"]
 
 # the largest allocation a budget may name: 64 Ki devices, far beyond any published RL run (the
 # largest in calibration/published_runs.yaml uses 256); the search enumerates every count below it
@@ -42,6 +42,11 @@ class Budget:
         cards = f" ({plural(self.max_devices // accel.devices_per_card, 'card')})" if accel.devices_per_card > 1 else ""
         nodes = f" on {self.nodes} nodes" if self.nodes else ""
         return f"{plural(self.max_devices, accel.device_unit)}{cards}{nodes}"
+
+
+def budget_kind(accel: Accelerator) -> str:
+    """The word a budget counts this accelerator's devices in: npu (Ascend), gpu (NVIDIA)."""
+    return _KIND_OF_FAMILY[accel.family]
 
 
 def parse_budget(text: str, accel: Accelerator) -> Budget:

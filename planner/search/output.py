@@ -11,6 +11,7 @@ from planner.fidelity.estimator import family_text
 from planner.plan import Plan
 from planner.render import table
 from planner.search.suggest import OFFLOADS, Option, Suggestion, calibration_files, figures, mechanism_text, reduction
+from planner.stats.store import plan_key
 from planner.summary import validation_text
 from planner.units import gib
 
@@ -193,7 +194,7 @@ def plan_of(s: Suggestion, o: Option) -> Plan:
     }
     deployment = json.loads(json.dumps(deployment, default=lambda v: v.item()))  # numpy scalars -> YAML-safe numbers
     stats = s.request.stats
-    if stats and f"K={o.experts}/{o.method}" in stats.get("plans", {}):
+    if stats and plan_key(o.experts, o.method) in stats.get("plans", {}):
         chosen = plan_from_stats(stats, o.experts, o.method, model=s.request.model, target_ep=target_ep, seed=stats.get("seed", 0))
         return Plan(**{**chosen.__dict__, "deployment": deployment})
     return Plan(model=s.request.model, experts=o.experts, original_experts=c.original_experts, layers={}, method=o.method,

@@ -39,13 +39,13 @@ from typing import Any, Callable
 
 from planner.arch import Architecture
 from planner.catalog import load_accelerator, load_model_config
-from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN, CostResult, candidate_device_counts, evaluate, min_devices
+from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN, CostResult, candidate_device_counts, evaluate, infeasible, min_devices
 from planner.cost.hardware import Accelerator
 from planner.errors import PlannerError, SpecError
-from planner.search.budget import Budget, parse_budget
+from planner.search.budget import Budget, budget_kind, parse_budget
 from planner.specs import Job, Offload
 from planner.plan import BAD_METHODS
-from planner.stats.store import plan_statistics, stale_note
+from planner.stats.store import plan_key, plan_statistics, stale_note
 from planner.units import plural
 
 __all__ = ["FAULTS", "OFFLOADS", "RECOMPUTES", "Request", "Option", "Suggestion", "Suggester", "suggest", "proposable", "saves", "reduction", "fault_conflicts"]
@@ -83,7 +83,7 @@ class Request:
     seed: int = 0
     steps: int = 20  # steps of the reproduction (for hours budgets and totals)
     max_devices: int = 4096  # search bound for hours budgets
-    min_k_ratio: float = 4.0  # K/top_k at least this (DESIGN 5: near-dense routing loses mismatch fragility)
+    min_k_ratio: float = 4.0  # K/top_k at least this: near-dense routing loses mismatch fragility (docs/proxy-rules.md)
     memory_margin: float = DEFAULT_MEMORY_MARGIN  # keep this share of usable device memory free (as `planner preflight` checks)
     # the original as the user ran it, to measure reductions against (not part of the search: a
     # stored study serves any baseline): its device count and its job (e.g. production scale)
@@ -381,13 +381,7 @@ class Suggester:
             try:
                 self._costs[key] = evaluate(arch, self.accel, job, devices, memory_margin=self.request.memory_margin)
             except PlannerError as exc:  # a job-fixed layout that cannot run on this count
-                self._costs[key] = CostResult(
-                    model=self.name, experts=experts, original_experts=self.arch.original_num_experts, accelerator=self.accel.id,
-                    device_unit=self.accel.device_unit, devices_per_card=self.accel.devices_per_card, num_devices=devices,
-                    feasible=False, reasons=[str(exc)], train_layout=None, rollout_layout=None, phase_times_s={},
-                    memory_per_device_bytes={}, peak_phase=None, usable_bytes_per_device=float("nan"),
-                    host_memory_bytes_per_node=float("nan"), host_memory_limit_bytes_per_node=float("nan"), layouts_evaluated=0, job=job,
-                )  # fmt: skip
+                self._costs[key] = infeasible(arch, self.accel, job, devices, [str(exc)])
         return self._costs[key]
 
     def fidelity(self, experts: int, method: str) -> dict[str, Any]:
@@ -410,7 +404,7 @@ class Suggester:
     def features(self, experts: int, method: str) -> dict[str, float]:
         from planner.fidelity.dataset import plan_row
 
-        return plan_row(self.config, experts, plan_statistics(self.request.stats or {}, f"K={experts}/{method}"))
+        return plan_row(self.config, experts, plan_statistics(self.request.stats or {}, plan_key(experts, method)))
 
     def option(self, experts: int, method: str, devices: int, recompute: str, offload: str) -> Option:
         cost = self.cost(experts, devices, recompute, offload)
@@ -584,7 +578,7 @@ def _diagnose(s: Suggester, options: list[Option], baseline: Baseline | None) ->
         out.append(f"no evaluated point fits in memory on up to {plural(s.devices[-1], unit)}; the closest (K={closest.experts if closest else '?'}, "
                    f"{plural(closest.cost.num_devices, unit) if closest else '?'}, full recompute, offload all): {why}")  # fmt: skip
     for (k, method), points in sorted(_by_candidate(options, e).items()):
-        out.append(f"K={k}/{method}: {_why_not(points, req.min_fidelity, baseline, s.budget.describe(s.accel), unit)}")
+        out.append(f"{plan_key(k, method)}: {_why_not(points, req.min_fidelity, baseline, s.budget.describe(s.accel), unit)}")
     smallest = _smallest_budget(s, fitting)
     if smallest:
         out.append(smallest)
@@ -628,7 +622,7 @@ def _smallest_budget(s: Suggester, fitting: list[Option]) -> str:
     clears the threshold fits: its minimum device count, or for an hours budget the fewest
     accelerator-hours of the points evaluated or of each K's minimum count."""
     req, unit = s.request, s.accel.device_unit
-    kind = "npu" if s.accel.family == "ascend" else "gpu"
+    kind = budget_kind(s.accel)
     e = s.arch.original_num_experts  # the original is no proxy: it names no budget
     good = [k for k in s.experts if k != e and any(fidelity_passes(s.fidelity(k, m), req.min_fidelity) for m in s.methods)]
     minima = [(m, k) for k in good if (m := s.minimum(k)) is not None]

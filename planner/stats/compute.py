@@ -34,7 +34,7 @@ from planner.errors import CheckpointError
 from planner.plan import Plan
 from planner.stats.cluster import METHODS, ROUTER_WEIGHT, cosine_distance, select, silhouette
 from planner.stats.sketch import SKETCH_DIM, weight_features
-from planner.stats.store import STATISTICS_VERSION, load_stats, plan_statistics
+from planner.stats.store import STATISTICS_VERSION, load_stats, plan_key, plan_statistics
 
 __all__ = ["LayerFeatures", "compute_stats", "plan_from_stats", "summarise", "default_experts"]
 
@@ -480,7 +480,7 @@ def compute_stats(
     chosen: dict[str, tuple[int, str, dict]] = {}
     for k in sorted(set(experts)):
         for method in methods:
-            chosen[f"K={k}/{method}"] = (k, method, {
+            chosen[plan_key(k, method)] = (k, method, {
                 i: select(method, k, distance=f.distance, router_distance=f.router_distance, saliency=f.saliency,
                           frequency=f.frequency, protected=set(f.super_experts), n_group=arch.moe.n_group, seed=seed)
                 for i, f in features.items()
@@ -534,7 +534,7 @@ def plan_from_stats(stats: dict, experts: int, method: str, *, model: str, mtp: 
                     target_ep: tuple[int, ...] = (), seed: int = 0) -> Plan:  # fmt: skip
     """A plan from stored features: a stored clustering when it matches, else a new one."""
     ck = stats["checkpoint"]
-    key = f"K={experts}/{method}"
+    key = plan_key(experts, method)
     statistics = None
     if key in stats["plans"] and stats.get("seed", 0) == seed:
         kept = {int(i): v for i, v in stats["plans"][key]["kept"].items()}
@@ -554,7 +554,7 @@ def plan_from_stats(stats: dict, experts: int, method: str, *, model: str, mtp: 
     for i in mtp_layers:
         if mtp == "drop":
             del kept[i], labels[i]
-        else:  # DESIGN.md 5: prune MTP with the same map; it continues from the last trunk layer
+        else:  # docs/proxy-rules.md "MTP layers": prune MTP with the same map; it continues from the last trunk layer
             kept[i], labels[i] = kept[max(trunk)], labels[max(trunk)]
     return Plan(
         model=model,

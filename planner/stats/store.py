@@ -17,7 +17,7 @@ import numpy as np
 from planner.errors import SpecError
 from planner.files import read_json, refuse_existing, write_text_atomic
 
-__all__ = ["STATS_SCHEMA", "save_stats", "load_stats"]
+__all__ = ["STATS_SCHEMA", "save_stats", "load_stats", "plan_key", "plan_statistics"]
 
 STATS_SCHEMA = "planner.stats/1"
 
@@ -50,6 +50,11 @@ def _decode(obj: Any) -> Any:
 # 2: every plan measured from the calibration pass's activations (teacher-forced per layer, the KL
 # through residual additivity); 1 (files without the key): one free-running proxy pass per plan
 STATISTICS_VERSION = 2
+
+
+def plan_key(experts: int, method: str) -> str:
+    """The key of one plan in a stats file and everywhere plans are named: 'K=32/agglomerative'."""
+    return f"K={experts}/{method}"
 
 
 def plan_statistics(stats: dict, key: str) -> dict | None:

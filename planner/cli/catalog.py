@@ -9,6 +9,7 @@ import click
 from planner.cli.common import DEFAULT_HARDWARE, DEFAULT_MODEL, DEMO_EXPERTS, calibrated, emit_json, memory_margin_option, parse_ints, run_body
 from planner.errors import InfeasibleError, PlannerError, SpecError
 from planner.files import refuse_existing
+from planner.search.budget import MAX_DEVICES
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -42,11 +43,11 @@ def inspect(model: str, experts: int | None, as_json: bool) -> None:
 @click.command()
 @click.argument("model")
 @click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True, help="Accelerator id or YAML profile.")
-@click.option("--cards", type=click.IntRange(1, 65_536), default=None, help="Devices as the framework counts them (A3: dies).")
+@click.option("--cards", type=click.IntRange(1, MAX_DEVICES), default=None, help="Devices as the framework counts them (A3: dies).")
 @click.option("--min-cards", is_flag=True, help="Find the smallest feasible device count and the best layout there.")
 @click.option("--job", "job_path", type=click.Path(dir_okay=False), default=None, help="RL job YAML (default: GRPO 512x16).")
 @click.option("--experts", type=int, default=None, help="Cost the proxy keeping K experts per MoE layer.")
-@click.option("--max-cards", type=click.IntRange(1, 65_536), default=4096, show_default=True, help="Search bound for --min-cards.")
+@click.option("--max-cards", type=click.IntRange(1, MAX_DEVICES), default=4096, show_default=True, help="Search bound for --min-cards.")
 @click.option("--knobs", "knobs_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Your own `planner fit-knobs -o` output instead of the packaged efficiency knobs.")
 @memory_margin_option

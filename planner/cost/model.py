@@ -39,7 +39,7 @@ from planner.cost.layouts import RolloutCandidates, TrainCandidates
 from planner.cost.lengths import LengthModel
 from planner.specs import Job
 
-__all__ = ["CostModel", "TrainEval", "RolloutEval", "HOST_USABLE_FRACTION", "ROLLOUT_BATCHED_TOKENS"]
+__all__ = ["CostModel", "TrainEval", "RolloutEval", "HOST_USABLE_FRACTION", "ROLLOUT_BATCHED_TOKENS", "BF16_BYTES", "FP32_BYTES"]
 
 # Host RAM a node can give to offloaded tensors; the rest stays for the OS, dataloaders, Ray and
 # pinned staging buffers (assumption, stated in reports).
@@ -47,6 +47,8 @@ HOST_USABLE_FRACTION = 0.8
 # Tokens one rollout-engine forward may process at once (vLLM max_num_batched_tokens); its
 # activation workspace is reserved up front by the engine's profiling run.
 ROLLOUT_BATCHED_TOKENS = 8192
+BF16_BYTES = 2.0  # bytes per element of a bf16 tensor: rollout weights, KV cache, activations on the wire
+FP32_BYTES = 4.0  # bytes per fp32 element: the rollout engine's logits
 
 
 @dataclass(frozen=True)
@@ -401,7 +403,7 @@ class CostModel:
         # shard is a small part), through the slowest group it is gathered over; a pipeline
         # broadcast spans the whole job (pipeline stages are Megatron's outermost ranks)
         gather_span = np.where(pp > 1, devices, np.maximum(tp, ep * etp))
-        gather = self.counts.total * 2.0 / accel.link_bytes_per_s(gather_span) + self.weight_tensors * kn.switch_tensor_s
+        gather = self.counts.total * BF16_BYTES / accel.link_bytes_per_s(gather_span) + self.weight_tensors * kn.switch_tensor_s
         gather = gather if job.weight_sync == "gather" else np.zeros(len(cand))
         zeros = np.zeros(len(cand))
         dispatch = job.dispatch  # as the job gives it: data reaching every rank before a pass starts
@@ -504,17 +506,17 @@ class CostModel:
         dense_parts = c.shared_experts + c.dense_mlp + c.embeddings + c.lm_head
         params = (sharded + dense_parts) / tp + kvp / kv_split + replicated_attn + c.norms + c.router
         params = params + c.routed_experts / inst  # MoE spans the instance (EP or TP)
-        return params * 2.0  # rollout engines serve bf16 weights
+        return params * BF16_BYTES  # rollout engines serve bf16 weights
 
     def kv_bytes_per_token(self, cand: RolloutCandidates) -> np.ndarray:
         """KV-cache bytes one token of context costs on one device (bf16 cache)."""
         a = self.arch.attention
         tp = cand.tp.astype(float)
         if a.kind == "mla":  # latent + rope key per layer, replicated on every TP rank (vLLM MLA)
-            per_layer = np.full_like(tp, (a.kv_lora_rank + a.qk_rope_head_dim) * 2.0)
+            per_layer = np.full_like(tp, (a.kv_lora_rank + a.qk_rope_head_dim) * BF16_BYTES)
         else:
             local_heads = np.maximum(1.0, np.ceil(a.num_kv_heads / tp))
-            per_layer = 2.0 * local_heads * a.head_dim * 2.0
+            per_layer = 2.0 * local_heads * a.head_dim * BF16_BYTES  # K and V
         return per_layer * self.arch.num_layers
 
     def kv_sequence_bytes(self, cand: RolloutCandidates, context: float) -> np.ndarray:
@@ -533,7 +535,10 @@ class CostModel:
         weights = self.rollout_weight_bytes(cand)
         h = arch.hidden_size
         widest = max(arch.dense_intermediate, arch.moe.shared_intermediate, arch.moe.expert_intermediate * arch.moe.top_k)
-        workspace = ROLLOUT_BATCHED_TOKENS * (2.0 * (4 * h + 2 * widest / tp) + 4.0 * arch.vocab_size / tp)
+        # the engine's activation workspace for one batch of ROLLOUT_BATCHED_TOKENS: per token, four
+        # hidden-wide bf16 buffers (residual, normed input, attention output, MLP output) and the widest
+        # MLP's gate and up projections split over TP, plus the fp32 logits over the TP-split vocabulary
+        workspace = ROLLOUT_BATCHED_TOKENS * (BF16_BYTES * (4 * h + 2 * widest / tp) + FP32_BYTES * arch.vocab_size / tp)
         kept = np.broadcast_to(np.asarray(kept_train_bytes, dtype=float), tp.shape)
         budget = job.rollout_memory_utilization * accel.usable_bytes - weights - workspace - kept
         seq_max = self.kv_sequence_bytes(cand, job.max_sequence_tokens)
@@ -551,7 +556,7 @@ class CostModel:
         prefill = prefill_flops / (inst * peak * kn.logprob_mfu)
 
         # decode: sum over step bins of the step time at the live batch
-        expert_bytes_dev = self.routed_total / inst * 2.0
+        expert_bytes_dev = self.routed_total / inst * BF16_BYTES
         nonexpert_bytes = weights - expert_bytes_dev
         k_over_e = arch.moe.top_k / arch.moe.num_experts
         kv_tok = self.kv_bytes_per_token(cand)
@@ -575,11 +580,11 @@ class CostModel:
             t = np.maximum(nbytes / (accel.hbm_bytes_per_s * kn.decode_mbu), flops / (peak * kn.logprob_mfu))
             # per layer: attention TP all-reduce; MoE dispatch + combine (EP) or all-reduce of the
             # instance's tokens (experts tensor-parallel over the instance)
-            attn_comm = 2.0 * batch * h * 2.0 * (tp - 1) / tp / tp_bw
+            attn_comm = 2.0 * batch * h * BF16_BYTES * (tp - 1) / tp / tp_bw  # ring all-reduce: 2 (tp - 1) / tp of the bytes
             moe_comm = np.where(
                 expert_parallel,
-                2.0 * batch / tp * arch.moe.top_k * h * 2.0 * (inst - 1) / inst / inst_bw,
-                2.0 * batch * dp * h * 2.0 * (inst - 1) / inst / inst_bw,
+                2.0 * batch / tp * arch.moe.top_k * h * BF16_BYTES * (inst - 1) / inst / inst_bw,  # dispatch and combine
+                2.0 * batch * dp * h * BF16_BYTES * (inst - 1) / inst / inst_bw,  # ring all-reduce
             )
             comm = arch.num_layers * attn_comm + arch.num_moe_layers * moe_comm
             return t + comm + step_fixed

@@ -396,8 +396,8 @@ class Suggester:
                 block = self.estimator.predict(row, self.recipe)
                 dropped = row.get("frequency_dropped_mean")
                 if dropped is not None and math.isfinite(dropped) and dropped > 1 - experts / e + 1e-9:
-                    block["rejected"] = (f"drops {dropped:.2f} of the routing mass, more than a random plan of K={experts} would "
-                                         f"({1 - experts / e:.2f}): it keeps rarely used experts")  # fmt: skip
+                    block = {**block, "rejected": f"drops {dropped:.2f} of the routing mass, more than a random plan of K={experts} "
+                                                  f"would ({1 - experts / e:.2f}): it keeps rarely used experts"}  # fmt: skip
                 self._fidelity[key] = block
         return self._fidelity[key]
 

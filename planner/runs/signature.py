@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.runs.detect import detect, first_fault
+from planner.runs.precursors import precursors
 from planner.runs.read import Run, read_run
 
 __all__ = ["signature", "signature_of", "render_signature"]
@@ -17,7 +18,9 @@ def signature_of(run: Run) -> dict[str, Any]:
 
     def with_source(f) -> dict:
         out = f.to_json()
-        out["source_key"] = run.sources.get(f.metric) if f.metric else None
+        # the trainer's key(s) behind the canonical metric(s) the finding read ("a, b" where it read two)
+        keys = [run.sources.get(name, name) for name in f.metric.split(", ")] if f.metric else []
+        out["source_key"] = ", ".join(keys) if keys else None
         return out
 
     steps = run.steps
@@ -31,6 +34,8 @@ def signature_of(run: Run) -> dict[str, Any]:
         "notes": list(run.notes),
         "fault": with_source(first) if first else None,
         "detectors": [with_source(f) for f in findings],
+        # signals that build up before a fault (planner.runs.precursors): listed, never the fault
+        "precursors": [with_source(f) for f in precursors(run.steps, run.signals())],
     }
 
 
@@ -62,4 +67,10 @@ def render_signature(sig: dict[str, Any]) -> str:
         result = "not logged" if not d["logged"] else ("-" if d["onset_step"] is None else f"step {d['onset_step']}")
         rows.append([d["fault"], result, d["source_key"] or d["metric"] or "-", d["rule"]])
     lines.append(table(["detector", "onset", "metric", "rule"], rows, title="every detector"))
+    pre = [d for d in sig.get("precursors", []) if d["logged"]]
+    if pre:
+        rows = [[d["fault"], "-" if d["onset_step"] is None else f"step {d['onset_step']}", d["source_key"] or d["metric"] or "-",
+                 "-" if d["threshold"] is None else _num(d["threshold"]), d["rule"]] for d in pre]  # fmt: skip
+        lines.append(table(["precursor", "first seen", "metric", "threshold", "rule"], rows,
+                           title="precursors (signals reported before a collapse; not faults)"))  # fmt: skip
     return "\n\n".join(lines)

@@ -65,6 +65,13 @@ FAULTS = {
 OFFLOADS = {"none": Offload(params=False, grads=False, optimizer=False), "optimizer": Offload(params=False, grads=False, optimizer=True),
             "all": Offload(params=True, grads=True, optimizer=True)}  # fmt: skip
 ENUMERATE_UP_TO = 2000  # a space of at most this many points is enumerated (each point once), whatever --trials says
+# Search heuristics (planner's own choices, checked against enumeration by benchmarks/suggest_search.py):
+NEAR_MINIMUM = 3  # device counts kept from each K's minimum up: cost per step grows with devices past it
+KEEP_EVERY_COUNT_UP_TO = 24  # a budget with at most this many allocation sizes keeps them all
+DENSE_NODES = 8  # above that many nodes only powers of two (and the counts near a minimum) are searched
+NSGA_POPULATION = (4, 40, 6)  # NSGA-II population: trials / 6, within [4, 40]
+BASELINE_SPAN = 4  # the original's cheapest is looked for from its minimum count up to 4x it
+BASELINE_COUNTS = (3, 8)  # there: the first 3 counts, 8 spread over the rest, and every count the search visits
 RECOMPUTES = ("none", "selective", "moe", "full")  # every mode the cost model prices (moe: MindSpeed moe_zero_memory, Megatron recompute_modules moe)
 DEFAULT_METHOD = "agglomerative"
 
@@ -338,10 +345,10 @@ class Suggester:
             m = self.minimum(k)
             if m is not None and m.num_devices in counts:
                 i = counts.index(m.num_devices)
-                near.update(counts[i : i + 3])
-        if len(counts) <= 24:
+                near.update(counts[i : i + NEAR_MINIMUM])
+        if len(counts) <= KEEP_EVERY_COUNT_UP_TO:
             return counts
-        return [n for n in counts if n in near or n < per_node or n // per_node <= 8 or (n // per_node) & (n // per_node - 1) == 0]
+        return [n for n in counts if n in near or n < per_node or n // per_node <= DENSE_NODES or (n // per_node) & (n // per_node - 1) == 0]
 
     def _methods(self) -> list[str]:
         stats = self.request.stats
@@ -448,7 +455,8 @@ class Suggester:
 
             sampler = SpaceSampler(space, seed=req.seed)
         else:
-            sampler = optuna.samplers.NSGAIISampler(seed=req.seed, population_size=min(40, max(4, req.trials // 6)))
+            lo, hi, per = NSGA_POPULATION
+            sampler = optuna.samplers.NSGAIISampler(seed=req.seed, population_size=min(hi, max(lo, req.trials // per)))
         storage = None
         if req.storage:
             from planner.rdb import rdb_storage
@@ -515,9 +523,10 @@ class Suggester:
         minimum = self.minimum(e)
         if minimum is None:
             return None
-        all_counts = candidate_device_counts(self.accel, min(self.request.max_devices, 4 * minimum.num_devices))
+        all_counts = candidate_device_counts(self.accel, min(self.request.max_devices, BASELINE_SPAN * minimum.num_devices))
         counts = [n for n in all_counts if n >= minimum.num_devices]
-        counts = set(counts[:3]) | {counts[round(i * (len(counts) - 1) / 7)] for i in range(8)}  # the first three, then spread
+        first, spread = BASELINE_COUNTS
+        counts = set(counts[:first]) | {counts[round(i * (len(counts) - 1) / (spread - 1))] for i in range(spread)}
         # and every count the search visits: no original the search evaluates is cheaper than the baseline
         counts |= {n for n in self.devices if n >= minimum.num_devices}
         fitting = [c for n in sorted(counts) for r in RECOMPUTES for o in OFFLOADS if (c := self.cost(e, n, r, o)).feasible]

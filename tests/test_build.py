@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from checkpoints import add_mtp_layer, corrupt_header_length, family_config, save_tiny  # noqa: E402
+import torch  # noqa: E402
 import transformers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
@@ -47,20 +48,32 @@ def test_round_trip(tmp_path, family, sharded):
     source = save_tiny(tmp_path / "src", family_config(family), sharded=sharded)
     ckpt = Checkpoint(source)
     e = ckpt.arch.original_num_experts
+    # the build compares the proxy with the original on 2 x 24 random tokens (seed 0): the same tokens through
+    # transformers' own models, each held whole, give the KL to check its figure against
+    ids = torch.randint(0, ckpt.arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        original_logits = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True).eval()(ids).logits.double()
     for k in sorted({e, *ckpt.arch.legal_expert_counts()[:2]}):
         out = tmp_path / f"k{k}"
         report = build(ckpt, even_plan(ckpt, k), out, verify="always")
         v = report.verification
         assert v["load"].startswith("every tensor feeds a parameter, none missing (layer by layer") and v["forward"] == "finite"
         # transformers' own loader agrees: nothing missing, unexpected (MTP layers aside) or resized
-        _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, local_files_only=True)
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, local_files_only=True)
         layer_of = (re.search(r"layers\.(\d+)\.", n) for n in info["unexpected_keys"])
         unexpected = [m for m in layer_of if not m or int(m.group(1)) < ckpt.arch.num_layers]
         assert not info["missing_keys"] and not unexpected and not info["mismatched_keys"], info
         if k == e:
             assert v["logits"] == "bit-identical to the original" and report.bytes_skipped == 0
         else:
-            assert v["kl_original_proxy"] >= 0 and report.bytes_skipped > 0
+            assert report.bytes_skipped > 0
+            # KL(original || proxy) of the next-token distributions, mean over the 48 positions, from torch's kl_div
+            with torch.no_grad():
+                proxy_logits = model.eval()(ids).logits.double()
+            kl = float(torch.nn.functional.kl_div(torch.log_softmax(proxy_logits, -1), torch.log_softmax(original_logits, -1),
+                                                  log_target=True, reduction="none").sum(-1).mean())  # fmt: skip
+            assert kl > 0  # half the experts gone: the proxy predicts otherwise
+            assert v["kl_original_proxy"] == pytest.approx(kl, rel=1e-5), (v["kl_original_proxy"], kl)  # equal here: the same modules
         config = json.loads((out / "config.json").read_text())
         original = json.loads((source / "config.json").read_text())
         changed = {key for key in config if config[key] != original.get(key)}

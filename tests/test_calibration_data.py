@@ -39,6 +39,44 @@ def run_cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
+def assert_ridge_optima(recipes: dict, rows: list[dict]) -> None:
+    """Each pooled shift model is what its documented fit makes of the dataset, checked here with numpy
+    rather than by refitting: ridge regression of shift_log2 on the features standardised by their mean
+    and population SD, the intercept the mean shift, over the recipe's labelled rows (finite, uncensored
+    shift; finite features; the negative control `mis-sliced` left out), the penalty one of 0.1, 1, 10,
+    100, 1000, and sign constraints where the mechanism fixes a sign (router-collapse: routing mass
+    dropped <= 0; fp16-overflow: K/E >= 0). At such an optimum, with g = Z'(Zc - (y - mean y)), every
+    free coefficient has g_j + alpha c_j = 0, so each implies the same alpha; a coefficient held at 0
+    by its sign has g_j pushing across the bound."""
+    signs = {"router-collapse": {"frequency_dropped_mean": -1}, "fp16-overflow": {"kept_fraction": +1}}
+    for recipe, entry in recipes.items():
+        for variant, names in (("full", entry["features"]), ("K/E only", ["kept_fraction"]), ("recipe mean", [])):
+            model = entry["models"][variant]
+            used = [r for r in rows if r["recipe"] == recipe and math.isfinite(r["shift_log2"]) and r["censored"] != 1
+                    and r["method"] != "mis-sliced" and all(math.isfinite(r[n]) for n in names)]  # fmt: skip
+            y = np.array([r["shift_log2"] for r in used])
+            x = np.array([[r[n] for n in names] for r in used]) if names else np.ones((len(used), 1))
+            scale = np.where(x.std(0) > 0, x.std(0), 1.0)
+            where = f"{recipe} {variant}"
+            assert len(model["residuals"]) == len(used), where  # one held-out residual per training row
+            assert np.allclose(model["mean"], x.mean(0), rtol=1e-9) and np.allclose(model["scale"], scale, rtol=1e-9), where
+            assert model["intercept"] == pytest.approx(float(y.mean()), rel=1e-9), where
+            z, coef = (x - x.mean(0)) / scale, np.array(model["coef"])
+            grad = z.T @ (z @ coef - (y - y.mean()))
+            free = np.abs(coef) > 1e-12
+            implied = -grad[free] / coef[free]
+            if free.any():
+                assert np.allclose(implied, implied[0], rtol=1e-5) and min(abs(implied[0] / a - 1) for a in (0.1, 1, 10, 100, 1000)) < 1e-5, \
+                    (where, implied)  # fmt: skip
+            for n, c, g in zip(names, coef, grad):
+                sign = signs.get(recipe, {}).get(n, 0)
+                assert c * sign >= 0, (where, n, c)
+                if not abs(c) > 1e-12 and sign:
+                    assert g * sign >= -1e-9, (where, n, g)  # held at 0: the free optimum lies across the bound
+                elif not abs(c) > 1e-12 and names:
+                    assert abs(g) < 1e-6, (where, n, g)
+
+
 # ---- calibrate add, fit, report; the committed dataset --------------------------------------------
 
 @pytest.mark.slow
@@ -70,10 +108,14 @@ def test_committed_dataset_meets_the_grid_spec_and_reports():
     for recipe, entry in estimator.recipes.items():
         assert set(report["recipes"][recipe]["original"]["variants"]) == set(variants(recipe)) >= {"full", "K/E only", "recipe mean"}
         assert entry["gate"]["skill"] == skill_gate(report, recipe)["skill"]
+    committed = json.loads((ROOT / "calibration" / "fidelity.json").read_text())["recipes"]
+    # the committed numbers are the optima of the documented fit on the committed data (checked by numpy,
+    # not by the code that made them)
+    assert_ridge_optima(committed, rows)
     refit = json.loads(json.dumps(FidelityEstimator.fit(rows).to_json()))
-    # regenerable: the same fit on another machine may differ in the last digits (BLAS summation
+    # and regenerable: the same fit on another machine may differ in the last digits (BLAS summation
     # order), so every fitted number must agree to 1e-9 relative, far below any printed figure
-    assert_same_numbers(refit["recipes"], json.loads((ROOT / "calibration" / "fidelity.json").read_text())["recipes"], "recipes")
+    assert_same_numbers(refit["recipes"], committed, "recipes")
     for recipe, entry in estimator.recipes.items():
         for family, gate in entry["gates"].items():
             row = next(r for r in labelled if r["recipe"] == recipe and r["family"] == family and not estimator.outside(r, recipe))
@@ -117,7 +159,27 @@ def test_calibrate_add_updates_the_dataset_and_a_refit_changes_predictions(rl_mo
                     "--dataset", dataset, "--json")  # fmt: skip
     assert added.exit_code == 0, added.output
     row = json.loads(added.stdout)
-    assert row["recipe"] == "rollout-mismatch" and row["experts"] == 8 and row["shift_log2"] is not None and row["outcome"] in OUTCOMES
+    assert row["recipe"] == "rollout-mismatch" and row["experts"] == 8 and row["original_experts"] == 32
+    # the labels by hand from the two margin files (the knob, mantissa bits removed, is in log2 units already):
+    # the shift is the proxy's mean critical knob minus the original's; the noise floor the original's seed SD,
+    # raised to the bisection's resolution where the seeds agree more closely than it resolves
+    margins = {side: json.loads((tmp_path / side / "margin.json").read_text()) for side in ("a", "b")}
+    o, p = (np.array(margins[side]["values"], dtype=float) for side in ("a", "b"))
+    assert (row["critical_original"], row["critical_proxy"]) == (margins["a"]["mean"], margins["b"]["mean"])
+    assert row["shift_log2"] == pytest.approx(p.mean() - o.mean(), abs=1e-12)
+    resolution = max(margins["a"]["resolution"], margins["b"]["resolution"])
+    assert row["resolution_log2"] == resolution and row["noise_log2"] == pytest.approx(max(float(np.std(o, ddof=1)), resolution))
+    censored = any(margins["a"]["censored"] + margins["b"]["censored"])
+    assert row["censored"] == int(censored)
+    # the decision is an equivalence test against a factor of two (+-1 log2) on the interval around the shift:
+    # inside it "reproduced", beyond it "not reproduced", else "undetermined"; a censored side decides nothing
+    # but a "not reproduced" its bound settles
+    low, high = row["shift_low"], row["shift_high"]
+    assert low < row["shift_log2"] < high and high - row["shift_log2"] == pytest.approx(row["shift_log2"] - low)
+    decided = "reproduced" if -1 < low and high < 1 else "not reproduced" if low > 1 or high < -1 else "undetermined"
+    if any(margins["a"]["censored"]) or (censored and decided != "not reproduced"):
+        decided = "undetermined"
+    assert row["outcome"] == decided, row
     rows = read_dataset(dataset)
     assert len(rows) == n + 1 and rows[-1]["source"].startswith("add:")
     assert all(math.isfinite(rows[-1][f]) for f in FULL_FEATURES)  # the plan's statistics are the features

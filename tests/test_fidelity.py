@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from planner.fidelity.labels import OUTCOMES
 from click.testing import CliRunner
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
@@ -74,7 +73,11 @@ def test_p_reproduced_follows_the_predictive_distribution():
     model = ShiftModel(np.zeros(1), np.ones(1), np.array([1.0]), 0.0, 0.5, residuals, np.repeat(["a", "b"], [50, 51]))
     p, low, high = model.p_within(np.array([[0.0], [0.8], [3.0]]), tolerance=1.0)
     assert p[0] == 1.0 and p[2] == 0.0  # all of the distribution inside, then all outside the tolerance
-    assert 0.6 < p[1] < 0.75 and low[1] <= p[1] <= high[1]  # |0.8 + r| < 1 for r < 0.2: 70 of 101
+    # |0.8 + r| < 1 for r = -0.5 + 0.01 i < 0.2, i = 0..69: 70 of the 101 residuals
+    assert p[1] == pytest.approx(70 / 101, abs=1e-12)
+    # the interval spans the shares of each original's residuals alone: "a" (i = 0..49) all 50 inside, "b"
+    # (i = 50..100) 20 of 51; the 10th to 90th percentile lies between them and holds P
+    assert 20 / 51 <= low[1] < p[1] < high[1] <= 1.0
 
 
 def test_estimator_file_is_json_and_rejects_other_files(tmp_path):
@@ -207,7 +210,14 @@ def test_pair_row_labels_censoring_and_not_applicable():
         return {"margin": {"values": values, "mean": float(np.mean(values)), "censored": censored, "resolution": 0.035}}
 
     row = pair_row("fp16-overflow", margin([19.0, 19.5, 19.2, 19.3]), margin([18.0, 18.5, 18.2, 18.3]), experts=8, top_k=4)
-    assert row["shift_log2"] == pytest.approx(-1.0) and row["censored"] == 0 and row["outcome"] in ("not reproduced", "undetermined")
+    # by hand: shift -1.0; each side's seed variance (0.0625 + 0.0625 + 0.0025 + 0.0025) / 3 = 0.04333 (SD 0.2082, above
+    # the 0.035 resolution); Welch SE sqrt(2 x 0.04333 / 4) = 0.14720 on 6 degrees of freedom, t(0.95, 6) = 1.943180:
+    # the 90% interval is -1 +- 0.28603 = [-1.28603, -0.71397]. It straddles -1, the edge of the factor-of-two
+    # equivalence margin: neither inside (reproduced) nor wholly beyond it (not reproduced)
+    assert row["shift_log2"] == pytest.approx(-1.0) and row["censored"] == 0
+    assert row["shift_se"] == pytest.approx(0.147196, abs=1e-6)
+    assert (row["shift_low"], row["shift_high"]) == (pytest.approx(-1.28603, abs=1e-5), pytest.approx(-0.71397, abs=1e-5))
+    assert row["outcome"] == "undetermined"
     assert row["noise_log2"] == pytest.approx(np.std([19.0, 19.5, 19.2, 19.3], ddof=1)) and row["resolution_log2"] == 0.035
     na = pair_row("router-collapse", margin([-1.0, -1.1]), margin([-1.0, -1.2]), experts=4, top_k=4)
     assert na["outcome"] == "not applicable" and math.isnan(na["shift_log2"])
@@ -291,7 +301,15 @@ def test_two_workers_share_one_sqlite_study(mini_grid, tmp_path):
         _completed_once(trials, _units(grid, work, phase))
         assert not [t for t in trials if t.state.name in ("FAIL", "RUNNING", "WAITING")]
     rows, noise = export(storage, grid, work)
-    assert len(rows) == 4 and all(math.isfinite(r["shift_log2"]) and r["outcome"] in OUTCOMES for r in rows)
+    assert len(rows) == 4 and all(math.isfinite(r["shift_log2"]) for r in rows)
+    for r in rows:  # whether a proxy reproduces is this CPU's training; the outcome is the one its interval decides
+        low, high = r["shift_low"], r["shift_high"]
+        assert low <= r["shift_log2"] <= high
+        decided = "reproduced" if -1 < low and high < 1 else "not reproduced" if low > 1 or high < -1 else "undetermined"
+        if r["censored"]:  # a bound settles nothing but a "not reproduced" it reaches (and not when the original's)
+            assert r["outcome"] == "undetermined" or r["outcome"] == decided == "not reproduced", r
+        else:
+            assert r["outcome"] == decided, r
     assert len(noise) == 2 and all(n["original"] == "qwen3_moe-s0" and len(n["values"]) == 2 for n in noise)
     assert all(r["frequency_dropped_mean"] > 0 for r in rows)  # the plan statistics became features
     before = len(_trials(storage, grid, "proxies"))
@@ -448,7 +466,8 @@ def test_a_study_made_for_other_grid_points_stops_with_a_message(tmp_path):
     grown = optuna.load_study(study_name="s", storage=storage, sampler=optuna.samplers.GridSampler({"unit": ["a", "b"]}))
     with pytest.raises(SpecError, match="grid points differ"):
         _work(grown, ["a", "b"], lambda unit: {"unit": unit})
-    assert len(grown.trials) <= 3
+    # one attempt, then the stop: the completed point and the one trial that could not draw a grid point
+    assert [(t.state.name, t.params) for t in grown.trials] == [("COMPLETE", {"unit": "a"}), ("FAIL", {})]
 
 
 def test_calibrate_fit_refuses_data_it_cannot_fit(tmp_path):

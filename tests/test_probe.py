@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 from click.testing import CliRunner
@@ -56,7 +57,22 @@ def test_probe_cli_writes_the_labels_and_refuses_bad_input(pair, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["labels"] == json.loads(result.stdout)["labels"]
-    assert len(data["original"]["values"]) == 2 and data["labels"]["outcome"] in ("reproduced", "not reproduced", "undetermined")
+    labels, side_o, side_p = data["labels"], data["original"], data["proxy"]
+    assert len(side_o["values"]) == len(side_p["values"]) == 2
+    # by hand: the knob's bracket is [0, 23] mantissa bits (log2 units), halved 3 + 1 times: 23 / 16 = 1.4375 bits
+    assert data["resolution"] == 23 / 16
+    assert labels["shift_log2"] == pytest.approx(statistics.mean(side_p["values"]) - statistics.mean(side_o["values"]), abs=1e-12)
+    assert labels["noise_log2"] == pytest.approx(max(statistics.stdev(side_o["values"]), 23 / 16))  # seed SD, floored
+    # two seeds a side: each side's SD counts at least the resolution, so the shift's standard error is at least
+    # sqrt(1.4375^2 / 2 + 1.4375^2 / 2) = 1.4375 bits and its Welch degrees of freedom at most 2 + 2 - 2 = 2; the 90%
+    # interval reaches t(0.95, 2) = 2.919986 standard errors either side, 4.20 bits: wider than the +-1 bit the
+    # equivalence test needs, so 2 seeds cannot show "reproduced"; beyond +-1 entirely it is "not reproduced"
+    shift, low, high = labels["shift_log2"], labels["shift_low"], labels["shift_high"]
+    assert high - shift == pytest.approx(shift - low) and high - shift >= 2.919986 * 1.4375 - 1e-6
+    decided = "not reproduced" if low > 1 or high < -1 else "undetermined"
+    if any(side_o["censored"]) or (any(side_p["censored"]) and decided != "not reproduced"):
+        decided = "undetermined"  # a censored side is a bound: only a "not reproduced" it settles stands
+    assert labels["outcome"] == decided, labels
     again = run_cli("probe", original, proxy, "--recipe", "rollout-mismatch", "--seeds", "0,1", "-o", out)
     assert again.exit_code == 2 and "--force" in again.output
     one = run_cli("probe", original, proxy, "--recipe", "fp16-overflow", "--seeds", "0")

@@ -2,19 +2,23 @@
 
 The knobs stored in calibration/knobs.json are fitted to every run (fewer free parameters than runs
 of each family); the file also stores, per run, the prediction of knobs refitted without that run.
-Pinned here: those out-of-sample figures as measured (13 of 16 runs within 25% on the step; the
-three outside are named in calibration/published_runs.md and calibration/README.md), and refitting
+Checked here: the stored figures are against the published ones; the runs outside 25% on the step
+out of sample are the ones calibration/README.md explains; what any minimiser guarantees (each run
+fits in sample at least as well as left out, and the fit beats its priors); and refitting
 reproduces the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+from pathlib import Path
 
 import pytest
 
 from planner.cost.fit import FAMILY_KNOBS, PHASES, SHARED_KNOBS, fit_all, load_runs, loo_summary, residual_table, update_mfu_checks
-from planner.cost.knobs import knobs_path, load_knobs
+from planner.cost.knobs import PRIOR, knobs_path, load_knobs
 
 RUNS = load_runs()
 STORED = json.loads(knobs_path().read_text())
@@ -46,15 +50,44 @@ def test_residuals_and_leave_one_out_stored_with_the_knobs():
         assert row["ratio"] == pytest.approx(stored[(row["run"], row["phase"])], abs=2e-3), row
 
 
+def _data_loss(rows: list[dict]) -> dict[str, float]:
+    """Per run, the fit's data term (knobs.json's objective): the sum of log(predicted / published)^2."""
+    out: dict[str, float] = {}
+    for r in rows:
+        if r["published_s"] > 0:
+            out[r["run"]] = out.get(r["run"], 0.0) + math.log(max(r["predicted_s"], 1e-9) / r["published_s"]) ** 2
+    return out
+
+
 def test_out_of_sample_error_as_measured():
+    # the stored figures are against the published phase times of calibration/published_runs.yaml (each with
+    # its source there), the ratio being predicted / published
+    published = {(r.id, phase): value for r in RUNS for phase, value in r.published.items()}
+    for row in STORED["residuals"] + STORED["leave_one_out"]:
+        assert row["published_s"] == published[(row["run"], row["phase"])], row
+        if row["published_s"] > 0:
+            assert row["ratio"] == pytest.approx(row["predicted_s"] / row["published_s"], abs=1e-3), row
+    step = {r["run"]: r["ratio"] for r in STORED["leave_one_out"] if r["phase"] == "step"}
+    outside = {run for run, ratio in step.items() if abs(ratio - 1) > 0.25}
     summary = loo_summary(STORED["leave_one_out"])
-    assert summary["runs"] == len(RUNS)
-    assert summary["runs_within_25"] >= 13, summary
-    # in sample every step total is within 45% (the worst: dsv3-h20-96, 44%, whose ~400 s outside the
-    # rollout and the actor update the model does not find)
-    for row in STORED["residuals"]:
-        if row["phase"] == "step":
-            assert abs(row["ratio"] - 1) <= 0.45, row
+    assert summary["runs"] == len(step) == len(RUNS) and summary["runs_within_25"] == len(RUNS) - len(outside), summary
+    # the runs outside 25% out of sample are the ones calibration/README.md names and explains
+    readme = (Path(__file__).resolve().parents[1] / "calibration" / "README.md").read_text()
+    explained = readme[readme.index("The three outside"):].split("\n\nNot fitted")[0]
+    assert outside == set(re.findall(r"^- `([\w.-]+)` \(x", explained, flags=re.MULTILINE)), (outside, explained)
+
+    # What any minimiser guarantees, whatever the data. The full fit minimises sum_j L_j + P over the knobs
+    # (L_j: run j's data term, P: the prior penalty), the fit without run i minimises sum_{j != i} L_j + P, so
+    # L_i(full) + S(full) <= L_i(without i) + S(without i) and S(without i) <= S(full), with S = sum_{j != i} L_j + P:
+    # each run fits in sample at least as well as out of sample
+    fitted, left_out = _data_loss(STORED["residuals"]), _data_loss(STORED["leave_one_out"])
+    assert fitted.keys() == left_out.keys() == {r.id for r in RUNS}
+    for run in fitted:
+        assert fitted[run] <= left_out[run] + 1e-6, (run, fitted[run], left_out[run])
+    # and the fit starts from the priors (P = 0 there) and never raises the objective: its data term is below
+    # the priors' own, which the cost model computes here afresh
+    priors = _data_loss(residual_table(RUNS, {family: PRIOR[family] for family in {r.family for r in RUNS}}))
+    assert sum(fitted.values()) <= STORED["loss"] < sum(priors.values()), (sum(fitted.values()), STORED["loss"], sum(priors.values()))
 
 
 @pytest.mark.slow

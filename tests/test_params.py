@@ -170,3 +170,17 @@ def test_pruning_shrinks_only_routed_experts_and_router():
     assert (proxy.attention, proxy.embeddings, proxy.norms) == (full.attention, full.embeddings, full.norms)
     # top-k kept: a token touches the same experts' worth of parameters; only the router is smaller
     assert full.active - proxy.active == full.router - proxy.router
+
+
+def test_models_shows_our_active_count_under_the_publishers_convention():
+    """GPT-OSS-20B: every parameter a token touches is 4.19B (both embedding tables counted); OpenAI's
+    3.6B leaves out the input embedding (201,088 x 2,880 = 0.58B), and under that convention our count
+    is 3.61B: the listing says so next to the published figure."""
+    from click.testing import CliRunner
+
+    from planner.cli import main
+
+    out = CliRunner().invoke(main, ["models"]).output
+    row = next(line for line in out.splitlines() if line.startswith("gpt-oss-20b"))
+    assert "4.19B" in row and "21.00B / 3.60B (without the input embedding: ours 3.61B)" in row
+    assert 4.19e9 - 201_088 * 2_880 == pytest.approx(3.61e9, abs=0.01e9)

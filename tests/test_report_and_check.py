@@ -150,3 +150,10 @@ def test_ctrl_c_during_check_leaves_no_output_folder(rl_model, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT and "interrupted (SIGINT)" in err, err
     assert not out.exists()
+    # run to its end, the check's own output holds no line of the profiler's native chatter
+    done = subprocess.run([sys.executable, "-m", "planner.cli", "check", str(tmp_path / "plan.yaml"), "--checkpoint", str(model),
+                           "--steps", "3", "-o", str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for chatter in ("profiler_start", "profiler_stop", "CPUAllocator", "Memory block of unknown size"):
+        assert chatter not in done.stdout + done.stderr, chatter
+    assert "(median of 1 step)" in done.stdout  # 3 steps: the first two are warm-up and the measured one

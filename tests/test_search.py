@@ -302,6 +302,10 @@ def test_one_baseline_feeds_every_line():
     originals = [o for o in result.options if o.experts == result.baseline.minimum.original_experts and o.fits]
     assert {o.cost.num_devices for o in originals} >= {64}
     assert min(o.hours for o in originals) >= result.baseline.cheapest.device_hours_per_step
+    from planner.search.output import render_suggestion
+
+    # GLM-4.5-Air's routing shape is not calibrated: the table says what its rows passed, not a threshold
+    assert "cheapest proxies that pass the hard rules (none has a calibrated P)" in render_suggestion(result)
     r = reduction(result.best.cost, result.baseline)["by_mechanism"]
     assert r["baseline_step_s"] == pytest.approx(result.baseline.cheapest.step_time_s, rel=1e-12)  # the step factor's two seconds
     assert r["step_s"] == result.best.cost.step_time_s

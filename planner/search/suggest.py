@@ -622,6 +622,7 @@ def _why_not(points: list[Option], min_fidelity: float, baseline: Baseline | Non
         return f"over the budget {budget}: the cheapest fitting point needs {o.budget_note}"
     o = min(within, key=lambda o: (o.hours, o.cost.num_devices))
     b = baseline
+    assert b is not None, "without a baseline every fitting proxy saves, so one within the budget is proposed"
     return (f"costs more than the original in every measure: at best {o.cost.num_devices} {unit}s and {o.hours:,.2f} {unit}-hours/step "
             f"against the original's {b.minimum.num_devices} {unit}s minimum and {b.cheapest.device_hours_per_step:,.2f} {unit}-hours/step cheapest")  # fmt: skip
 

@@ -243,21 +243,22 @@ def _held_out(runs: list[PublishedRun], n: int) -> list[dict[str, Any]]:
     return residual_table([held], {held.family: knobs[held.family]})
 
 
-def leave_one_out(runs: list[PublishedRun], progress=None) -> list[dict[str, Any]]:
-    """For each run: refit without it, predict it. One row per run and published phase. The refits
-    are independent: one process per CPU runs them."""
+def leave_one_out(runs: list[PublishedRun], progress=None, *, only: list[str] | None = None) -> list[dict[str, Any]]:
+    """For each run (or each run whose id is in `only`): refit without it, predict it. One row per
+    run and published phase. The refits are independent: one process per CPU runs them."""
     import os
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
+    held = [n for n, r in enumerate(runs) if only is None or r.id in only]
     results: dict[int, list] = {}
-    with ProcessPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(runs)))) as pool:
-        futures = {pool.submit(_held_out, runs, n): n for n in range(len(runs))}
+    with ProcessPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(held)))) as pool:
+        futures = {pool.submit(_held_out, runs, n): n for n in held}
         for done, future in enumerate(as_completed(futures)):
             n = futures[future]
             results[n] = future.result()
             if progress:
-                progress(done, len(runs), runs[n].id)
-    return [row for n in range(len(runs)) for row in results[n]]
+                progress(done, len(held), runs[n].id)
+    return [row for n in held for row in results[n]]
 
 
 def fit_all(runs: list[PublishedRun] | None = None, *, progress=None) -> dict[str, Any]:

@@ -247,7 +247,14 @@ def test_a_dead_expert_plan_is_predicted_worse_and_never_suggested(rl_model, tmp
     # when it drops more than a random plan of its K would
     assert bool(suggester.fidelity(8, "agglomerative").get("rejected")) == (dropped["agglomerative"] > 1 - 8 / 32)
     assert "keeps rarely used experts" in suggester.fidelity(8, "least-used")["rejected"]
-    result = run_cli("suggest", "--model", model, "--budget", "1npu", "--stats", stats_path, "--fault", "router-collapse", "--min-k-ratio", "1",
+    # the CLI on a stats file whose clustered plans sit below the random-plan line (planted: how much mass
+    # this CPU's trained weights leave them is borderline), so a proxy qualifies on any machine
+    doc = json.loads(stats_path.read_text())
+    for k in (8, 16):
+        doc["plans"][f"K={k}/agglomerative"]["summary"]["frequency_dropped"]["mean"] = 0.5 * (1 - k / 32)
+    planted = tmp_path / "planted.json"
+    planted.write_text(json.dumps(doc))
+    result = run_cli("suggest", "--model", model, "--budget", "1npu", "--stats", planted, "--fault", "router-collapse", "--min-k-ratio", "1",
                      "--min-fidelity", "0", "--json")  # fmt: skip
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)

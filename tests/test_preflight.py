@@ -120,6 +120,12 @@ def test_host_memory_routing_replay_and_metrics_fail(suggested, tmp_path):
 def test_checkpoint_and_stats_consistency(rl_model, tmp_path):
     model = rl_model[0]
     assert run_cli("stats", model, "--experts", "16", "--calib-tokens", "512", "--seq-len", "64", "-o", tmp_path / "stats.json").exit_code == 0
+    # whether the small model's K=16 plan drops more routing mass than a random plan (0.5) would is a
+    # borderline outcome of its training, which differs by CPU kernel: planted below that line, the plan
+    # is one that suggest may propose and preflight passes, on any machine
+    doc = json.loads((tmp_path / "stats.json").read_text())
+    doc["plans"]["K=16/agglomerative"]["summary"]["frequency_dropped"]["mean"] = 0.3
+    (tmp_path / "stats.json").write_text(json.dumps(doc))
     assert run_cli("plan", model, "--experts", "16", "--stats", tmp_path / "stats.json", "-o", tmp_path / "plan.yaml").exit_code == 0
     good = {"checkpoint": str(model), "plan": "plan.yaml", "budget": "1npu", "stats": "stats.json", "min_fidelity": 0.0,
             "fault": {"type": "entropy-collapse", "settings": {"top_k": 4}}}  # fmt: skip

@@ -265,13 +265,7 @@ class _Evaluator:
         if job.optimizer_swap:
             notes.append("optimizer state is swapped: it lives in host memory and streams in for each optimizer step")
         return CostResult(
-            model=arch.name,
-            experts=arch.moe.num_experts,
-            original_experts=arch.original_num_experts,
-            accelerator=accel.id,
-            device_unit=accel.device_unit,
-            devices_per_card=accel.devices_per_card,
-            num_devices=devices,
+            **_point(arch, accel, devices),
             feasible=True,
             reasons=[],
             train_layout=self._train_layout(tc, ti),
@@ -388,17 +382,17 @@ class _Evaluator:
         return infeasible(self.arch, self.accel, self.job, devices, reasons, layouts_evaluated=n, train=train, rollout=rollout)
 
 
+def _point(arch: Architecture, accel: Accelerator, devices: int) -> dict:
+    """What names a costed point, feasible or not: the model at its K, the accelerator, the count."""
+    return {"model": arch.name, "experts": arch.moe.num_experts, "original_experts": arch.original_num_experts, "accelerator": accel.id,
+            "device_unit": accel.device_unit, "devices_per_card": accel.devices_per_card, "num_devices": devices}
+
+
 def infeasible(arch: Architecture, accel: Accelerator, job: Job, devices: int, reasons: list[str], *, layouts_evaluated: int = 0,
                train=None, rollout=None) -> CostResult:  # fmt: skip
     """The result of a point that cannot run, with the reasons (the layouts tried, if any)."""
     return CostResult(
-        model=arch.name,
-        experts=arch.moe.num_experts,
-        original_experts=arch.original_num_experts,
-        accelerator=accel.id,
-        device_unit=accel.device_unit,
-        devices_per_card=accel.devices_per_card,
-        num_devices=devices,
+        **_point(arch, accel, devices),
         feasible=False,
         reasons=reasons,
         train_layout=train,

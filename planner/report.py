@@ -142,8 +142,8 @@ def figure_scaling(r: Report, path: Path) -> None:
 
 
 def figure_pareto(r: Report, path: Path) -> None:
-    """Every evaluated point within the budget: accelerator-hours vs calibrated P(fault reproduced)
-    with its interval, and the front. Points without a calibrated P are not placed on a P axis: with
+    """Every evaluated point within the budget, each reproduction job searched: accelerator-hours to
+    the fault vs calibrated P(fault reproduced) with its interval, and the front. Points without a calibrated P are not placed on a P axis: with
     none at all, the figure shows cost by K and says why there is no P."""
     plt, fig, ax = _figure()
     s = r.suggestion
@@ -153,12 +153,12 @@ def figure_pareto(r: Report, path: Path) -> None:
     if scored:
         p = [o.p_reproduced for o in scored]
         err = [[v - o.fidelity["interval"][0] for v, o in zip(p, scored)], [o.fidelity["interval"][1] - v for v, o in zip(p, scored)]]
-        ax.errorbar([o.hours for o in scored], p, yerr=err, fmt="o", markersize=3, color="#8C8C8C", alpha=0.6, elinewidth=0.8,
+        ax.errorbar([o.reproduction_hours for o in scored], p, yerr=err, fmt="o", markersize=3, color="#8C8C8C", alpha=0.6, elinewidth=0.8,
                     label="evaluated, fits the budget (interval)")  # fmt: skip
-        front = sorted((o for o in s.pareto if o.p_reproduced is not None), key=lambda o: o.hours)
-        ax.plot([o.hours for o in front], [o.p_reproduced for o in front], marker="o", color="#C44E52", label="Pareto front")
+        front = sorted((o for o in s.pareto if o.p_reproduced is not None), key=lambda o: o.reproduction_hours)
+        ax.plot([o.reproduction_hours for o in front], [o.p_reproduced for o in front], marker="o", color="#C44E52", label="Pareto front")
         for i, o in enumerate(front):
-            ax.annotate(f"K={o.experts}, {o.cost.num_devices} {unit}s", (o.hours, o.p_reproduced), fontsize=8,
+            ax.annotate(f"K={o.experts}, {o.cost.num_devices} {unit}s", (o.reproduction_hours, o.p_reproduced), fontsize=8,
                         xytext=(4, -12 - 11 * (i % 3)), textcoords="offset points")  # fmt: skip
         ax.axhline(s.request.min_fidelity, color="black", linestyle="--", linewidth=1, label=f"threshold {s.request.min_fidelity}")
         ax.set_ylabel("calibrated P(fault reproduced)")
@@ -176,11 +176,11 @@ def figure_pareto(r: Report, path: Path) -> None:
         return
     else:
         statuses = sorted({o.fidelity["status"] for o in pts if o.fidelity["status"] != "original"})
-        ax.scatter([o.hours for o in pts], [o.experts for o in pts], s=14, color="#8C8C8C", alpha=0.6, label="evaluated, fits the budget")
+        ax.scatter([o.reproduction_hours for o in pts], [o.experts for o in pts], s=14, color="#8C8C8C", alpha=0.6, label="evaluated, fits the budget")
         ax.set_yticks(sorted({o.experts for o in pts}))
         ax.set_ylabel("K (experts kept per layer)")
         ax.set_title(f"No calibrated P(fault reproduced) ({', '.join(statuses) or 'no proxy'}): cost by K within {s.request.budget}")
-    ax.set_xlabel(f"{unit}-hours per step")
+    ax.set_xlabel(f"{unit}-hours to the fault (per step x the steps the reproduction runs)")
     if pts:
         ax.legend(fontsize=8, loc="lower right")
     _save(plt, fig, path)
@@ -239,6 +239,7 @@ def _markdown(r: Report) -> str:
     lines += ["## Inputs and versions", "", "```"]
     lines.append(json.dumps({"model": req.model, "hardware": req.hardware, "budget": req.budget, "fault": req.fault, "job": req.job.to_dict(),
                              "min_fidelity": req.min_fidelity, "trials": req.trials, "seed": req.seed, "steps": req.steps,
+                             "fault_step": req.fault_step, "job_bounds": {"batch": req.job_bounds.batch, "length": req.job_bounds.length},
                              "calibration_files": calibration_files(), "versions": _versions()}, indent=1))  # fmt: skip
     lines += ["```", ""]
     rows_of: dict[str, list[str]] = {}  # each note with the rows of the cost table it describes

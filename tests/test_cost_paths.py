@@ -98,9 +98,9 @@ def test_a_baseline_whose_devices_do_not_hold_the_proxies_job(tmp_path):
     for plan in data["plans"]:
         m, r = plan["reduction"]["by_mechanism"], plan["reduction"]
         assert m["smaller_job"] is None
-        assert m["fewer_devices"] * m["step_time"] == pytest.approx(r["accelerator_hours"], rel=1e-9)
+        assert m["layout"] == 1.0 and m["fewer_devices"] * m["step_time"] == pytest.approx(r["accelerator_hours"], rel=1e-9)
     text = run_cli("suggest", "--budget", "16npu", "--job", long, "--baseline-cards", "16", "--baseline-job", ran).output
-    assert "the proxies' job does not fit the baseline's devices" in text
+    assert "this plan's job does not fit the baseline's npus" in text
 
 
 def test_an_hours_budget_end_to_end(tmp_path):

@@ -306,7 +306,7 @@ def test_one_baseline_feeds_every_line():
 
     # GLM-4.5-Air's routing shape is not calibrated: the table says what its rows passed, not a threshold
     assert "cheapest proxies that pass the hard rules (none has a calibrated P)" in render_suggestion(result)
-    r = reduction(result.best.cost, result.baseline)["by_mechanism"]
+    r = reduction(result.best, result.baseline)["by_mechanism"]
     assert r["baseline_step_s"] == pytest.approx(result.baseline.cheapest.step_time_s, rel=1e-12)  # the step factor's two seconds
     assert r["step_s"] == result.best.cost.step_time_s
 

@@ -26,7 +26,12 @@ _SEARCH_OPTIONS = (
     click.option("--trials", type=click.IntRange(min=1), default=300, show_default=True),
     click.option("--storage", default=None, help="Optuna storage URL (sqlite:///study.db, postgresql://...) shared by several processes."),
     click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True),
-    click.option("--steps", type=int, default=20, show_default=True, help="Steps of the reproduction (for hours budgets and totals)."),
+    click.option("--steps", type=int, default=None,
+                 help="Steps of the reproduction (hours budgets, totals); default: past the predicted onset with --fault-step, else 20."),
+    click.option("--fault-step", type=int, default=None,
+                 help="The step at which the original showed the fault (its run's log; `planner detect` finds it): prices the reproduction to the fault."),
+    click.option("--job-bounds", default=None,
+                 help="How far the reproduction's job may shrink, where the fidelity data support it: batch=1/16,length=1/4 (the default)."),
     click.option("--min-k-ratio", type=click.FloatRange(min=0.0), default=4.0, show_default=True, help="Keep K/top_k at least this (0: any legal K)."),
     memory_margin_option,
     click.option("--baseline-cards", type=click.IntRange(min=1), default=None,
@@ -43,15 +48,17 @@ def search_options(fn):
     return fn
 
 
-def _request(budget, model, hardware, job_path, fault, stats_path, min_fidelity, trials, storage, seed, steps, min_k_ratio, memory_margin,
-             baseline_cards, baseline_job):  # fmt: skip
+def _request(budget, model, hardware, job_path, fault, stats_path, min_fidelity, trials, storage, seed, steps, fault_step, job_bounds, min_k_ratio,
+             memory_margin, baseline_cards, baseline_job):  # fmt: skip
+    from planner.search.reproduction import JobBounds
     from planner.search.suggest import Request
     from planner.specs import load_job
     from planner.stats.store import load_stats
 
     return Request(model=model, hardware=hardware, job=load_job(job_path), budget=budget, fault=fault,
                    stats=load_stats(stats_path) if stats_path else None, min_fidelity=min_fidelity, trials=trials,
-                   storage=storage, seed=seed, steps=steps, min_k_ratio=min_k_ratio, memory_margin=memory_margin,
+                   storage=storage, seed=seed, steps=steps, fault_step=fault_step, job_bounds=JobBounds.parse(job_bounds),
+                   min_k_ratio=min_k_ratio, memory_margin=memory_margin,
                    baseline_cards=baseline_cards, baseline_job=load_job(baseline_job) if baseline_job else None)  # fmt: skip
 
 

@@ -24,6 +24,7 @@ neither scikit-learn nor scipy nor statsmodels.
 from __future__ import annotations
 
 import json
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,43 @@ def _every_plan_reproduced(rows: list[dict], recipe: str) -> dict[str, dict]:
         if decided and all(d == 1 for d in decided):
             kf = [float(r["kept_fraction"]) for r in at]
             out[family] = {"rows": len(at), "decided": len(decided), "reproduced": int(sum(decided)), "kept_fraction": [min(kf), max(kf)]}
+    return out
+
+
+# the job dimensions a reproduction may shrink: what each is, and the dataset column a job-shrink grid
+# writes for it (the reproduction job's share of the production value)
+JOB_DIMENSIONS = {"prompts": ("prompts per step", "job_prompts_share"), "samples": ("samples per prompt", "job_samples_share"),
+                  "length": ("response length cap", "job_length_share")}  # fmt: skip
+
+
+def _onsets(rows: list[dict], recipe: str) -> dict[str, list[dict]]:
+    """Per family and K/E: the proxy/original onset ratio on the calibration curves (both run at the
+    original's critical knob plus the grid's offset, same seed and prompts), median and 10-90% range
+    over plans and originals; a proxy whose curve showed no fault counts as never (the range is then
+    open). Negative controls and added pairs aside."""
+    from planner.plan import CONTROL_METHODS
+
+    used = [r for r in rows if r.get("recipe") == recipe and r.get("method") not in CONTROL_METHODS and str(r.get("source", "grid")) == "grid"
+            and _finite(r.get("onset_original")) and float(r["onset_original"]) > 0]  # fmt: skip
+    out: dict[str, list[dict]] = {}
+    for family, kf in sorted({(str(r["family"]), round(float(r["kept_fraction"]), 4)) for r in used}):
+        at = [r for r in used if str(r["family"]) == family and round(float(r["kept_fraction"]), 4) == kf]
+        ratios = np.array([float(r["onset_proxy"]) / float(r["onset_original"]) if _finite(r.get("onset_proxy")) else np.inf for r in at])
+        low, median, high = (float(v) for v in np.quantile(ratios, [0.1, 0.5, 0.9], method="inverted_cdf"))
+        out.setdefault(family, []).append({"kept_fraction": kf, "rows": len(at), "never": int(np.isinf(ratios).sum()), "low": low,
+                                           "median": median, "high": high})  # fmt: skip
+    return out
+
+
+def _job_rows(rows: list[dict], recipe: str) -> dict[str, dict[str, dict]]:
+    """Per family and job dimension: how many rows measured the fault at a smaller job than the
+    production one. No job term is fitted yet, so no dimension is supported: the count says why."""
+    out: dict[str, dict[str, dict]] = {}
+    mine = [r for r in rows if r.get("recipe") == recipe]
+    for family in sorted({str(r["family"]) for r in mine}):
+        at = [r for r in mine if str(r["family"]) == family]
+        out[family] = {dim: {"ok": False, "rows": sum(1 for r in at if _finite(r.get(column)) and float(r[column]) < 1)}
+                       for dim, (_, column) in JOB_DIMENSIONS.items()}  # fmt: skip
     return out
 
 
@@ -201,6 +239,7 @@ class FidelityEstimator:
                                "experts": sorted({int(r["original_experts"]) for r in used}),
                                "originals": sorted({str(r["original"]) for r in used}), "measured_by_k": _measured_by_k(rows, recipe),
                                "every_plan_reproduced": _every_plan_reproduced(rows, recipe),
+                               "onsets": _onsets(rows, recipe), "job": _job_rows(rows, recipe),
                                "gate": {"skill": False, "reason": "not validated"},
                                "gates": {name: {"skill": False, "reason": "not validated"} for name in families},
                                "ke_gates": {name: {"ok": False, "reason": "not validated"} for name in families}}  # fmt: skip
@@ -285,6 +324,47 @@ class FidelityEstimator:
             value = row.get(name)
             if _finite(value) and not lo - 1e-9 <= float(value) <= hi + 1e-9:
                 out.append(f"{name} {float(value):.4g} (calibrated {lo:.4g} to {hi:.4g})")
+        return out
+
+    def onset(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any]:
+        """The proxy/original onset ratio measured on the calibration curves of `row`'s family at the
+        nearest calibrated K/E: {ok, reason, median, low, high, rows, where}."""
+        from planner.rl.recipes import RECIPES
+
+        entry = self.recipes.get(recipe)
+        family = self.family(row, recipe) if entry is not None else None
+        if family is None:
+            return {"ok": False, "reason": f"{recipe} was never calibrated on this routing shape"}
+        if recipe in RECIPES and RECIPES[recipe].kind == "static":
+            return {"ok": False, "reason": f"{recipe} is a static recipe, probed at the initial weights: the calibration measures no onset"}
+        measured = (entry.get("onsets") or {}).get(family)
+        if not measured or not _finite(row.get("kept_fraction")):
+            return {"ok": False, "reason": f"no calibration curves of {family} show the fault's onset"}
+        m = min(measured, key=lambda m: abs(m["kept_fraction"] - float(row["kept_fraction"])))
+        where = f"{family}, K/E {m['kept_fraction']:g}"
+        if not math.isfinite(m["high"]):
+            return {"ok": False, "reason": f"{m['never']} of {m['rows']} proxies' calibration curves ({where}) never showed the fault: the onset has "
+                                           "no upper bound"}  # fmt: skip
+        return {"ok": True, "reason": f"measured on {m['rows']} calibration curves ({where})", "where": where,
+                **{k: m[k] for k in ("median", "low", "high", "rows")}}  # fmt: skip
+
+    def job_support(self, row: Mapping[str, Any], recipe: str) -> dict[str, dict[str, Any]]:
+        """Per job dimension (prompts, samples, length): may the reproduction shrink it for this fault
+        on `row`'s family ({ok, min_share, rows, reason})? Only where the family's calibration data
+        measured the fault at a smaller job and the estimator validated it; else it is held at the
+        production value, and the reason says why."""
+        entry = self.recipes.get(recipe)
+        family = self.family(row, recipe) if entry is not None else None
+        measured = ((entry or {}).get("job") or {}).get(family) or {}
+        where = f"of {family}" if family else "of this routing shape"
+        out = {}
+        for dim, (what, _) in JOB_DIMENSIONS.items():
+            m = dict(measured.get(dim) or {"ok": False, "rows": 0})
+            if not m.get("ok") and not m.get("reason"):
+                m["reason"] = (f"{what}: no calibration rows {where} measured {recipe} at a smaller value" if not m.get("rows")
+                               else f"{what}: {m['rows']} calibration rows {where} measured {recipe} at a smaller value, but no job term is "
+                               "validated on them")  # fmt: skip
+            out[dim] = m
         return out
 
     def predict(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any]:

@@ -10,7 +10,8 @@ from planner.cost.fit import step_validation
 from planner.fidelity.estimator import family_text
 from planner.plan import Plan
 from planner.render import table
-from planner.search.suggest import OFFLOADS, Option, Suggestion, calibration_files, figures, mechanism_text, reduction
+from planner.search.reproduction import JobScale, split_text
+from planner.search.suggest import OFFLOADS, Option, Suggestion, calibration_files, figures, reduction
 from planner.stats.store import plan_key
 from planner.summary import validation_text
 from planner.units import gib
@@ -31,10 +32,10 @@ def fidelity_text(f: dict) -> str:
     return {"no-skill": "no skill", "uncalibrated": "uncalibrated", "not-applicable": "not applicable"}[f["status"]]
 
 
-def _row(o: Option, baseline) -> list[Any]:
+def _row(o: Option, baseline, job) -> list[Any]:
     c = o.cost
     peak = c.peak_memory_bytes
-    r = reduction(c, baseline)
+    r = reduction(o, baseline)
     return [
         "original" if o.experts == c.original_experts else o.experts,
         o.method if o.experts != c.original_experts else "-",
@@ -42,10 +43,13 @@ def _row(o: Option, baseline) -> list[Any]:
         f"{c.train_layout.describe()} / {c.rollout_layout.describe()}",
         f"{o.recompute}, offload {o.offload}",
         f"{gib(peak, suffix=False)} ({gib(c.usable_bytes_per_device - peak, suffix=False)})",
+        o.scale.describe(job) if not o.scale.production else "production",
         f"{c.step_time_s:,.0f}",
         f"{c.device_hours_per_step:,.2f}",
+        o.steps,
+        f"{o.reproduction_hours:,.1f}",
         _times(r["cards"], 1),
-        _times(r["accelerator_hours"], 2),
+        _times(r["reproduction_hours"], 2),
         fidelity_text(o.fidelity),
     ]
 
@@ -93,14 +97,15 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
     if s.budget.max_devices is not None and s.device_counts[-1] < s.budget.max_devices:
         lines.append(f"note: {s.budget.max_devices} {unit}s is not an allocation size of {s.accelerator.id} (whole cards below a node of "
                      f"{s.accelerator.devices_per_node}, whole nodes above); searched up to {s.device_counts[-1]}")  # fmt: skip
-    headers = ["K", "method", unit + "s", "layout train / rollout", "recompute, offload", f"peak GiB/{unit} (headroom)", "step s",
-               f"{unit}-h/step", f"fewer {unit}s", "fewer hours", "fidelity: P(reproduced) [interval] or status"]  # fmt: skip
+    headers = ["K", "method", unit + "s", "layout train / rollout", "recompute, offload", f"peak GiB/{unit} (headroom)", "job", "step s",
+               f"{unit}-h/step", "steps", f"{unit}-h to fault", f"fewer {unit}s", "fewer hours to fault",
+               "fidelity: P(reproduced) [interval] or status"]  # fmt: skip
     if s.ranked:
         lines.append("")
         shown = s.ranked[:top]
         title = ("cheapest proxies that clear the threshold" if any(o.p_reproduced is not None for o in shown)
                  else "cheapest proxies that pass the hard rules (none has a calibrated P)")  # fmt: skip
-        lines.append(table(headers, [_row(o, s.baseline) for o in shown], title=title))
+        lines.append(table(headers, [_row(o, s.baseline, req.job) for o in shown], title=title))
         best = s.best
         lines.append("")
         f = best.fidelity
@@ -112,9 +117,7 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
                 lines.append("  no calibrated P: ranked by cost among plans that pass the hard rules (see `planner calibrate report`)")
         if f.get("knob_translation"):
             lines.append("knob: " + f["knob_translation"]["text"])
-        split = mechanism_text(reduction(best.cost, s.baseline), unit)
-        if split:
-            lines.append("reduction of the best: " + split)
+        lines.extend(reproduction_lines(s, best))
         lines.append("kept for the fault: " + "; ".join(s.factors))
         lines.extend(f"note: {n}" for n in best.cost.notes)
     else:
@@ -124,8 +127,10 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
     if any(o.experts != o.cost.original_experts for o in s.pareto):  # a front of the original alone says nothing
         lines.append("")
         front = [["original" if o.experts == o.cost.original_experts else o.experts, o.method if o.experts != o.cost.original_experts else "-",
-                  o.cost.num_devices, f"{o.cost.device_hours_per_step:,.2f}", fidelity_text(o.fidelity)] for o in s.pareto]  # fmt: skip
-        lines.append(table(["K", "method", unit + "s", f"{unit}-h/step", "fidelity"], front, title="Pareto set: cost vs predicted fidelity"))
+                  o.cost.num_devices, f"{o.cost.device_hours_per_step:,.2f}", f"{o.reproduction_hours:,.1f}", fidelity_text(o.fidelity)]
+                 for o in s.pareto]  # fmt: skip
+        lines.append(table(["K", "method", unit + "s", f"{unit}-h/step", f"{unit}-h to fault", "fidelity"], front,
+                           title="Pareto set: cost to the fault vs predicted fidelity"))  # fmt: skip
     lines.append("")
     how = (f"the whole space of {s.space_points} points enumerated" if s.enumerated
            else f"NSGA-II over a space of {s.space_points} points, too large to enumerate")  # fmt: skip
@@ -133,6 +138,33 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
                  + (f"; the best first appeared at trial {s.best_trial}" if s.best_trial is not None else ""))  # fmt: skip
     lines.append(calibration_line())
     return "\n".join(lines)
+
+
+def job_search_text(s: Suggestion) -> str:
+    """Which job dimensions the search shrank, and why each other one stays at the production value."""
+    req = s.request
+    free = [dim for dim, v in s.job_support.items() if v.get("ok")]
+    head = (f"job searched: {len(s.job_scales)} reproduction jobs ({', '.join(free)} shrunk within {req.job_bounds.describe()})" if free
+            else f"job: the production job ({JobScale().describe(req.job)})")  # fmt: skip
+    held = [v["reason"] for v in s.job_support.values() if not v.get("ok")]
+    return head + (f"; held at the production value, since the fidelity of a smaller job is not known: {'; '.join(held)}" if held else "")
+
+
+def reproduction_lines(s: Suggestion, best: Option) -> list[str]:
+    """The best plan's reproduction: its job, the onset, hours and wall time to the fault, and the
+    reduction split by mechanism."""
+    unit = s.accelerator.device_unit
+    lines = [job_search_text(s)]
+    o = best.onset
+    if o is not None:
+        when = (f"onset: the original showed the fault at step {o.original}; the proxy's is predicted at step {o.proxy:,.1f} "
+                f"[{o.interval[0]:,.1f}, {o.interval[1]:,.1f}] ({o.basis}); " if o.original is not None else f"onset: {o.basis}; ")  # fmt: skip
+        lines.append(when + f"the reproduction runs {o.steps} steps: {best.reproduction_hours:,.1f} {unit}-hours and "
+                     f"{best.cost.step_time_s * o.steps / 3600:,.1f} h of wall time to the fault")  # fmt: skip
+    split = split_text(reduction(best, s.baseline), unit)
+    if split:
+        lines.append("reduction of the best: " + split)
+    return lines
 
 
 def calibration_line() -> str:
@@ -145,11 +177,16 @@ def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
     return {
         "request": {"model": s.request.model, "hardware": s.request.hardware, "budget": s.request.budget, "fault": s.request.fault,
                     "recipe": s.recipe, "min_fidelity": s.request.min_fidelity, "trials": s.request.trials, "seed": s.request.seed,
-                    "fidelity_source": s.fidelity_source, "steps": s.request.steps, "memory_margin": s.request.memory_margin},  # fmt: skip
+                    "fidelity_source": s.fidelity_source, "steps": s.request.steps, "fault_step": s.request.fault_step,
+                    "job_bounds": {"batch": s.request.job_bounds.batch, "length": s.request.job_bounds.length},
+                    "memory_margin": s.request.memory_margin},  # fmt: skip
+        "job_search": {"dimensions": s.job_support, "jobs": [j.to_json(s.request.job) for j in s.job_scales], "text": job_search_text(s)},
         "original": {**figures(b.minimum), "memory_breakdown_bytes": b.minimum.memory_per_device_bytes,
-                     "cheapest": {**figures(b.cheapest), "settings": _settings(b.cheapest)}, "baseline": b.named or "default"} if b else None,  # fmt: skip
-        "plans": [o.to_json(b) for o in s.ranked[:top]],
-        "pareto": [o.to_json(b) for o in s.pareto],
+                     "cheapest": {**figures(b.cheapest), "settings": _settings(b.cheapest)}, "baseline": b.named or "default",
+                     "steps": b.steps, "reproduction_hours": b.cheapest.device_hours_per_step * b.steps,
+                     "layout_factor": b.layout_factor} if b else None,  # fmt: skip
+        "plans": [o.to_json(b, s.request.job) for o in s.ranked[:top]],
+        "pareto": [o.to_json(b, s.request.job) for o in s.pareto],
         "diagnosis": s.diagnosis,
         "warnings": s.warnings,
         "calibration_files": calibration_files(),
@@ -189,6 +226,9 @@ def plan_of(s: Suggestion, o: Option) -> Plan:
             "usable_bytes_per_card": c.usable_bytes_per_device,
             "step_time_s": c.step_time_s,
             "accelerator_hours_per_step": c.device_hours_per_step,
+            "steps": o.steps,
+            "onset": o.onset.to_json() if o.onset else None,
+            "reproduction_hours": o.reproduction_hours,
             "fidelity": dict(o.fidelity),
         },
     }

@@ -43,12 +43,14 @@ from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN, CostResult, candidate_d
 from planner.cost.hardware import Accelerator
 from planner.errors import PlannerError, SpecError
 from planner.search.budget import Budget, budget_kind, parse_budget
+from planner.search.reproduction import JobBounds, JobScale, Onset, job_scales, onset, split, with_workload
 from planner.specs import Job, Offload
 from planner.plan import BAD_METHODS
 from planner.stats.store import plan_key, plan_statistics, stale_note
 from planner.units import plural
 
-__all__ = ["FAULTS", "OFFLOADS", "RECOMPUTES", "Request", "Option", "Suggestion", "Suggester", "suggest", "proposable", "saves", "reduction", "fault_conflicts"]
+__all__ = ["FAULTS", "OFFLOADS", "RECOMPUTES", "DEFAULT_STEPS", "Request", "Option", "Suggestion", "Suggester", "suggest", "proposable", "saves",
+           "reduction", "fault_conflicts"]  # fmt: skip
 
 # user-facing fault names -> the calibration recipe that provokes them
 FAULTS = {
@@ -74,6 +76,7 @@ BASELINE_SPAN = 4  # the original's cheapest is looked for from its minimum coun
 BASELINE_COUNTS = (3, 8)  # there: the first 3 counts, 8 spread over the rest, and every count the search visits
 RECOMPUTES = ("none", "selective", "moe", "full")  # every mode the cost model prices (moe: MindSpeed moe_zero_memory, Megatron recompute_modules moe)
 DEFAULT_METHOD = "agglomerative"
+DEFAULT_STEPS = 20  # steps a reproduction is priced at when the original's fault step is not given
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +91,9 @@ class Request:
     trials: int = 300
     storage: str | None = None
     seed: int = 0
-    steps: int = 20  # steps of the reproduction (for hours budgets and totals)
+    steps: int | None = None  # steps of the reproduction; None: past the predicted onset (with fault_step), else DEFAULT_STEPS
+    fault_step: int | None = None  # the step at which the original showed the fault (its own run, e.g. `planner detect`)
+    job_bounds: JobBounds = field(default_factory=JobBounds)  # how far the reproduction's job may shrink
     max_devices: int = 4096  # search bound for hours budgets
     min_k_ratio: float = 4.0  # K/top_k at least this: near-dense routing loses mismatch fragility (docs/proxy-rules.md)
     memory_margin: float = DEFAULT_MEMORY_MARGIN  # keep this share of usable device memory free (as `planner preflight` checks)
@@ -103,7 +108,8 @@ class Request:
         stats_id = (self.stats or {}).get("checkpoint", {}).get("fingerprint")
         files = [hashlib.sha256(Path(p).read_bytes()).hexdigest() if Path(p).is_file() else None for p in calibration_files().values()]
         text = json.dumps([self.model, self.hardware, repr(self.job), self.budget, self.fault, stats_id, self.min_fidelity, self.steps,
-                           self.max_devices, self.min_k_ratio, self.memory_margin, files], sort_keys=True)  # fmt: skip
+                           self.max_devices, self.min_k_ratio, self.memory_margin, files, self.fault_step, repr(self.job_bounds)],
+                          sort_keys=True)  # fmt: skip
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -126,6 +132,8 @@ class Option:
     fidelity: dict[str, Any]  # {status, reason, p_reproduced, interval, shift_log2, shift_interval, ...}
     within_budget: bool
     budget_note: str = ""
+    scale: JobScale = JobScale()  # the reproduction's job against the production job
+    onset: Onset | None = None  # when the fault shows, and the steps the reproduction runs
 
     @property
     def fits(self) -> bool:
@@ -148,29 +156,48 @@ class Option:
     def hours(self) -> float:
         return self.cost.device_hours_per_step if self.fits else math.inf
 
+    @property
+    def steps(self) -> int:
+        return self.onset.steps if self.onset else DEFAULT_STEPS
+
+    @property
+    def reproduction_hours(self) -> float:
+        """Accelerator-hours to the fault: per step x the steps the reproduction runs."""
+        return self.hours * self.steps
+
+    @property
+    def key(self) -> tuple:
+        """The point of the search space this option is."""
+        return (self.experts, self.method, self.cost.num_devices, self.recompute, self.offload, self.scale.key)
+
     def acceptable(self, min_fidelity: float) -> bool:
         return self.fits and self.within_budget and self.passes_fidelity(min_fidelity)
 
     def rank_key(self) -> tuple:
         # ties go to the larger K, then the least intrusive recompute and offload (their table order)
-        return (self.hours, self.cost.num_devices, -self.score, -self.experts, self.method,
-                RECOMPUTES.index(self.recompute), list(OFFLOADS).index(self.offload))  # fmt: skip
+        return (self.reproduction_hours, self.hours, self.cost.num_devices, -self.score, -self.experts, self.method,
+                RECOMPUTES.index(self.recompute), list(OFFLOADS).index(self.offload), self.scale)  # fmt: skip
 
     def dominates(self, other: "Option") -> bool:
         """Same proxy on as many devices, no more hours and no more memory: `other`'s recompute or
         offload setting buys nothing over this one's."""
-        return ((self.experts, self.method, self.cost.num_devices) == (other.experts, other.method, other.cost.num_devices)
+        return ((self.experts, self.method, self.cost.num_devices, self.scale) == (other.experts, other.method, other.cost.num_devices, other.scale)
                 and self.hours <= other.hours and self.cost.peak_memory_bytes <= other.cost.peak_memory_bytes)  # fmt: skip
 
-    def to_json(self, baseline: "Baseline | None") -> dict[str, Any]:
+    def to_json(self, baseline: "Baseline | None", production: Job) -> dict[str, Any]:
         return {
             "experts": self.experts,
             "method": self.method,
             "recompute": self.recompute,
             "offload": self.offload,
+            "job": self.scale.to_json(production),
             **figures(self.cost),
+            "onset_step": self.onset.to_json() if self.onset else None,
+            "steps": self.steps,
+            "reproduction_hours": self.reproduction_hours if self.fits else None,
+            "reproduction_wall_s": self.cost.step_time_s * self.steps if self.fits else None,
             "fidelity": dict(self.fidelity),
-            "reduction": reduction(self.cost, baseline),
+            "reduction": reduction(self, baseline),
             "within_budget": self.within_budget,
             "reasons": self.cost.reasons,
             "notes": self.cost.notes,
@@ -200,47 +227,32 @@ class Baseline:
     (the same memory margin): `minimum`, its fewest devices; `cheapest`, its fewest accelerator-hours
     per step over device counts from that minimum up to four times it, every recompute and offload.
     Named by the user (`--baseline-cards`, `--baseline-job`): the original as it ran, both fields
-    that run; `job_factor` is its step time over the original's on the same devices with the
-    proxies' job (1 when it ran the proxies' job; None when that job does not fit there), which
-    separates the smaller job from the rest."""
+    that run. `layout_factor`: the run's step with its own layout over the planner's best layout for
+    the same job on the same devices (1 unless the job file fixes a layout); `job_factors`, per
+    reproduction job (JobScale key): the original's step there with the baseline's job over its step
+    with that job (1 for the same job; None where that job does not fit there); `steps`: the steps
+    the original's reproduction runs."""
 
     minimum: CostResult
     cheapest: CostResult
     named: str | None = None
-    job_factor: float | None = 1.0
+    layout_factor: float = 1.0
+    job_factors: dict[str, float | None] = field(default_factory=dict)
+    steps: int = DEFAULT_STEPS
 
 
-def reduction(c: CostResult, baseline: Baseline | None) -> dict[str, Any]:
-    """Devices: the baseline's (default: the original's fewest) over this point's; hours: the
-    baseline's (default: the original's cheapest) over this point's, split by mechanism into a
-    product: fewer devices x smaller job x step time (the rest of the step's change: fewer experts
-    and the layout at this device count)."""
+def reduction(o: Option, baseline: Baseline | None) -> dict[str, Any]:
+    """Devices: the baseline's (default: the original's fewest) over this point's; hours per step and
+    hours to the fault: the baseline's (default: the original's cheapest) over this point's, split by
+    mechanism (planner.search.reproduction.split)."""
+    c = o.cost
     if baseline is None or not c.feasible:
-        return {"cards": None, "accelerator_hours": None, "by_mechanism": None}
+        return {"cards": None, "accelerator_hours": None, "reproduction_hours": None, "by_mechanism": None}
     base = baseline.cheapest
-    hours = base.device_hours_per_step / c.device_hours_per_step
-    devices = base.num_devices / c.num_devices
-    job = baseline.job_factor
-    step = hours / (devices * (job or 1.0))  # = the baseline's step with the proxies' job over this step
-    return {"cards": baseline.minimum.num_devices / c.num_devices, "accelerator_hours": hours,
-            "by_mechanism": {"fewer_devices": devices, "smaller_job": job, "step_time": step, "step_s": c.step_time_s,
-                             "baseline_step_s": c.step_time_s * step}}  # fmt: skip
-
-
-def mechanism_text(r: dict[str, Any], unit: str) -> str | None:
-    """'12.0x fewer npu-hours per step = 4.0x (fewer npus) x 2.0x (smaller job) x 1.50 (step: 300 s
-    against 450 s)': the step factor names the two step times it compares, so it reads against the table."""
-    m = r.get("by_mechanism")
-    if not m:
-        return None
-    job = f" x {m['smaller_job']:.2f} (smaller job)" if m["smaller_job"] not in (None, 1.0) else ""
-    step = m["step_time"]
-    if m["smaller_job"] is None:
-        why = "the smaller job, fewer experts and this layout together: the proxies' job does not fit the baseline's devices"
-    else:
-        against = "the original's step with this job on its devices" if m["smaller_job"] != 1.0 else "the original's step"
-        why = f"this step {m['step_s']:,.0f} s against {against}, {m['baseline_step_s']:,.0f} s: fewer experts, this layout"
-    return f"{r['accelerator_hours']:.2f}x fewer {unit}-hours per step = {m['fewer_devices']:.2f} (fewer {unit}s){job} x {step:.2f} ({why})"
+    job = baseline.job_factors.get(o.scale.key, 1.0 if o.scale.production else None)
+    return {"cards": baseline.minimum.num_devices / c.num_devices,
+            **split(c.device_hours_per_step, c.num_devices, o.steps, base.device_hours_per_step, base.num_devices, baseline.steps,
+                    layout=baseline.layout_factor, job=job, step_s=c.step_time_s)}  # fmt: skip
 
 
 @dataclass
@@ -263,6 +275,8 @@ class Suggestion:
     warnings: list[str] = field(default_factory=list)  # the request cannot show the fault as asked
     space_points: int = 0  # the points of the search space
     enumerated: bool = False  # every point was visited (else NSGA-II sampled the space)
+    job_support: dict[str, dict[str, Any]] = field(default_factory=dict)  # per job dimension: may it shrink, and why (not)
+    job_scales: list[JobScale] = field(default_factory=list)  # the reproduction jobs searched
 
     @property
     def best(self) -> Option | None:
@@ -300,8 +314,10 @@ class Suggester:
             raise SpecError(f"--min-fidelity must lie in [0, 1] (a probability of reproducing the fault), got {request.min_fidelity}")
         if request.trials < 1:
             raise SpecError(f"--trials must be at least 1, got {request.trials}")
-        if request.steps < 1:
+        if request.steps is not None and request.steps < 1:
             raise SpecError(f"--steps must be at least 1 (the reproduction's length), got {request.steps}")
+        if request.fault_step is not None and request.fault_step < 0:
+            raise SpecError(f"--fault-step must be a step number (0 or more), got {request.fault_step}")
         self.recipe = FAULTS[request.fault]
         self.accel = load_accelerator(request.hardware)
         self.budget = parse_budget(request.budget, self.accel)
@@ -312,6 +328,10 @@ class Suggester:
         floor = request.min_k_ratio * self.arch.moe.top_k
         self.experts = sorted({k for k in self.arch.legal_expert_counts() if k & (k - 1) == 0 and k >= floor} | {e})
         self.methods = self._methods()
+        # the job dimensions the fidelity data let the reproduction shrink, and the jobs that gives
+        self.job_support = self.estimator.job_support(self.features(self.experts[0], self.methods[0]), self.recipe)
+        self.scales = job_scales(request.job, request.job_bounds, self.job_support)
+        self._onsets: dict[int, Onset] = {}
         self._costs: dict[tuple, CostResult] = {}
         self._fidelity: dict[tuple, dict] = {}
         self._minimum: dict[int, CostResult | None] = {}
@@ -380,11 +400,11 @@ class Suggester:
             "backbone, attention, shared experts, embeddings: unchanged",
         ]
 
-    def cost(self, experts: int, devices: int, recompute: str, offload: str) -> CostResult:
-        key = (experts, devices, recompute, offload)
+    def cost(self, experts: int, devices: int, recompute: str, offload: str, scale: str = JobScale().key) -> CostResult:
+        key = (experts, devices, recompute, offload, scale)
         if key not in self._costs:
             arch = self.arch.with_experts(experts)  # K = E: the original itself
-            job = replace(self.request.job, recompute=recompute, offload=OFFLOADS[offload])
+            job = replace(JobScale.from_key(scale).apply(self.request.job), recompute=recompute, offload=OFFLOADS[offload])
             try:
                 self._costs[key] = evaluate(arch, self.accel, job, devices, memory_margin=self.request.memory_margin)
             except PlannerError as exc:  # a job-fixed layout that cannot run on this count
@@ -408,31 +428,51 @@ class Suggester:
                 self._fidelity[key] = block
         return self._fidelity[key]
 
+    def onset(self, experts: int) -> Onset:
+        """When the fault shows on the proxy with K experts, and the steps its reproduction runs: from
+        the original's fault step (--fault-step) and the onset ratio the calibration measured."""
+        if experts not in self._onsets:
+            req, original = self.request, experts == self.arch.original_num_experts
+            ratio = None if original else self.estimator.onset(self.features(experts, self.methods[0]), self.recipe)
+            found = onset(req.fault_step, ratio, req.steps or DEFAULT_STEPS, original=original)
+            if req.steps is not None and req.fault_step is not None:  # the user's run length stands
+                found = replace(found, steps=req.steps, original_steps=req.steps, basis=found.basis + f"; run for --steps {req.steps} as given")
+            self._onsets[experts] = found
+        return self._onsets[experts]
+
     def features(self, experts: int, method: str) -> dict[str, float]:
         from planner.fidelity.dataset import plan_row
 
         return plan_row(self.config, experts, plan_statistics(self.request.stats or {}, plan_key(experts, method)))
 
-    def option(self, experts: int, method: str, devices: int, recompute: str, offload: str) -> Option:
-        cost = self.cost(experts, devices, recompute, offload)
+    def option(self, experts: int, method: str, devices: int, recompute: str, offload: str, scale: str = JobScale().key) -> Option:
+        cost = self.cost(experts, devices, recompute, offload, scale)
+        when = self.onset(experts)
         within, note = True, ""
         if self.budget.max_devices is not None and devices > self.budget.max_devices:
             within, note = False, f"{devices} > {self.budget.max_devices} {self.accel.device_unit}s"
         if self.budget.device_hours is not None and cost.feasible:
-            total = cost.device_hours_per_step * self.request.steps
+            total = cost.device_hours_per_step * when.steps
             if total > self.budget.device_hours:
-                within, note = False, f"{total:,.1f} > {self.budget.device_hours:g} {self.accel.device_unit}-hours for {self.request.steps} steps"
-        return Option(experts, method, recompute, offload, cost, self.fidelity(experts, method), within, note)
+                within, note = False, f"{total:,.1f} > {self.budget.device_hours:g} {self.accel.device_unit}-hours for {when.steps} steps"
+        return Option(experts, method, recompute, offload, cost, self.fidelity(experts, method), within, note, JobScale.from_key(scale), when)
+
+    def space(self) -> dict[str, list]:
+        """The search's dimensions and their values."""
+        return {"experts": self.experts, "method": self.methods, "devices": self.devices, "recompute": list(RECOMPUTES), "offload": list(OFFLOADS),
+                "job": [s.key for s in self.scales]}  # fmt: skip
 
     def space_size(self) -> int:
-        return len(self.experts) * len(self.methods) * len(self.devices) * len(RECOMPUTES) * len(OFFLOADS)
+        return math.prod(len(v) for v in self.space().values())
 
     def enumerates(self) -> bool:
         """Does the search visit every point of the space (else NSGA-II samples it)?"""
         return self.space_size() <= max(self.request.trials, ENUMERATE_UP_TO)
 
     def enumerate_all(self) -> list[Option]:
-        return [self.option(k, m, d, r, o) for k in self.experts for m in self.methods for d in self.devices for r in RECOMPUTES for o in OFFLOADS]
+        import itertools
+
+        return [self.option(*point) for point in itertools.product(*self.space().values())]
 
     # ---- the Optuna search -------------------------------------------------------------------
     def search(self, progress: Callable[[int, int], None] | None = None) -> tuple[list[Option], dict[tuple, int], int]:
@@ -444,8 +484,7 @@ class Suggester:
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         req = self.request
         min_fid = req.min_fidelity
-        space = {"experts": self.experts, "method": self.methods, "devices": self.devices, "recompute": list(RECOMPUTES),
-                 "offload": list(OFFLOADS)}  # fmt: skip
+        space = self.space()
         names = tuple(space)
         # a space small enough (or trials enough) to visit every point once, in a seeded order: the result is
         # enumeration's; NSGA-II only for a space too large to enumerate
@@ -478,7 +517,8 @@ class Suggester:
                     devices = m.num_devices if m is not None and m.num_devices in self.devices else self.devices[-1]
                     for recompute in RECOMPUTES:
                         for offload in OFFLOADS:
-                            study.enqueue_trial({"experts": k, "method": self.methods[0], "devices": devices, "recompute": recompute, "offload": offload})
+                            study.enqueue_trial({"experts": k, "method": self.methods[0], "devices": devices, "recompute": recompute, "offload": offload,
+                                                 "job": self.scales[-1].key})  # fmt: skip
             to_run, target = req.trials - len(done), req.trials
         counted = {"trials": target - to_run}
 
@@ -494,7 +534,7 @@ class Suggester:
             counted["trials"] += 1
             if progress:
                 progress(min(counted["trials"], target), target)
-            hours = opt.hours if opt.fits else 1e12
+            hours = opt.reproduction_hours if opt.fits else 1e12
             return hours, opt.score
 
         if to_run > 0:
@@ -530,12 +570,13 @@ class Suggester:
         # and every count the search visits: no original the search evaluates is cheaper than the baseline
         counts |= {n for n in self.devices if n >= minimum.num_devices}
         fitting = [c for n in sorted(counts) for r in RECOMPUTES for o in OFFLOADS if (c := self.cost(e, n, r, o)).feasible]
-        return Baseline(minimum, min(fitting + [minimum], key=lambda c: c.device_hours_per_step))
-
+        cheapest = min(fitting + [minimum], key=lambda c: c.device_hours_per_step)
+        return Baseline(minimum, cheapest, job_factors=self._job_factors(cheapest), steps=self.onset(e).original_steps)
 
     def named_baseline(self) -> Baseline:
         """The original as the user ran it: --baseline-cards (default: its fewest devices) with
-        --baseline-job (default: the proxies' job), costed with its own best layout there."""
+        --baseline-job (default: the proxies' job), costed with its own layout where the job file
+        fixes one, else the planner's best there."""
         req = self.request
         arch = self.arch.with_experts(self.arch.original_num_experts)
         job = req.baseline_job or req.job
@@ -546,20 +587,40 @@ class Suggester:
             if not ran.feasible:
                 raise SpecError(f"--baseline-cards {req.baseline_cards}: the original does not fit there with "
                                 f"{'the baseline job' if req.baseline_job else 'the job'}: " + "; ".join(ran.reasons))  # fmt: skip
-        factor: float | None = 1.0
-        if req.baseline_job is not None:
-            same = evaluate(arch, self.accel, req.job, ran.num_devices, memory_margin=req.memory_margin)
-            factor = ran.step_time_s / same.step_time_s if same.feasible else None
+        planned, layout = ran, 1.0
+        if job.train_layout is not None or job.rollout_layout is not None:  # its own layout against the planner's, same job and devices
+            free = evaluate(arch, self.accel, replace(job, train_layout=None, rollout_layout=None), ran.num_devices, memory_margin=req.memory_margin)
+            if free.feasible:
+                planned, layout = free, ran.step_time_s / free.step_time_s
         unit = self.accel.device_unit
         named = (f"the original as you ran it: {ran.num_devices} {unit}s, "
                  + (f"its own job ({job.prompts_per_step} x {job.samples_per_prompt} per step)" if req.baseline_job else "the same job"))
-        return Baseline(ran, ran, named, factor)
+        return Baseline(ran, ran, named, layout, self._job_factors(planned), self.onset(self.arch.original_num_experts).original_steps)
+
+    def _job_factors(self, planned: CostResult) -> dict[str, float | None]:
+        """Per reproduction job: the original's step on `planned`'s devices with `planned`'s job over its
+        step there with that job's workload (planned's settings, the planner's layout); 1 where the
+        workloads are the same, None where that job does not fit there."""
+        arch = self.arch.with_experts(self.arch.original_num_experts)
+        reference, step = with_workload(planned.job, planned.job), planned.step_time_s
+        if reference != planned.job:  # planned ran a fixed layout: compare workloads at the planner's layout
+            free = evaluate(arch, self.accel, reference, planned.num_devices, memory_margin=self.request.memory_margin)
+            step = free.step_time_s if free.feasible else step
+        out: dict[str, float | None] = {}
+        for scale in self.scales:
+            job = with_workload(planned.job, scale.apply(self.request.job))
+            if job == reference:
+                out[scale.key] = 1.0
+                continue
+            same = evaluate(arch, self.accel, job, planned.num_devices, memory_margin=self.request.memory_margin)
+            out[scale.key] = step / same.step_time_s if same.feasible else None
+        return out
 
 
 def _pareto(options: list[Option]) -> list[Option]:
     # the original (P = 1) ends the front; a proxy that fails a hard rule (the fault cannot occur at its K, a
     # rejected plan) is on no front
-    pool = sorted({(o.hours, -o.score): o for o in options if o.fits and o.within_budget and fidelity_passes(o.fidelity, 0.0)}.items())
+    pool = sorted({(o.reproduction_hours, -o.score): o for o in options if o.fits and o.within_budget and fidelity_passes(o.fidelity, 0.0)}.items())
     front, best_p = [], -math.inf
     for (hours, neg_p), o in pool:
         if -neg_p > best_p:
@@ -637,13 +698,13 @@ def _smallest_budget(s: Suggester, fitting: list[Option]) -> str:
     good = [k for k in s.experts if k != e and any(fidelity_passes(s.fidelity(k, m), req.min_fidelity) for m in s.methods)]
     minima = [(m, k) for k in good if (m := s.minimum(k)) is not None]
     if s.budget.device_hours is not None:
-        points = [(o.hours, o.experts, o.cost.num_devices) for o in fitting if o.experts != e and o.passes_fidelity(req.min_fidelity)]
-        points += [(m.device_hours_per_step, k, m.num_devices) for m, k in minima]
+        points = [(o.reproduction_hours, o.hours, o.steps, o.experts, o.cost.num_devices) for o in fitting
+                  if o.experts != e and o.passes_fidelity(req.min_fidelity)]  # fmt: skip
+        points += [(m.device_hours_per_step * s.onset(k).steps, m.device_hours_per_step, s.onset(k).steps, k, m.num_devices) for m, k in minima]
         if not points:
             return ""
-        hours, k, n = min(points)
-        total = hours * req.steps
-        return f"smallest budget that would do: {math.ceil(total * 10) / 10:g}{kind}-h (K={k} on {n} {unit}s, {hours:,.2f} {unit}-hours/step x {req.steps} steps)"
+        total, hours, steps, k, n = min(points)
+        return f"smallest budget that would do: {math.ceil(total * 10) / 10:g}{kind}-h (K={k} on {n} {unit}s, {hours:,.2f} {unit}-hours/step x {steps} steps)"
     if not minima:
         return ""
     m, k = min(minima, key=lambda t: (t[0].num_devices, -t[1]))
@@ -652,12 +713,13 @@ def _smallest_budget(s: Suggester, fitting: list[Option]) -> str:
 
 def saves(o: Option, baseline: Baseline | None) -> bool:
     """Does the point cost less than the original in some measure (fewer devices than its minimum,
-    or fewer accelerator-hours per step than its cheapest)? A plan dearer in every measure is no
-    proxy to propose. Without a baseline (the original fits nowhere in the search bound) every
-    fitting proxy saves."""
+    fewer accelerator-hours per step than its cheapest, or fewer to the fault)? A plan dearer in
+    every measure is no proxy to propose. Without a baseline (the original fits nowhere in the
+    search bound) every fitting proxy saves."""
     if baseline is None:
         return True
-    return o.cost.num_devices < baseline.minimum.num_devices or o.hours < baseline.cheapest.device_hours_per_step
+    base = baseline.cheapest.device_hours_per_step
+    return o.cost.num_devices < baseline.minimum.num_devices or o.hours < base or o.reproduction_hours < base * baseline.steps
 
 
 def proposable(o: Option, baseline: Baseline | None, min_fidelity: float) -> bool:
@@ -679,10 +741,10 @@ def suggest(request: Request, *, progress: Callable[[int, int], None] | None = N
         if not any(r.dominates(o) for r in ranked):  # a setting that buys neither time nor memory is not listed
             ranked.append(o)
     best = ranked[0] if ranked else None
-    best_trial = first_seen[(best.experts, best.method, best.cost.num_devices, best.recompute, best.offload)] if best else None
+    best_trial = first_seen[best.key] if best else None
     return Suggestion(
         request=request, accelerator=s.accel, budget=s.budget, recipe=s.recipe, baseline=baseline, options=options, ranked=ranked,
         pareto=_pareto(options), trials=trials, space_points=s.space_size(), enumerated=s.enumerates(), device_counts=s.devices, best_trial=best_trial,
         diagnosis=[] if ranked else _diagnose(s, options, baseline), fidelity_source="stats" if request.stats else "prior", factors=s.factors,
-        seconds=time.perf_counter() - start, warnings=s.warnings,
+        seconds=time.perf_counter() - start, warnings=s.warnings, job_support=s.job_support, job_scales=s.scales,
     )  # fmt: skip

@@ -1,0 +1,195 @@
+"""The reproduction as part of the plan: its job (held at the production value where the fidelity data
+do not support shrinking it), the steps to the fault, and the accelerator-hours to the fault split by
+mechanism (planner.search.reproduction)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from planner.cli import main
+from planner.errors import SpecError
+from planner.fidelity.estimator import FidelityEstimator, _onsets, default_estimator_path
+from planner.search.reproduction import JobBounds, JobScale, job_scales, onset, run_steps, split
+from planner.specs import Job, Lengths
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+ALL = {dim: {"ok": True} for dim in ("prompts", "samples", "length")}
+
+
+def test_job_bounds_parse_and_refuse():
+    assert JobBounds.parse(None) == JobBounds(batch=1 / 16, length=1 / 4)
+    assert JobBounds.parse("batch=1/8, length=0.5") == JobBounds(batch=0.125, length=0.5)
+    assert JobBounds.parse("length=1") == JobBounds(batch=1 / 16, length=1.0)
+    for bad, words in (("batch=0", "in (0, 1]"), ("batch=2", "in (0, 1]"), ("steps=4", "expected batch=SHARE"),
+                       ("batch=x", "'x' is not a number"), ("batch=1/0", "is not a number")):  # fmt: skip
+        with pytest.raises(SpecError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+            JobBounds.parse(bad)
+    r = run_cli("suggest", "--budget", "8npu", "--job-bounds", "batch=0")
+    assert r.exit_code == 2 and "--job-bounds batch=0: a share of the production job" in r.output
+
+
+def test_job_scales_halve_each_supported_dimension_down_to_its_bound():
+    job = Job()  # 512 x 16, response <= 3072
+    assert job_scales(job, JobBounds(), {}) == [JobScale()]  # nothing supported: the production job alone
+    scales = job_scales(job, JobBounds(), ALL)
+    # (prompts, samples) divisors, powers of two, p x s <= 16 and at least 2 samples left of 16: by hand
+    # p=1: s 1,2,4,8; p=2: s 1,2,4,8; p=4: 1,2,4; p=8: 1,2; p=16: 1 -> 14 pairs, x 3 lengths (1, 1/2, 1/4)
+    assert len(scales) == 42 and len(set(scales)) == 42
+    assert JobScale(16, 1, 4) in scales and JobScale(1, 8, 1) in scales and JobScale(1, 16, 1) not in scales  # 1 sample is no group
+    assert all(1 / (s.prompts * s.samples) >= 1 / 16 and s.length <= 4 for s in scales)
+    # a measured range narrower than the bound wins; an unsupported dimension stays at 1
+    narrow = job_scales(job, JobBounds(), {"length": {"ok": True, "min_share": 0.5}, "prompts": {"ok": False}})
+    assert narrow == [JobScale(1, 1, 1), JobScale(1, 1, 2)]
+    ppo = Job(algorithm="ppo", prompts_per_step=4, samples_per_prompt=2)
+    assert JobScale(1, 2, 1) in job_scales(ppo, JobBounds(), ALL)  # PPO needs no group: one sample per prompt
+    few = Job(prompts_per_step=4, samples_per_prompt=2, mini_batches=4, skip_old_logprob=False)
+    assert all((4 // s.prompts) * (2 // s.samples) >= 4 for s in job_scales(few, JobBounds(), ALL))  # as many sequences as mini-batches
+
+
+def test_a_shorter_cap_keeps_the_length_distribution_truncated_there():
+    """The response cap halves; the mean is that of the same gamma-distributed lengths cut at the new
+    cap: recomputed here with scipy from the gamma whose cut at 3072 has mean 1577."""
+    from scipy import integrate, optimize, stats
+
+    job = Job()
+    short = JobScale(1, 1, 2).apply(job)
+    assert (short.prompts_per_step, short.samples_per_prompt, short.response_tokens.max) == (512, 16, 1536)
+
+    def capped_mean(scale, cap):
+        return integrate.quad(lambda x: stats.gamma.sf(x, 2.0, scale=scale), 0, cap)[0]
+
+    scale = optimize.brentq(lambda s: capped_mean(s, 3072) - 1577, 10, 1e5)
+    assert short.response_tokens.mean == pytest.approx(capped_mean(scale, 1536), rel=0.01)
+    assert short.response_tokens.mean < job.response_tokens.mean and short.prompt_tokens == job.prompt_tokens
+    at_cap = Job(response_tokens=Lengths(mean=1024, max=1024))  # every response runs to the cap: it stays there
+    assert JobScale(1, 1, 4).apply(at_cap).response_tokens == Lengths(mean=256, max=256)
+    assert JobScale(4, 2, 1).apply(job).num_sequences == 512 * 16 // 8
+
+
+def test_steps_to_the_fault():
+    assert [run_steps(h) for h in (0, 5, 19.2, 40)] == [2, 7, 22, 44]  # past the onset by 10%, at least 2 steps
+    unknown = onset(None, None, 20)
+    assert (unknown.steps, unknown.original_steps, unknown.proxy) == (20, 20, None) and "--fault-step" in unknown.basis
+    measured = onset(40, {"ok": True, "median": 0.5, "low": 0.3, "high": 0.8, "rows": 50, "where": "F, K/E 0.25"}, 20)
+    assert measured.proxy == 20 and measured.interval == pytest.approx((12, 32)) and measured.steps == run_steps(32) == 36
+    assert measured.original_steps == 44 and "ratio 0.50 [0.30, 0.80] measured on 50 calibration curves" in measured.basis
+    static = onset(40, {"ok": False, "reason": "a static recipe"}, 20)
+    assert static.proxy == 40 and static.steps == static.original_steps == 44 and "taken as the original's: a static recipe" in static.basis
+
+
+def test_the_split_is_a_product_of_its_factors():
+    r = split(2.0, 8, 30, 64.0, 256, 44, layout=1.17, job=4.0, step_s=1300.0)
+    m = r["by_mechanism"]
+    assert r["accelerator_hours"] == 32.0 and r["reproduction_hours"] == pytest.approx(32.0 * 44 / 30)
+    assert m["fewer_devices"] * m["layout"] * m["smaller_job"] * m["step_time"] == pytest.approx(r["accelerator_hours"], rel=1e-12)
+    assert r["accelerator_hours"] * m["steps_to_fault"] == pytest.approx(r["reproduction_hours"], rel=1e-12)
+    assert m["baseline_step_s"] == pytest.approx(1300.0 * m["step_time"])
+
+
+def test_onset_ratios_are_quantiles_of_the_calibration_curves():
+    """Planted curves: ratios 0.2, 0.4, ..., 1.0 at one K/E; a proxy whose curve never faults counts as
+    never, and makes the range open; controls and added pairs are left out."""
+    rows = [{"recipe": "router-collapse", "family": "F", "kept_fraction": 0.25, "method": "agglomerative", "source": "grid",
+             "onset_original": 10, "onset_proxy": 2 * i} for i in range(1, 6)]  # fmt: skip
+    rows += [{**rows[0], "method": "mis-sliced", "onset_proxy": 40}, {**rows[0], "source": "add:a|b", "onset_proxy": 40}]
+    got = _onsets(rows, "router-collapse")["F"][0]
+    assert (got["rows"], got["never"], got["low"], got["median"], got["high"]) == (5, 0, 0.2, 0.6, 1.0)
+    rows.append({**rows[0], "onset_proxy": float("nan")})
+    assert math.isinf(_onsets(rows, "router-collapse")["F"][0]["high"])
+    assert _onsets(rows, "fp16-overflow") == {}
+
+
+def test_the_shipped_estimator_says_what_it_measured():
+    """Router collapse on the default case's shape: an onset ratio from the family's curves; the static
+    recipes measure none; no job dimension has calibration rows, so each is held and says so."""
+    from planner.catalog import load_model_config
+    from planner.fidelity.dataset import plan_row
+
+    est = FidelityEstimator.load(default_estimator_path())
+    row = plan_row(load_model_config("qwen3-30b-a3b")[1], 32, None)
+    rc = est.onset(row, "router-collapse")
+    assert rc["ok"] and 0 <= rc["low"] <= rc["median"] <= rc["high"] < np.inf and rc["where"] == "qwen3_moe-e128, K/E 0.25"
+    assert not est.onset(row, "rollout-mismatch")["ok"] and "static recipe" in est.onset(row, "rollout-mismatch")["reason"]
+    support = est.job_support(row, "router-collapse")
+    assert set(support) == {"prompts", "samples", "length"} and not any(v["ok"] for v in support.values())
+    assert support["length"]["reason"] == "response length cap: no calibration rows of qwen3_moe-e128 measured router-collapse at a smaller value"
+
+
+def test_suggest_prices_the_reproduction_to_the_fault():
+    """Router collapse with the original's fault at step 40: each plan runs past its predicted onset,
+    the original 44 steps; the JSON carries the job, the onset and the hours to the fault, and the
+    split's factors multiply to its reduction."""
+    out = run_cli("suggest", "--budget", "8npu", "--fault", "router-collapse", "--fault-step", "40", "--json")
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["original"]["steps"] == 44
+    assert data["original"]["reproduction_hours"] == pytest.approx(data["original"]["cheapest"]["accelerator_hours_per_step"] * 44)
+    assert not any(d["ok"] for d in data["job_search"]["dimensions"].values()) and len(data["job_search"]["jobs"]) == 1
+    for plan in data["plans"]:
+        o, r, m = plan["onset_step"], plan["reduction"], plan["reduction"]["by_mechanism"]
+        assert plan["job"]["production"] and plan["job"]["prompts_per_step"] == 512
+        assert o["original_step"] == 40 and o["interval"][0] <= o["proxy_step"] <= o["interval"][1]
+        assert plan["steps"] == o["steps"] == run_steps(max(o["interval"][1], 1.0))
+        assert plan["reproduction_hours"] == pytest.approx(plan["accelerator_hours_per_step"] * plan["steps"], rel=1e-12)
+        assert plan["reproduction_wall_s"] == pytest.approx(plan["step_time_s"] * plan["steps"], rel=1e-12)
+        assert m["smaller_job"] == 1.0 and m["layout"] == 1.0 and m["steps_to_fault"] == pytest.approx(44 / plan["steps"])
+        product = m["fewer_devices"] * m["layout"] * m["smaller_job"] * m["step_time"] * m["steps_to_fault"]
+        assert product == pytest.approx(r["reproduction_hours"], rel=1e-9)
+        assert r["reproduction_hours"] == pytest.approx(data["original"]["reproduction_hours"] / plan["reproduction_hours"], rel=1e-9)
+    text = run_cli("suggest", "--budget", "8npu", "--fault", "router-collapse", "--fault-step", "40").output
+    assert "onset: the original showed the fault at step 40; the proxy's is predicted at step" in text
+    assert "held at the production value, since the fidelity of a smaller job is not known" in text
+    assert "fewer npu-hours to the fault" in text and "(steps to the fault:" in text
+
+
+def test_a_named_run_with_its_own_layout_is_no_smaller_job(tmp_path):
+    """DeepSeek-V3 against the published 256-die run on Atlas A3: the proxies run the same workload,
+    so the smaller-job factor is exactly 1 and the published layout against the planner's on those
+    256 dies is a factor of its own."""
+    runs = yaml.safe_load((default_estimator_path().parent / "published_runs.yaml").read_text())["runs"]
+    published = next(r for r in runs if r["id"] == "ds-r1-a3-real")["job"]
+    ran, free = tmp_path / "ran.yaml", tmp_path / "free.yaml"
+    ran.write_text(yaml.safe_dump(published))
+    free.write_text(yaml.safe_dump({k: v for k, v in published.items() if k not in ("train_layout", "rollout_layout", "dispatch_s")}))
+    out = run_cli("suggest", "--model", "deepseek-v3", "--hardware", "atlas-a3", "--budget", "64npu", "--job", free, "--baseline-cards", "256",
+                  "--baseline-job", ran, "--json")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["plans"] and data["original"]["num_cards"] == 256 and data["original"]["layout_factor"] != 1.0
+    for plan in data["plans"]:
+        m, r = plan["reduction"]["by_mechanism"], plan["reduction"]
+        assert m["smaller_job"] == 1.0 and m["layout"] == data["original"]["layout_factor"] and m["steps_to_fault"] == 1.0
+        assert m["fewer_devices"] * m["layout"] * m["step_time"] == pytest.approx(r["accelerator_hours"], rel=1e-9)
+
+
+def test_a_supported_job_dimension_is_searched(tmp_path):
+    """Planted support (the shipped estimator with the response cap of qwen3_moe-e128's rollout
+    mismatch marked as measured down to a quarter): the search proposes a shorter job, whose
+    smaller-job factor is the original's step with the production job over its step with that one."""
+    data = json.loads(default_estimator_path().read_text())
+    data["recipes"]["rollout-mismatch"]["job"]["qwen3_moe-e128"]["length"] = {"ok": True, "min_share": 0.25, "rows": 40,
+                                                                              "reason": "planted for the test"}  # fmt: skip
+    planted = tmp_path / "fidelity.json"
+    planted.write_text(json.dumps(data))
+    out = run_cli("suggest", "--budget", "8npu", "--estimator", planted, "--json")
+    assert out.exit_code == 0, out.output
+    got = json.loads(out.stdout)
+    assert [j["divisors"]["length"] for j in got["job_search"]["jobs"]] == [1, 2, 4]
+    best = got["plans"][0]
+    assert best["job"]["divisors"] == {"prompts": 1, "samples": 1, "length": 4} and best["job"]["response_max"] == 768
+    m = best["reduction"]["by_mechanism"]
+    assert m["smaller_job"] > 1.5
+    assert m["fewer_devices"] * m["smaller_job"] * m["step_time"] == pytest.approx(best["reduction"]["accelerator_hours"], rel=1e-9)
+    assert "job searched: 3 reproduction jobs (length shrunk within batch down to 1/16, response cap down to 1/4)" in got["job_search"]["text"]
+    default = json.loads(run_cli("suggest", "--budget", "8npu", "--json").stdout)["plans"][0]
+    assert best["reduction"]["accelerator_hours"] > default["reduction"]["accelerator_hours"]

@@ -519,3 +519,35 @@ def test_variance_components_fall_back_to_anova_which_equals_reml_on_balanced_gr
     # identical groups: no between-group variance, and the within SD is the rows' own
     flat = np.tile(np.array([0.1, -0.1]), 6)
     assert _anova_components(flat, np.repeat(np.arange(3), 4))[0] == 0.0
+
+
+@pytest.mark.slow
+def test_a_grid_run_a_recipe_at_a_time_fills_the_same_studies_and_merges(mini_grid, tmp_path):
+    """`calibrate run --recipes`: the cheap static recipes first, the rest later. The workers measure only
+    the recipes named (the other studies get no trial), and a later run of the rest merges its rows
+    beside the first run's instead of replacing them."""
+    from planner.fidelity.dataset import read_dataset
+    from planner.fidelity.grid import Grid
+
+    grid, path, work = mini_grid
+    assert grid.only(["rollout-mismatch"]).key() == grid.key() and grid.only(["rollout-mismatch", "fp16-overflow"]).recipes == grid.recipes
+    with pytest.raises(SpecError, match="the grid measures fp16-overflow, rollout-mismatch; not router-collapse"):
+        grid.only(["router-collapse"])
+    storage, out = f"sqlite:///{tmp_path / 'c.db'}", tmp_path / "d.csv"
+    bad = run_cli("calibrate", "run", "--grid", path, "--storage", storage, "--workdir", work, "-o", out, "--recipes", "entropy-collapse")
+    assert bad.exit_code == 2 and "not entropy-collapse" in bad.output
+    first = run_cli("calibrate", "run", "--grid", path, "--storage", storage, "--workdir", work, "-o", out, "--recipes", "fp16-overflow")
+    assert first.exit_code == 0, first.output
+    assert {r["recipe"] for r in read_dataset(out)} == {"fp16-overflow"}
+    assert _trials(storage, grid.only(["rollout-mismatch"]), "proxies") == []  # nothing of the other recipe was measured
+    fp16 = read_dataset(out)
+    second = run_cli("calibrate", "run", "--grid", path, "--storage", storage, "--workdir", work, "-o", out, "--recipes", "rollout-mismatch",
+                     "--merge")  # fmt: skip
+    assert second.exit_code == 0, second.output
+    both = read_dataset(out)
+    assert sorted(r["recipe"] for r in both) == ["fp16-overflow"] * 2 + ["rollout-mismatch"] * 2
+    same = lambda rows: json.dumps(rows, sort_keys=True)  # noqa: E731  (NaN labels compare equal as text)
+    assert same([r for r in both if r["recipe"] == "fp16-overflow"]) == same(fp16)
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert sorted(n["recipe"] for n in meta["noise_floor"]) == ["fp16-overflow", "rollout-mismatch"]
+    assert Grid.load(path).recipes == grid.recipes  # the grid file is as it was

@@ -232,8 +232,10 @@ def calibrate() -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=DATASET, show_default=True)
 @click.option("--merge", is_flag=True, help="Put the grid's rows into an existing dataset in place of its rows of the same families "
                                             "(a family's grid of its own); other families' rows and added pairs stay.")
+@click.option("--recipes", default=None, help="Measure only these of the grid's recipes (comma-separated; e.g. the cheap static ones "
+                                             "first): the same studies, so a later run of the rest adds to them.")
 @click.option("--force", is_flag=True, help="Overwrite an existing dataset file.")
-def calibrate_run(grid_path, storage, workers, workdir, results, output, merge, force) -> None:
+def calibrate_run(grid_path, storage, workers, workdir, results, output, merge, recipes, force) -> None:
     """Run (or resume) the calibration grid and export the dataset."""
     from planner.fidelity.calibrate import run
     from planner.fidelity.grid import Grid
@@ -244,7 +246,10 @@ def calibrate_run(grid_path, storage, workers, workdir, results, output, merge, 
             refuse_existing(out, force, f" (the grid itself resumes from {storage}; --merge adds a family's rows to it)")
         if workers < 1:
             raise SpecError(f"--workers must be at least 1, got {workers}")
-        run(Grid.load(grid_path), grid_path, storage, Path(workdir), workers, out, say=lambda s: click.echo(s, err=True),
+        grid = Grid.load(grid_path)
+        if recipes:
+            grid = grid.only([r.strip() for r in recipes.split(",") if r.strip()])
+        run(grid, grid_path, storage, Path(workdir), workers, out, say=lambda s: click.echo(s, err=True),
             results=Path(results) if results else None, merge=merge)  # fmt: skip
 
     run_body(body)

@@ -157,18 +157,18 @@ def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers:
 
 
 def merged(dataset: Path, rows: list[dict], provenance: dict, grid: Grid) -> tuple[list[dict], dict, int]:
-    """The grid's rows in place of the dataset's grid rows of the same originals (other originals of
-    the family, other families and pairs added with `calibrate add` stay), and the provenance of
-    every grid the dataset holds."""
+    """The grid's rows in place of the dataset's grid rows of the same originals and recipes (other
+    originals of the family, other recipes of a grid run a recipe at a time, other families and
+    pairs added with `calibrate add` stay), and the provenance of every grid the dataset holds."""
     old = read_dataset(dataset)
     ours = {f"{family}-s{seed}" for family in grid.families for seed in grid.seeds()}
-    kept = [r for r in old if not (str(r["original"]) in ours and r.get("source") == "grid")]
+    kept = [r for r in old if not (str(r["original"]) in ours and r.get("source") == "grid" and r["recipe"] in grid.recipes)]
     meta_path = dataset.with_suffix(".json")
     meta = read_json(meta_path, "dataset provenance") if meta_path.is_file() else {}
     grids = [g for g in meta.get("grids", [{k: meta[k] for k in ("command", "grid", "grid_key", "storage", "seeds") if k in meta}])
              if g.get("grid_key") and g["grid_key"] != provenance["grid_key"]]  # fmt: skip
     grids.append({k: provenance[k] for k in ("command", "grid", "grid_key", "storage", "seeds")})
-    noise = [n for n in meta.get("noise_floor", []) if n["original"] not in ours] + provenance["noise_floor"]
+    noise = [n for n in meta.get("noise_floor", []) if not (n["original"] in ours and n["recipe"] in grid.recipes)] + provenance["noise_floor"]
     out = {**provenance, "grids": grids, "noise_floor": noise, "added": meta.get("added", [])}
     return kept + rows, out, len(kept)
 

@@ -144,6 +144,17 @@ class Grid:
                 raise SpecError(f"{path}: {key}: {value!r} is not a valid {type(default).__name__}") from None
         return cls(**values)
 
+    def only(self, recipes: list[str]) -> "Grid":
+        """The same grid measuring only `recipes` (some of its own, in its order): the studies and
+        results are the same, since the recipe list is not part of the grid's key."""
+        unknown = [r for r in recipes if r not in self.recipes]
+        if unknown or not recipes:
+            raise SpecError(f"--recipes {','.join(recipes) or '(none)'}: the grid measures {', '.join(self.recipes)}; "
+                            f"{'not ' + ', '.join(unknown) if unknown else 'name at least one'}")  # fmt: skip
+        from dataclasses import replace
+
+        return replace(self, recipes=tuple(r for r in self.recipes if r in recipes))
+
     def to_yaml(self) -> str:
         return yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}, sort_keys=False)
 
@@ -559,7 +570,7 @@ def run_workers(storage: str, grid: Grid, grid_path: str | None, workdir: Path, 
     if other:
         log.warning("%d point(s) of the results files were measured on other models than the ones here (made on another CPU?), "
                     "e.g. %s: measured again", len(other), other[0])  # fmt: skip
-    cmd = [sys.executable, "-m", "planner.fidelity.grid", storage, str(workdir), phase, grid_path or "-", str(results or "-")]
+    cmd = [sys.executable, "-m", "planner.fidelity.grid", storage, str(workdir), phase, grid_path or "-", str(results or "-"), ",".join(grid.recipes)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = []
     for i in range(workers):
@@ -591,14 +602,18 @@ def collect(storage: str, grid: Grid, phase: str, recipes: tuple[str, ...] | Non
     return out
 
 
-if __name__ == "__main__":  # a worker: python -m planner.fidelity.grid STORAGE WORKDIR PHASE GRID|- RESULTS|-
+if __name__ == "__main__":  # a worker: python -m planner.fidelity.grid STORAGE WORKDIR PHASE GRID|- RESULTS|- [RECIPES]
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     url, directory, which = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-    grid_arg, results_arg = (sys.argv[4:6] + ["-", "-"])[:2]
+    given = sys.argv[4:7]
+    grid_arg, results_arg, recipes_arg = given + ["-", "-", ""][len(given) :]
     try:
-        run_phase(url, Grid.load(None if grid_arg == "-" else grid_arg), directory, which, None if results_arg == "-" else Path(results_arg))
+        grid = Grid.load(None if grid_arg == "-" else grid_arg)
+        if recipes_arg:  # the recipes this run measures (a subset of the grid's; the studies are the same)
+            grid = grid.only(recipes_arg.split(","))
+        run_phase(url, grid, directory, which, None if results_arg == "-" else Path(results_arg))
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

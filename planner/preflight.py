@@ -367,6 +367,52 @@ def check_fidelity(c: _Context) -> Check:
     return Check("fidelity", "PASS", text)
 
 
+def check_reproduction(c: _Context) -> Check:
+    """The request's job against the production job the plan was made from and what the fidelity data
+    support (smaller than they support: FAIL; larger than the plan's reproduction job: WARN), and its
+    steps against the plan's predicted onset (too few to reach it, or more than twice what it needs: WARN)."""
+    from planner.fidelity.dataset import plan_row
+    from planner.fidelity.estimator import FidelityEstimator, default_estimator_path
+    from planner.search.suggest import FAULTS
+    from planner.specs import Job
+
+    dep, plan, job = c.deployment, c.plan, c.job
+    where = f"{c.data['plan']}: deployment"
+    production = Job.from_dict(dep.get("production_job") or dep.get("job"), where=where) if dep.get("production_job") or dep.get("job") else Job()
+    planned = Job.from_dict(dep["job"], where=f"{where}.job") if dep.get("job") else production
+
+    def shares(j: Job) -> dict[str, float]:
+        return {"prompts": j.prompts_per_step / production.prompts_per_step, "samples": j.samples_per_prompt / production.samples_per_prompt,
+                "length": j.response_tokens.max / production.response_tokens.max}  # fmt: skip
+
+    mine, theirs = shares(job), shares(planned)
+    describe = f"{job.prompts_per_step} x {job.samples_per_prompt}, response <= {job.response_tokens.max}"
+    if plan.experts != plan.original_experts:
+        support = FidelityEstimator.load(default_estimator_path()).job_support(plan_row(c.config[1], plan.experts, None), FAULTS[c.data["fault"]["type"]])
+        short = [f"{dim} at {share:g} of the production value ({support[dim]['reason']})" for dim, share in mine.items()
+                 if share < 1 - 1e-12 and not (support[dim].get("ok") and share >= support[dim]["min_share"] - 1e-12)]  # fmt: skip
+        if short:
+            return Check("reproduction", "FAIL", f"the job ({describe}) is smaller than the fidelity data support: " + "; ".join(short))
+    warns = []
+    if any(mine[d] > theirs[d] + 1e-12 for d in mine):
+        warns.append(f"the job ({describe}) is larger than the fault needs: the plan's reproduction job is {planned.prompts_per_step} x "
+                     f"{planned.samples_per_prompt}, response <= {planned.response_tokens.max}")  # fmt: skip
+    onset = (dep.get("predicted") or {}).get("onset") or {}
+    steps = c.data.get("steps")
+    if onset.get("original_step") is not None and steps is not None:
+        need = int(onset["steps"])
+        if int(steps) < need:
+            warns.append(f"{steps} steps end before the fault's predicted onset (step {onset['proxy_step']:.0f}, up to "
+                         f"{onset['interval'][1]:.0f}): the plan runs {need}")  # fmt: skip
+        elif int(steps) > 2 * need:
+            warns.append(f"{steps} steps: more than twice the {need} the plan needs to reach the fault (onset up to step {onset['interval'][1]:.0f})")
+    if warns:
+        return Check("reproduction", "WARN", "; ".join(warns))
+    what = "the plan's reproduction job" if mine == theirs else "within what the fidelity data support"
+    reach = f"; {steps} steps reach the predicted onset" if onset.get("original_step") is not None and steps is not None else ""
+    return Check("reproduction", "PASS", f"the job ({describe}) is {what}{reach}")
+
+
 def check_factors(c: _Context) -> Check:
     """The fault-relevant factors of the failing run that the proxy run must keep."""
     s, job, arch, plan = c.settings, c.job, c.arch, c.plan
@@ -504,6 +550,7 @@ CHECKS: list[tuple[str, Callable[[_Context], Check | None], tuple[str, ...]]] = 
     ("budget", check_budget, ("plan",)),
     ("fidelity", check_fidelity, ("plan", "fault type")),
     ("fault factors", check_factors, ("plan", "fault type")),
+    ("reproduction", check_reproduction, ("plan", "fault type")),
     ("stats", check_stats, ("plan",)),
     ("failing run metrics", check_metrics, ()),
 ]

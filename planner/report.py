@@ -151,10 +151,15 @@ def figure_pareto(r: Report, path: Path) -> None:
     unit = s.accelerator.device_unit
     scored = [o for o in pts if o.p_reproduced is not None and o.fidelity["status"] != "original"]
     if scored:
-        p = [o.p_reproduced for o in scored]
-        err = [[v - o.fidelity["interval"][0] for v, o in zip(p, scored)], [o.fidelity["interval"][1] - v for v, o in zip(p, scored)]]
-        ax.errorbar([o.reproduction_hours for o in scored], p, yerr=err, fmt="o", markersize=3, color="#8C8C8C", alpha=0.6, elinewidth=0.8,
-                    label="evaluated, fits the budget (interval)")  # fmt: skip
+        jobs = sorted({o.scale for o in scored})
+        for i, scale in enumerate(jobs):  # one series per reproduction job searched
+            group = [o for o in scored if o.scale == scale]
+            p = [o.p_reproduced for o in group]
+            err = [[v - o.fidelity["interval"][0] for v, o in zip(p, group)], [o.fidelity["interval"][1] - v for v, o in zip(p, group)]]
+            what = "production job" if scale.production else f"job {scale.describe(s.request.job)}"
+            ax.errorbar([o.reproduction_hours for o in group], p, yerr=err, fmt="os^vD<>"[i % 7], markersize=3,
+                        color="#8C8C8C" if len(jobs) == 1 else None, alpha=0.6, elinewidth=0.8,
+                        label=f"evaluated, fits the budget (interval): {what}")  # fmt: skip
         front = sorted((o for o in s.pareto if o.p_reproduced is not None), key=lambda o: o.reproduction_hours)
         ax.plot([o.reproduction_hours for o in front], [o.p_reproduced for o in front], marker="o", color="#C44E52", label="Pareto front")
         for i, o in enumerate(front):

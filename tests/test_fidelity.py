@@ -551,3 +551,71 @@ def test_a_grid_run_a_recipe_at_a_time_fills_the_same_studies_and_merges(mini_gr
     meta = json.loads(out.with_suffix(".json").read_text())
     assert sorted(n["recipe"] for n in meta["noise_floor"]) == ["fp16-overflow", "rollout-mismatch"]
     assert Grid.load(path).recipes == grid.recipes  # the grid file is as it was
+
+
+def test_grid_jobs_parse_and_name_their_units():
+    from planner.fidelity.grid import Grid, job_settings, job_shares, split_unit, unit_id
+
+    assert job_settings("1/1/1") == {"prompts": 8, "group": 4, "new_tokens": 16} and job_settings("4/2/2") == {"prompts": 2, "group": 2, "new_tokens": 8}
+    for bad, words in (("1/4/1", "keep a group of 2"), ("3/1/1", "must divide"), ("1/1", "three whole divisors"), ("0/1/1", "three whole"),
+                       ("a/1/1", "three whole")):  # fmt: skip
+        with pytest.raises(SpecError, match=words):
+            job_settings(bad)
+    with pytest.raises(SpecError, match="the production job 1/1/1 first"):
+        Grid(jobs=("2/1/1",))
+    assert Grid(jobs=("1/1/1",)).key() == Grid().key() != Grid(jobs=("1/1/1", "2/1/1")).key()  # earlier grids keep their studies
+    assert unit_id("f-s0", "K8-kmeans", "fp16-overflow") == "f-s0/K8-kmeans/fp16-overflow"
+    assert split_unit(unit_id("f-s0", "K8-kmeans", "fp16-overflow", "2/1/4")) == ("f-s0", "K8-kmeans", "fp16-overflow", "2/1/4")
+    assert split_unit("f-s0/original/router-collapse") == ("f-s0", "original", "router-collapse", "1/1/1")
+    assert job_shares("2/1/4") == {"job_prompts_share": 0.5, "job_samples_share": 1.0, "job_length_share": 0.25}
+
+
+def test_the_harness_runs_the_job_it_is_given(rl_model):
+    from planner.fidelity.grid import job_settings
+    from planner.rl.grpo import GRPO, Models
+    from planner.rl.recipes import recipe
+
+    path, _ = rl_model
+    trainer = GRPO(Models(path), recipe("fp16-overflow").config(8.0, seed=0, **job_settings("2/2/4")))
+    ids = trainer._batch(0)[0]
+    assert tuple(ids.shape) == (4 * 2, trainer.cfg.prompt_len + 4)  # 4 prompts x 2 samples, 4 new tokens
+
+
+@pytest.mark.slow
+def test_a_grid_with_smaller_jobs_labels_each_against_the_production_original(mini_grid, tmp_path):
+    """Jobs 1/1/1, 2/1/1 and 1/1/2 on the mini grid's models: every model is measured at each, the proxies'
+    and the original's own rows at a smaller job are labelled against the original at the production
+    job, carry the job's shares, and stay out of the plan models (production_rows)."""
+    from dataclasses import replace
+
+    from planner.fidelity.calibrate import export
+    from planner.fidelity.dataset import production_rows
+    from planner.fidelity.grid import run_workers
+
+    grid, path, work = mini_grid
+    jobs = replace(grid, recipes=("rollout-mismatch",), jobs=("1/1/1", "2/1/1", "1/1/2"))
+    path = tmp_path / "jobs.yaml"
+    path.write_text(jobs.to_yaml())
+    storage = f"sqlite:///{tmp_path / 'j.db'}"
+    for phase in ("originals", "proxies"):
+        run_workers(storage, jobs, str(path), work, phase, workers=1)
+        _completed_once(_trials(storage, jobs, phase), _units(jobs, work, phase))
+    rows, noise = export(storage, jobs, work)
+    shares = lambda r: (r["job_prompts_share"], r["job_samples_share"], r["job_length_share"])  # noqa: E731
+    assert sorted((r["model"], shares(r)) for r in rows) == sorted(
+        [(m, s) for m in ("K16-agglomerative", "K16-random-0") for s in ((1, 1, 1), (0.5, 1, 1), (1, 1, 0.5))]
+        + [("original", (0.5, 1, 1)), ("original", (1, 1, 0.5))])
+    production = {r["model"]: r["critical_original"] for r in production_rows(rows)}
+    assert set(production) == {"K16-agglomerative", "K16-random-0"}
+    assert all(r["critical_original"] == production["K16-agglomerative"] for r in rows)  # one reference: the production original
+    assert len(noise) == 1 and noise[0]["recipe"] == "rollout-mismatch"
+    # merged into a dataset that holds the family's own grid: the job grid replaces only what it measured again
+    from planner.fidelity.calibrate import merged
+    from planner.fidelity.dataset import write_dataset
+
+    family_grid = [dict(production_rows(rows)[0], model="K16-kmeans"), dict(production_rows(rows)[0])]
+    write_dataset(family_grid, tmp_path / "d.csv", {"grid_key": "family", "noise_floor": [{"original": "qwen3_moe-s0", "recipe": "x"}]})
+    new_rows, meta, kept = merged(tmp_path / "d.csv", rows, {"grid_key": jobs.key(), "noise_floor": noise, "command": "y", "grid": {},
+                                                             "storage": storage, "seeds": {}}, jobs)  # fmt: skip
+    assert kept == 1 and len(new_rows) == len(rows) + 1 and "K16-kmeans" in {r["model"] for r in new_rows}
+    assert meta["noise_floor"] == [{"original": "qwen3_moe-s0", "recipe": "x"}]  # the family grid's noise floors stay

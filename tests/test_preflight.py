@@ -85,6 +85,8 @@ BAD = {
     "budget": (lambda p: (base_request(budget="2npu"), p), "budget is 2 npus"),
     "fidelity": (lambda p: (base_request(fault={"type": "grad-overflow", "settings": dict(GOOD_SETTINGS)}), p),
                  "fp16 loss-scale overflow but the job trains in bf16"),
+    "reproduction": (lambda p: (base_request(job={"prompts_per_step": 32, "samples_per_prompt": 16}), p),
+                     "smaller than the fidelity data support: prompts at 0.0625 of the production value (prompts per step: no calibration rows"),
     "fault factors": (lambda p: (base_request(fault={"type": "rollout-mismatch", "settings": {**GOOD_SETTINGS, "precision": "fp16",
                                                                                             "router_dtype": "fp16"}}), p),
                       "precision fp16 (job: bf16)"),
@@ -270,5 +272,45 @@ def test_the_failing_runs_log_fills_and_cross_checks_the_fault(suggested, tmp_pa
     code, checks = verdict(write(tmp_path, base_request(fault={"settings": dict(GOOD_SETTINGS), "metrics": "healthy.log"}), plan))
     assert code == 1 and checks["fault type"]["status"] == "FAIL" and "none found" in checks["fault type"]["reason"]
     assert checks["fidelity"] == {"check": "fidelity", "status": "SKIP", "reason": "not checked: fault type failed"}
-    text = run_cli("preflight", tmp_path / "request.yaml").output  # one check failed; the two that need it were not checked
-    assert "FAIL: 1 failed" in text and "2 not checked" in text
+    text = run_cli("preflight", tmp_path / "request.yaml").output  # one check failed; the three that need it were not checked
+    assert "FAIL: 1 failed" in text and "3 not checked" in text
+
+
+def test_the_reproduction_check_reads_the_plans_job_and_onset(tmp_path):
+    """A plan made with the original's fault step: its own job and enough steps pass; the production job
+    where the plan shrank nothing is the plan's; too few steps or more than twice the needed warn."""
+    plan_path = tmp_path / "plan.yaml"
+    assert run_cli("suggest", "--budget", "8npu", "--fault", "router-collapse", "--fault-step", "40", "-o", plan_path).exit_code == 0
+    plan = yaml.safe_load(plan_path.read_text())
+    onset = plan["deployment"]["predicted"]["onset"]
+    assert plan["deployment"]["production_job"]["prompts_per_step"] == 512 and onset["original_step"] == 40
+    need = onset["steps"]
+    fault = {"type": "router-collapse", "settings": dict(GOOD_SETTINGS)}
+    for steps, status, words in ((need, "PASS", "is the plan's reproduction job; "), (need - 1, "WARN", f"the plan runs {need}"),
+                                 (2 * need + 1, "WARN", f"more than twice the {need}")):  # fmt: skip
+        _, checks = verdict(write(tmp_path, base_request(fault=fault, steps=steps), plan))
+        assert checks["reproduction"]["status"] == status and words in checks["reproduction"]["reason"], checks["reproduction"]
+
+
+def test_a_request_larger_than_the_plans_reproduction_job_warns(tmp_path):
+    """With the response cap of qwen3_moe-e128's rollout mismatch marked as measured down to a quarter
+    (a planted estimator), the plan runs a quarter cap; a request at the production job is larger
+    than the fault needs, one below a quarter smaller than the data support."""
+    from planner.fidelity.estimator import default_estimator_path
+
+    data = json.loads(default_estimator_path().read_text())
+    level = {"share": 0.25, "rows": 20, "originals": 5, "delta_mean": 0.0, "delta_interval": [-0.1, 0.1], "ok": True}
+    data["recipes"]["rollout-mismatch"]["job"]["qwen3_moe-e128"]["length"] = {"ok": True, "min_share": 0.25, "rows": 20, "levels": [level]}
+    planted = tmp_path / "fidelity.json"
+    planted.write_text(json.dumps(data))
+    plan_path = tmp_path / "plan.yaml"
+    assert run_cli("suggest", "--budget", "8npu", "--estimator", planted, "-o", plan_path).exit_code == 0
+    plan = yaml.safe_load(plan_path.read_text())
+    assert plan["deployment"]["job"]["response_tokens"]["max"] == 768
+    for job, status, words in ((None, "PASS", "is the plan's reproduction job"),
+                               ({"response_tokens": {"mean": 1577, "max": 3072}}, "WARN", "larger than the fault needs"),
+                               ({"response_tokens": {"mean": 300, "max": 384}}, "FAIL", "length at 0.125 of the production value")):  # fmt: skip
+        request = write(tmp_path, base_request(**({"job": job} if job else {})), plan)
+        result = run_cli("preflight", request, "--estimator", planted, "--json")
+        checks = {c["check"]: c for c in json.loads(result.stdout)["checks"]}
+        assert checks["reproduction"]["status"] == status and words in checks["reproduction"]["reason"], checks["reproduction"]

@@ -177,8 +177,9 @@ def test_a_supported_job_dimension_is_searched(tmp_path):
     mismatch marked as measured down to a quarter): the search proposes a shorter job, whose
     smaller-job factor is the original's step with the production job over its step with that one."""
     data = json.loads(default_estimator_path().read_text())
-    data["recipes"]["rollout-mismatch"]["job"]["qwen3_moe-e128"]["length"] = {"ok": True, "min_share": 0.25, "rows": 40,
-                                                                              "reason": "planted for the test"}  # fmt: skip
+    levels = [{"share": 0.5, "rows": 20, "originals": 5, "delta_mean": 0.1, "delta_interval": [-0.1, 0.3], "ok": True},
+              {"share": 0.25, "rows": 20, "originals": 5, "delta_mean": -0.2, "delta_interval": [-0.4, 0.0], "ok": True}]
+    data["recipes"]["rollout-mismatch"]["job"]["qwen3_moe-e128"]["length"] = {"ok": True, "min_share": 0.25, "rows": 40, "levels": levels}
     planted = tmp_path / "fidelity.json"
     planted.write_text(json.dumps(data))
     out = run_cli("suggest", "--budget", "8npu", "--estimator", planted, "--json")
@@ -187,9 +188,51 @@ def test_a_supported_job_dimension_is_searched(tmp_path):
     assert [j["divisors"]["length"] for j in got["job_search"]["jobs"]] == [1, 2, 4]
     best = got["plans"][0]
     assert best["job"]["divisors"] == {"prompts": 1, "samples": 1, "length": 4} and best["job"]["response_max"] == 768
+    from planner.catalog import load_model_config
+    from planner.fidelity.dataset import plan_row
+
+    f = best["fidelity"]
+    assert f["job_shift_log2"] == pytest.approx([-0.4, 0.0])  # the quarter cap's measured extra shift, -0.2 +- 0.2
+    at_production = FidelityEstimator.load(planted).predict(plan_row(load_model_config("qwen3-30b-a3b")[1], best["experts"], None),
+                                                            "rollout-mismatch")  # fmt: skip
+    assert "job_shift_log2" not in at_production and f["shift_log2"] == pytest.approx(at_production["shift_log2"] - 0.2)
+    assert f["shift_interval"][1] - f["shift_interval"][0] == pytest.approx(at_production["shift_interval"][1] - at_production["shift_interval"][0] + 0.4)
     m = best["reduction"]["by_mechanism"]
     assert m["smaller_job"] > 1.5
     assert m["fewer_devices"] * m["smaller_job"] * m["step_time"] == pytest.approx(best["reduction"]["accelerator_hours"], rel=1e-9)
     assert "job searched: 3 reproduction jobs (length shrunk within batch down to 1/16, response cap down to 1/4)" in got["job_search"]["text"]
     default = json.loads(run_cli("suggest", "--budget", "8npu", "--json").stdout)["plans"][0]
     assert best["reduction"]["accelerator_hours"] > default["reduction"]["accelerator_hours"]
+
+
+def test_a_job_dimension_is_supported_down_to_the_share_that_keeps_the_label():
+    """Planted rows of one family, three originals: halving the response cap moves each proxy's label by
+    0.05-0.15 log2 against its production row (and the original's own by about as much), a quarter
+    cap by about 1: the length is supported down to 1/2; the batch was never measured."""
+    from planner.fidelity.estimator import _job_support, job_offset
+
+    rows = []
+    for i, original in enumerate(("F-s0", "F-s1", "F-s2")):
+        for model, base in (("K8-a", -0.3), ("K8-b", -0.6)):
+            common = {"recipe": "fp16-overflow", "family": "F", "original": original, "model": model, "method": "agglomerative", "censored": 0}
+            rows.append({**common, "shift_log2": base})
+            rows.append({**common, "shift_log2": base + 0.05 + 0.05 * i, "job_length_share": 0.5})
+            rows.append({**common, "shift_log2": base - 1.0 - 0.02 * i, "job_length_share": 0.25})
+        rows.append({"recipe": "fp16-overflow", "family": "F", "original": original, "model": "original", "method": "original",
+                     "censored": 0, "shift_log2": 0.1, "job_length_share": 0.5})  # fmt: skip
+    support = _job_support(rows, "fp16-overflow")["F"]
+    length = support["length"]
+    assert length["ok"] and length["min_share"] == 0.5 and length["rows"] == 15
+    half, quarter = length["levels"]
+    assert (half["share"], half["originals"], half["ok"]) == (0.5, 3, True) and quarter["ok"] is False
+    # per original: the mean of its two proxies' extra shifts and its own original's 0.1
+    per = [np.mean([0.05 + 0.05 * i, 0.05 + 0.05 * i, 0.1]) for i in range(3)]
+    assert half["delta_mean"] == pytest.approx(np.mean(per))
+    from scipy import stats
+
+    half_width = stats.t.ppf(0.95, 2) * np.std(per, ddof=1) / np.sqrt(3)
+    assert half["delta_interval"] == pytest.approx([np.mean(per) - half_width, np.mean(per) + half_width])
+    assert support["prompts"] == {"ok": False, "rows": 0, "levels": []}
+    offset, width = job_offset(support, {"job_length_share": 0.5, "job_prompts_share": 0.5})  # the batch is unsupported: no term
+    assert offset == pytest.approx(np.mean(per)) and width == pytest.approx(half_width)
+    assert job_offset(support, {"job_length_share": 1.0}) == (0.0, 0.0)

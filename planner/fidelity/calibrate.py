@@ -42,9 +42,13 @@ def noise_floor(grid: Grid, originals: dict[str, dict]) -> list[dict]:
     units, the bisection's resolution and whether it is at most a quarter of that SD."""
     from planner.fidelity.labels import knob_scale
 
+    from planner.fidelity.grid import PRODUCTION, split_unit
+
     out = []
     for unit, result in sorted(originals.items()):
-        base, _, recipe_name = unit.split("/")
+        base, _, recipe_name, job = split_unit(unit)
+        if job != PRODUCTION:  # the noise floor is the original's at the job its labels are measured against
+            continue
         m, scale = result["margin"], knob_scale(recipe_name)
         sd = float(np.std(np.asarray(m["values"]) * scale, ddof=1))
         resolution = m.get("resolution", grid.resolution(recipe_name)) * scale
@@ -54,33 +58,42 @@ def noise_floor(grid: Grid, originals: dict[str, dict]) -> list[dict]:
 
 
 def export(storage: str, grid: Grid, workdir: Path) -> tuple[list[dict], list[dict]]:
-    """Join the two phases' results into dataset rows (one per proxy and recipe) and the noise floor.
-    A (recipe, K) where the fault cannot occur gets a row labelled "not applicable" (not measured)."""
+    """Join the two phases' results into dataset rows (one per proxy, recipe and job) and the noise
+    floor. A (recipe, K) where the fault cannot occur gets a row labelled "not applicable" (not
+    measured). A grid with smaller jobs also labels every proxy at each of them, and the original
+    itself (model "original", K = E), always against the original at the production job, with the
+    job's shares of the production job in the job columns."""
+    from planner.fidelity.grid import PRODUCTION, job_shares, unit_id
     from planner.fidelity.labels import applicable
 
     records = json.loads((workdir / "models.json").read_text())
     originals, proxies = collect(storage, grid, "originals"), collect(storage, grid, "proxies")
     configs = {r["original"]: json.loads((Path(r["path"]) / "config.json").read_text()) for r in records.values() if r["model"] == "original"}
     rows = []
-    for record in sorted((r for r in records.values() if r["model"] != "original"), key=lambda r: (r["original"], r["model"])):
-        base = record["original"]
+    for record in sorted(records.values(), key=lambda r: (r["original"], r["model"])):
+        base, own = record["original"], record["model"] == "original"
         for recipe_name in grid.recipes:
             if not grid.measured_on(recipe_name, record["seed"]):
                 continue
-            unit = f"{base}/{record['model']}/{recipe_name}"
-            original, result = originals.get(f"{base}/original/{recipe_name}"), proxies.get(unit)
-            fits = applicable(recipe_name, record["experts"], record["top_k"])
-            if fits and (original is None or result is None):
-                continue
-            arch = architecture_features(configs[base], record["experts"])
-            row = {"family": record["family"], "routing_shape": shape_key(configs[base]), "original": base, "model": record["model"],
-                   "method": record["method"],
-                   "recipe": recipe_name, "experts": record["experts"], "original_experts": records[f"{base}/original"]["experts"],
-                   "top_k": record["top_k"], "source": "grid"}  # fmt: skip
-            row.update(features_of(record["statistics"], arch))
-            row.update(pair_row(recipe_name, _sides(original or {}), _sides(result or {}),
-                                experts=record["experts"], top_k=record["top_k"]))  # fmt: skip
-            rows.append(row)
+            for job in grid.jobs:
+                if own and job == PRODUCTION:  # the original against itself: no label
+                    continue
+                unit = unit_id(base, record["model"], recipe_name, job)
+                original, result = originals.get(unit_id(base, "original", recipe_name)), (originals if own else proxies).get(unit)
+                fits = applicable(recipe_name, record["experts"], record["top_k"])
+                if fits and (original is None or result is None):
+                    continue
+                arch = architecture_features(configs[base], record["experts"])
+                row = {"family": record["family"], "routing_shape": shape_key(configs[base]), "original": base, "model": record["model"],
+                       "method": record["method"],
+                       "recipe": recipe_name, "experts": record["experts"], "original_experts": records[f"{base}/original"]["experts"],
+                       "top_k": record["top_k"], "source": "grid"}  # fmt: skip
+                row.update(features_of(record["statistics"], arch))
+                row.update(pair_row(recipe_name, _sides(original or {}), _sides(result or {}),
+                                    experts=record["experts"], top_k=record["top_k"]))  # fmt: skip
+                if len(grid.jobs) > 1:
+                    row.update(job_shares(job))
+                rows.append(row)
     return rows, noise_floor(grid, originals)
 
 
@@ -159,16 +172,31 @@ def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers:
 def merged(dataset: Path, rows: list[dict], provenance: dict, grid: Grid) -> tuple[list[dict], dict, int]:
     """The grid's rows in place of the dataset's grid rows of the same originals and recipes (other
     originals of the family, other recipes of a grid run a recipe at a time, other families and
-    pairs added with `calibrate add` stay), and the provenance of every grid the dataset holds."""
+    pairs added with `calibrate add` stay), and the provenance of every grid the dataset holds. A
+    grid with smaller jobs adds to its family's data: it replaces only the rows it measured again
+    (same original, model, recipe and job), and the noise floors stay those of the family's grid."""
+    from planner.fidelity.dataset import JOB_COLUMNS
+
     old = read_dataset(dataset)
     ours = {f"{family}-s{seed}" for family in grid.families for seed in grid.seeds()}
-    kept = [r for r in old if not (str(r["original"]) in ours and r.get("source") == "grid" and r["recipe"] in grid.recipes)]
+    if len(grid.jobs) > 1:  # a job grid adds to its family's data: it replaces only the rows it measured again
+        from planner.fidelity.model import _finite
+
+        def ident(r: dict) -> tuple:
+            return (str(r["original"]), str(r["model"]), r["recipe"], *(float(r[c]) if _finite(r.get(c)) else 1.0 for c in JOB_COLUMNS.values()))
+
+        again = {ident(r) for r in rows}
+        kept = [r for r in old if not (r.get("source") == "grid" and ident(r) in again)]
+    else:
+        kept = [r for r in old if not (str(r["original"]) in ours and r.get("source") == "grid" and r["recipe"] in grid.recipes)]
     meta_path = dataset.with_suffix(".json")
     meta = read_json(meta_path, "dataset provenance") if meta_path.is_file() else {}
     grids = [g for g in meta.get("grids", [{k: meta[k] for k in ("command", "grid", "grid_key", "storage", "seeds") if k in meta}])
              if g.get("grid_key") and g["grid_key"] != provenance["grid_key"]]  # fmt: skip
     grids.append({k: provenance[k] for k in ("command", "grid", "grid_key", "storage", "seeds")})
-    noise = [n for n in meta.get("noise_floor", []) if not (n["original"] in ours and n["recipe"] in grid.recipes)] + provenance["noise_floor"]
+    noise = meta.get("noise_floor", [])
+    if len(grid.jobs) == 1:
+        noise = [n for n in noise if not (n["original"] in ours and n["recipe"] in grid.recipes)] + provenance["noise_floor"]
     out = {**provenance, "grids": grids, "noise_floor": noise, "added": meta.get("added", [])}
     return kept + rows, out, len(kept)
 

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from planner.arch import Architecture
-from planner.fidelity.model import FULL_FEATURES, features_of
+from planner.fidelity.model import FULL_FEATURES, _finite, features_of
 from planner.fidelity.labels import applicable, curve_agreement, knob_scale, knob_shift, spearman
 from planner.files import write_csv_atomic, write_text_atomic
 
-__all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "TEXT_COLUMNS", "architecture_features", "shape_key", "plan_row", "pair_row", "write_dataset",
-           "read_dataset"]  # fmt: skip
+__all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "TEXT_COLUMNS", "JOB_COLUMNS", "production_rows", "architecture_features", "shape_key", "plan_row",
+           "pair_row", "write_dataset", "read_dataset"]  # fmt: skip
 
 ID_COLUMNS = ("family", "routing_shape", "original", "model", "method", "recipe", "experts", "original_experts", "top_k", "source")
 LABEL_COLUMNS = (
@@ -32,6 +32,14 @@ LABEL_COLUMNS = (
     "onset_proxy", "run_reproduced",
 )  # fmt: skip
 TEXT_COLUMNS = ("family", "routing_shape", "original", "model", "method", "recipe", "source", "outcome")
+# a grid with smaller reproduction jobs: the job's share of the production job per dimension (absent: production)
+JOB_COLUMNS = {"prompts": "job_prompts_share", "samples": "job_samples_share", "length": "job_length_share"}
+
+
+def production_rows(rows: list[dict]) -> list[dict]:
+    """The rows measured at the production job: every row of a grid without smaller jobs. The plan
+    models are fitted and validated on these; the job rows are the job dimensions' own data."""
+    return [r for r in rows if all(not _finite(r.get(c)) or float(r[c]) == 1.0 for c in JOB_COLUMNS.values())]
 
 
 def architecture_features(config: dict, experts: int) -> dict[str, float]:

@@ -113,10 +113,8 @@ def _every_plan_reproduced(rows: list[dict], recipe: str) -> dict[str, dict]:
     return out
 
 
-# the job dimensions a reproduction may shrink: what each is, and the dataset column a job-shrink grid
-# writes for it (the reproduction job's share of the production value)
-JOB_DIMENSIONS = {"prompts": ("prompts per step", "job_prompts_share"), "samples": ("samples per prompt", "job_samples_share"),
-                  "length": ("response length cap", "job_length_share")}  # fmt: skip
+# the job dimensions a reproduction may shrink, in words (their dataset columns: planner.fidelity.dataset.JOB_COLUMNS)
+JOB_DIMENSIONS = {"prompts": "prompts per step", "samples": "samples per prompt", "length": "response length cap"}
 
 
 def _onsets(rows: list[dict], recipe: str) -> dict[str, list[dict]]:
@@ -138,16 +136,83 @@ def _onsets(rows: list[dict], recipe: str) -> dict[str, list[dict]]:
     return out
 
 
-def _job_rows(rows: list[dict], recipe: str) -> dict[str, dict[str, dict]]:
-    """Per family and job dimension: how many rows measured the fault at a smaller job than the
-    production one. No job term is fitted yet, so no dimension is supported: the count says why."""
+JOB_TOLERANCE_LOG2 = 0.5  # a smaller job keeps a label when it moves it by less than half the reproduction tolerance
+
+
+def _job_support(rows: list[dict], recipe: str) -> dict[str, dict[str, dict]]:
+    """Per family and job dimension: does a smaller job keep the production job's label? At each
+    share of the dimension measured (the other dimensions at production), the extra shift of every
+    row against the same model at the production job (the original's own row: against 0), averaged
+    per original; the dimension is supported down to the smallest share at which that and every
+    larger share keep the mean extra shift's 90% interval over originals (2 or more) within
+    +-JOB_TOLERANCE_LOG2. Negative controls and censored rows aside."""
+    from scipy import stats
+
+    from planner.fidelity.dataset import JOB_COLUMNS, production_rows
+    from planner.plan import CONTROL_METHODS
+
+    mine = [r for r in rows if r.get("recipe") == recipe and r.get("method") not in CONTROL_METHODS and _finite(r.get("shift_log2"))
+            and not (_finite(r.get("censored")) and r["censored"])]  # fmt: skip
+    at_production = {(str(r["original"]), str(r["model"])): float(r["shift_log2"]) for r in production_rows(mine)}
     out: dict[str, dict[str, dict]] = {}
-    mine = [r for r in rows if r.get("recipe") == recipe]
-    for family in sorted({str(r["family"]) for r in mine}):
-        at = [r for r in mine if str(r["family"]) == family]
-        out[family] = {dim: {"ok": False, "rows": sum(1 for r in at if _finite(r.get(column)) and float(r[column]) < 1)}
-                       for dim, (_, column) in JOB_DIMENSIONS.items()}  # fmt: skip
+    for family in sorted({str(r["family"]) for r in rows if r.get("recipe") == recipe}):
+        out[family] = {}
+        for dim, column in JOB_COLUMNS.items():
+            others = [c for c in JOB_COLUMNS.values() if c != column]
+            at = [r for r in mine if str(r["family"]) == family and _finite(r.get(column)) and float(r[column]) < 1
+                  and all(not _finite(r.get(o)) or float(r[o]) == 1.0 for o in others)]  # fmt: skip
+            levels = []
+            for share in sorted({float(r[column]) for r in at}, reverse=True):
+                per: dict[str, list[float]] = {}
+                for r in (r for r in at if float(r[column]) == share):
+                    base = 0.0 if r["model"] == "original" else at_production.get((str(r["original"]), str(r["model"])))
+                    if base is not None:
+                        per.setdefault(str(r["original"]), []).append(float(r["shift_log2"]) - base)
+                means = np.array([np.mean(v) for v in per.values()])
+                n = len(means)
+                mean = float(means.mean()) if n else float("nan")
+                half = float(stats.t.ppf(0.95, n - 1) * means.std(ddof=1) / np.sqrt(n)) if n >= 2 else float("inf")
+                levels.append({"share": share, "rows": sum(len(v) for v in per.values()), "originals": n, "delta_mean": mean,
+                               "delta_interval": [mean - half, mean + half],
+                               "ok": bool(n >= 2 and -JOB_TOLERANCE_LOG2 < mean - half and mean + half < JOB_TOLERANCE_LOG2)})  # fmt: skip
+            kept = []
+            for level in levels:  # from the largest share down: supported while every level so far keeps the label
+                if not level["ok"]:
+                    break
+                kept.append(level)
+            entry = {"ok": bool(kept), "rows": len(at), "levels": levels}
+            if kept:
+                entry["min_share"] = kept[-1]["share"]
+            elif levels:
+                bad = levels[0]
+                lo, hi = bad["delta_interval"]
+                entry["reason"] = (f"at {bad['share']:g} of the production value the label moves by {bad['delta_mean']:+.2f} log2 [{lo:+.2f}, "
+                                   f"{hi:+.2f}] over {bad['originals']} originals: not within +-{JOB_TOLERANCE_LOG2}")  # fmt: skip
+            out[family][dim] = entry
     return out
+
+
+def job_offset(support: Mapping[str, Mapping], row: Mapping[str, Any]) -> tuple[float, float]:
+    """The measured extra shift of `row`'s job and the half-width it adds to the interval: per
+    supported dimension, the nearest measured share at or below the row's (more shrinkage is the
+    safer bound), its mean extra shift, and the larger distance from that mean to its interval's ends."""
+    from planner.fidelity.dataset import JOB_COLUMNS
+
+    offset = width = 0.0
+    for dim, column in JOB_COLUMNS.items():
+        share = row.get(column)
+        entry = support.get(dim) or {}
+        if not _finite(share) or float(share) >= 1.0 or not entry.get("ok"):
+            continue
+        ok = [lv for lv in entry["levels"] if lv["ok"]]
+        below = [lv for lv in ok if lv["share"] <= float(share) + 1e-12]
+        if not ok:
+            continue
+        level = max(below, key=lambda lv: lv["share"]) if below else min(ok, key=lambda lv: lv["share"])
+        lo, hi = level["delta_interval"]
+        offset += level["delta_mean"]
+        width += max(level["delta_mean"] - lo, hi - level["delta_mean"])
+    return offset, width
 
 
 def knob_translation(recipe: str, block: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -201,10 +266,11 @@ class FidelityEstimator:
     @classmethod
     def fit(cls, rows: list[dict], *, info: dict | None = None, validate: bool = True,
             transfer_points: list[dict] | None = None) -> "FidelityEstimator":  # fmt: skip
+        from planner.fidelity.dataset import production_rows
         from planner.fidelity.labels import TOLERANCE_LOG2
-
         from planner.fidelity.learners import fit_shift
 
+        every, rows = rows, production_rows(rows)  # the plan models are the production job's; the job rows count apart
         recipes: dict[str, dict[str, Any]] = {}
         for recipe in sorted({r["recipe"] for r in rows}):
             names = recipe_features(recipe)
@@ -239,7 +305,7 @@ class FidelityEstimator:
                                "experts": sorted({int(r["original_experts"]) for r in used}),
                                "originals": sorted({str(r["original"]) for r in used}), "measured_by_k": _measured_by_k(rows, recipe),
                                "every_plan_reproduced": _every_plan_reproduced(rows, recipe),
-                               "onsets": _onsets(rows, recipe), "job": _job_rows(rows, recipe),
+                               "onsets": _onsets(rows, recipe), "job": _job_support(every, recipe),
                                "gate": {"skill": False, "reason": "not validated"},
                                "gates": {name: {"skill": False, "reason": "not validated"} for name in families},
                                "ke_gates": {name: {"ok": False, "reason": "not validated"} for name in families}}  # fmt: skip
@@ -358,12 +424,15 @@ class FidelityEstimator:
         measured = ((entry or {}).get("job") or {}).get(family) or {}
         where = f"of {family}" if family else "of this routing shape"
         out = {}
-        for dim, (what, _) in JOB_DIMENSIONS.items():
+        for dim, what in JOB_DIMENSIONS.items():
             m = dict(measured.get(dim) or {"ok": False, "rows": 0})
-            if not m.get("ok") and not m.get("reason"):
-                m["reason"] = (f"{what}: no calibration rows {where} measured {recipe} at a smaller value" if not m.get("rows")
-                               else f"{what}: {m['rows']} calibration rows {where} measured {recipe} at a smaller value, but no job term is "
-                               "validated on them")  # fmt: skip
+            if m.get("ok"):
+                m["reason"] = (f"{what}: down to {m['min_share']:g} of the production value the label of {recipe} moves by less than "
+                               f"+-{JOB_TOLERANCE_LOG2} log2 on the calibration data {where} ({m['rows']} rows)")  # fmt: skip
+            elif m.get("reason"):
+                m["reason"] = f"{what}: {m['reason']}"
+            else:
+                m["reason"] = f"{what}: no calibration rows {where} measured {recipe} at a smaller value"
             out[dim] = m
         return out
 
@@ -383,12 +452,16 @@ class FidelityEstimator:
             p, low, high = model.p_within(x, self.tolerance)
             shift_low, shift_high = model.predict_interval(x)
             scale = self.scale(row, recipe)
-            w = scale.get("halfwidth") or 0.0
-            if w:  # the label may move by up to w at the target's scale: P over that move (it peaks inside it, not at an end)
-                moved = np.array([model.p_within(x, self.tolerance, offset=o)[0] for o in np.linspace(-w, w, 9)])
+            shift, wj = job_offset(self.job_support(row, recipe), row)  # a smaller job: its measured extra shift and spread
+            if shift or wj:
+                p, low, high = model.p_within(x, self.tolerance, offset=shift)
+                out["job_shift_log2"] = [shift - wj, shift + wj]
+            w = (scale.get("halfwidth") or 0.0) + wj
+            if w:  # the label may move by up to w at the target's scale and job: P over that move (it peaks inside it, not at an end)
+                moved = np.array([model.p_within(x, self.tolerance, offset=o)[0] for o in np.linspace(shift - w, shift + w, 9)])
                 low, high = np.minimum(low, moved.min(0)), np.maximum(high, moved.max(0))
-            out.update(p_reproduced=float(p[0]), interval=[float(low[0]), float(high[0])], shift_log2=float(model.predict(x)[0]),
-                       shift_interval=[float(shift_low[0]) - w, float(shift_high[0]) + w])  # fmt: skip
+            out.update(p_reproduced=float(p[0]), interval=[float(low[0]), float(high[0])], shift_log2=float(model.predict(x)[0]) + shift,
+                       shift_interval=[float(shift_low[0]) + shift - w, float(shift_high[0]) + shift + w])  # fmt: skip
         elif status == "no-skill" and entry is not None and _finite(row.get("kept_fraction")) and entry["measured_by_k"]:
             family = self.family(row, recipe)
             measured = [m for m in entry["measured_by_k"] if m.get("family", family) == family] or entry["measured_by_k"]

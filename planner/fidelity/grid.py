@@ -52,7 +52,7 @@ from planner.errors import SpecError
 from planner.files import read_json, read_yaml, write_text_atomic
 from planner.rl.margin import DEFAULT_PROBE_STEPS
 
-__all__ = ["Grid", "prepare", "run_phase", "run_workers", "collect", "study_name", "grid_storage", "grid_units", "results_file", "read_results",
+__all__ = ["Grid", "PRODUCTION", "job_settings", "job_shares", "unit_id", "split_unit", "prepare", "run_phase", "run_workers", "collect", "study_name", "grid_storage", "grid_units", "results_file", "read_results",
            "import_results", "mis_slice"]
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ PHASES = ("originals", "proxies")
 # what the models and proxies under a workdir depend on
 _MODEL_FIELDS = ("families", "originals", "kept_fractions", "methods", "random_draws", "calib_tokens", "dense_steps", "moe_steps",
                  "controls", "first_original")  # fmt: skip
-_ADDED_LATER = ("controls", "first_original")  # settings with a default that leaves earlier grids' keys as they were
+_ADDED_LATER = ("controls", "first_original", "jobs")  # settings with a default that leaves earlier grids' keys as they were
+PRODUCTION = "1/1/1"  # the harness's own job (RLConfig's prompts, group and new tokens), which every label is measured against
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +90,9 @@ class Grid:
     moe_steps: int = 300
     controls: tuple[str, ...] = ()  # negative controls per K (planner.plan.CONTROL_METHODS), built from the agglomerative plan
     first_original: int = 0  # model seeds first_original .. originals-1: more originals for a family measured before
+    # reproduction jobs every model is also measured at: divisors of the harness's prompts per step,
+    # group size and new tokens ("4/1/1": a quarter of the prompts); the first is the production job
+    jobs: tuple[str, ...] = (PRODUCTION,)
 
     def seeds(self) -> range:
         """The model seeds of the grid's originals."""
@@ -110,6 +114,10 @@ class Grid:
         if any(c not in CONTROL_METHODS for c in self.controls) or (self.controls and "agglomerative" not in self.methods):
             raise SpecError(f"grid: controls {list(self.controls)}: each one of {', '.join(CONTROL_METHODS)}, and built from the "
                             "agglomerative plan, which methods must then hold")  # fmt: skip
+        if not self.jobs or self.jobs[0] != PRODUCTION or len(set(self.jobs)) != len(self.jobs):
+            raise SpecError(f"grid: jobs {list(self.jobs)}: distinct, the production job {PRODUCTION} first (every label is against it)")
+        for job in self.jobs:
+            job_settings(job)
         if not 0 <= self.first_original < self.originals:
             raise SpecError(f"grid: first_original {self.first_original} must lie in [0, originals={self.originals})")
         positive = ("originals", "margin_steps", "curve_steps", "calib_tokens")
@@ -211,6 +219,44 @@ class Grid:
         from planner.rl.recipes import recipe
 
         return recipe(recipe_name).kind == "static" or seed < self.first_original + self.dynamic_originals
+
+
+def job_settings(job: str) -> dict[str, int]:
+    """The RLConfig settings of a grid job "P/G/L": the harness's prompts per step, group size and new
+    tokens divided by P, G and L (each a whole divisor; a group keeps at least 2 samples)."""
+    from planner.rl.grpo import RLConfig
+
+    base = {name: RLConfig.__dataclass_fields__[name].default for name in ("prompts", "group", "new_tokens")}
+    try:
+        divisors = [int(v) for v in str(job).split("/")]
+    except ValueError:
+        divisors = []
+    if len(divisors) != 3 or any(d < 1 for d in divisors):
+        raise SpecError(f"grid: job {job!r}: three whole divisors P/G/L of the prompts ({base['prompts']}), group ({base['group']}) and new "
+                        f"tokens ({base['new_tokens']}), e.g. 4/1/1")  # fmt: skip
+    out = {name: value // d for (name, value), d in zip(base.items(), divisors)}
+    if any(value % d for value, d in zip(base.values(), divisors)) or out["group"] < 2:
+        raise SpecError(f"grid: job {job!r}: {base} must divide by it and keep a group of 2 or more")
+    return out
+
+
+def job_shares(job: str) -> dict[str, float]:
+    """The dataset's job columns of a grid job: its share of the production prompts, group and length."""
+    from planner.fidelity.dataset import JOB_COLUMNS
+
+    return {JOB_COLUMNS[dim]: 1 / int(d) for dim, d in zip(("prompts", "samples", "length"), job.split("/"))}
+
+
+def unit_id(base: str, model: str, recipe_name: str, job: str = PRODUCTION) -> str:
+    """ORIGINAL/MODEL/RECIPE, and @P-G-L for a job other than the production one."""
+    return f"{base}/{model}/{recipe_name}" + ("" if job == PRODUCTION else "@" + job.replace("/", "-"))
+
+
+def split_unit(unit: str) -> tuple[str, str, str, str]:
+    """(original, model, recipe, job) of a unit id."""
+    base, model, rest = unit.split("/")
+    recipe_name, _, job = rest.partition("@")
+    return base, model, recipe_name, job.replace("-", "/") if job else PRODUCTION
 
 
 def study_name(grid: Grid, recipe_name: str, phase: str, original: str) -> str:
@@ -349,20 +395,22 @@ def _study(storage: str, grid: Grid, recipe_name: str, phase: str, original: str
 
 
 def grid_units(grid: Grid, records: dict[str, dict], recipe_name: str, phase: str) -> dict[str, list[str]]:
-    """ORIGINAL/MODEL/RECIPE of every model the phase measures under the recipe (not where the
-    fault cannot occur, nor beyond the dynamic budget), by original: one study each."""
+    """The unit (unit_id) of every model the phase measures under the recipe at every job of the grid
+    (not where the fault cannot occur, nor beyond the dynamic budget), by original: one study each."""
     from planner.fidelity.labels import applicable
 
     out: dict[str, list[str]] = {}
     for r in sorted(records.values(), key=lambda r: (r["seed"], r["original"], r["model"])):  # seed first: a budget cut short keeps whole seeds
         if (r["model"] == "original") == (phase == "originals") and grid.measured_on(recipe_name, r["seed"]) \
                 and applicable(recipe_name, r["experts"], r["top_k"]):  # fmt: skip
-            out.setdefault(r["original"], []).append(f"{r['original']}/{r['model']}/{recipe_name}")
+            out.setdefault(r["original"], []).extend(unit_id(r["original"], r["model"], recipe_name, job) for job in grid.jobs)
     return out
 
 
-def _measure(grid: Grid, record: dict, recipe_name: str, original: dict | None) -> dict[str, Any]:
-    """Margin (per seed) and, for dynamic recipes, curve runs of one model under one recipe."""
+def _measure(grid: Grid, record: dict, recipe_name: str, original: dict | None, job: str = PRODUCTION) -> dict[str, Any]:
+    """Margin (per seed) and, for dynamic recipes, curve runs of one model under one recipe at one job.
+    A proxy's curve runs at its original's knob (at the production job); an original's at its own
+    critical knob plus the offset, with replicas at the production job only."""
     from planner.rl.grpo import GRPO, Models
     from planner.rl.margin import critical_knob
     from planner.rl.recipes import recipe
@@ -371,7 +419,8 @@ def _measure(grid: Grid, record: dict, recipe_name: str, original: dict | None) 
 
     r = recipe(recipe_name)
     models = Models(record["path"])
-    margin = critical_knob(models, r, list(grid.margin_seeds), iters=grid.iters(recipe_name), steps=grid.margin_steps)
+    settings = {} if job == PRODUCTION else job_settings(job)
+    margin = critical_knob(models, r, list(grid.margin_seeds), iters=grid.iters(recipe_name), steps=grid.margin_steps, settings=settings)
     # the model measured: a results file's point stands for this model only (trained weights differ
     # between CPUs' float kernels)
     out: dict[str, Any] = {"margin": {**margin.to_json(), "resolution": grid.resolution(recipe_name)},
@@ -379,8 +428,8 @@ def _measure(grid: Grid, record: dict, recipe_name: str, original: dict | None) 
     if r.kind == "dynamic":
         knob = original["knob"] if original else margin.mean + grid.knob_offset
         out["knob"] = knob
-        runs = {"curve": GRPO(models, r.config(knob, seed=grid.curve_seed, steps=grid.curve_steps)).run()}
-        if original is None:
+        runs = {"curve": GRPO(models, r.config(knob, seed=grid.curve_seed, steps=grid.curve_steps, **settings)).run()}
+        if original is None and job == PRODUCTION:
             for i, gen_seed in enumerate(grid.replica_gen_seeds):
                 runs[f"replica{i}"] = GRPO(models, r.config(knob, seed=grid.curve_seed, steps=grid.curve_steps, gen_seed=gen_seed)).run()
         for name, rows in runs.items():
@@ -533,8 +582,8 @@ def run_phase(storage: str, grid: Grid, workdir: Path, phase: str, results: Path
             raise SpecError(f"the originals phase is not complete ({len(missing)} missing, e.g. {missing[0]}); run it first")
 
         def measure(unit: str, recipe_name=recipe_name, originals=originals) -> dict:
-            base, model, _ = unit.split("/")
-            return _measure(grid, records[f"{base}/{model}"], recipe_name, originals.get(f"{base}/original/{recipe_name}"))
+            base, model, _, job = split_unit(unit)
+            return _measure(grid, records[f"{base}/{model}"], recipe_name, originals.get(unit_id(base, "original", recipe_name)), job)
 
         for base, units in grid_units(grid, records, recipe_name, phase).items():
             pending.append((_study(storage, grid, recipe_name, phase, base, units), units, measure, results))
@@ -558,7 +607,7 @@ def run_workers(storage: str, grid: Grid, grid_path: str | None, workdir: Path, 
     imported, other = 0, []
 
     def fingerprint_of(unit: str) -> str:
-        base, model, _ = unit.split("/")
+        base, model, _, _ = split_unit(unit)
         return Checkpoint(records[f"{base}/{model}"]["path"]).fingerprint()
 
     for recipe_name in grid.recipes:

@@ -153,9 +153,11 @@ def score_predictions(h: dict) -> dict[str, Any]:
 
 def cross_validate(rows: list[dict], schemes: tuple[str, ...] = tuple(SCHEMES), tolerance: float | None = None) -> dict[str, Any]:
     """{rows, recipes: {recipe: {scheme: {variant: scores}}}} (see the module's docstring)."""
+    from planner.fidelity.dataset import production_rows
     from planner.fidelity.labels import TOLERANCE_LOG2
 
     tolerance = TOLERANCE_LOG2 if tolerance is None else tolerance
+    rows = production_rows(rows)  # the plan models are validated at the production job
     report: dict[str, Any] = {"rows": len(rows), "tolerance_log2": tolerance, "recipes": {}}
     for recipe in sorted({r["recipe"] for r in rows}):
         entry: dict[str, Any] = {}

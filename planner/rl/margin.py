@@ -11,6 +11,7 @@ bisection ends beside it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 
@@ -72,12 +73,16 @@ def _bisect(fault, lo: float, hi: float, iters: int) -> tuple[float, bool, int]:
     return 0.5 * (a + b), False, probes
 
 
-def critical_knob(models: Models, recipe: Recipe, seeds: list[int], *, iters: int | None = None, steps: int = DEFAULT_PROBE_STEPS) -> Margin:
+def critical_knob(models: Models, recipe: Recipe, seeds: list[int], *, iters: int | None = None, steps: int = DEFAULT_PROBE_STEPS,
+                  settings: Mapping[str, object] | None = None) -> Margin:  # fmt: skip
+    """The critical knob per seed; `settings` are RLConfig settings on top of the recipe's (e.g. a
+    smaller job: prompts, group, new_tokens)."""
     iters = DEFAULT_ITERS[recipe.kind] if iters is None else iters
+    extra = dict(settings or {})
     values, censored, probes = [], [], 0
     for seed in seeds:
         if recipe.name == "fp16-overflow":
-            trainer = GRPO(models, recipe.config(recipe.lo, seed=seed))
+            trainer = GRPO(models, recipe.config(recipe.lo, seed=seed, **extra))
             batch = trainer._batch(seed)
 
             def fault(knob, trainer=trainer, batch=batch):
@@ -86,12 +91,12 @@ def critical_knob(models: Models, recipe: Recipe, seeds: list[int], *, iters: in
         elif recipe.name == "rollout-mismatch":
 
             def fault(knob, seed=seed):
-                return GRPO(models, recipe.config(knob, seed=seed)).probe_mismatch(seed) > recipe.threshold
+                return GRPO(models, recipe.config(knob, seed=seed, **extra)).probe_mismatch(seed) > recipe.threshold
 
         else:
 
             def fault(knob, seed=seed):
-                trainer = GRPO(models, recipe.config(knob, seed=seed, steps=steps))
+                trainer = GRPO(models, recipe.config(knob, seed=seed, steps=steps, **extra))
                 rows = trainer.run(stop=lambda rows: recipe.onset(rows) is not None)
                 return recipe.onset(rows) is not None
 

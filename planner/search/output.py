@@ -217,6 +217,7 @@ def plan_of(s: Suggestion, o: Option) -> Plan:
         "recompute": o.recompute,
         "offload": o.offload,
         "job": c.job.to_dict() if c.job else None,
+        "production_job": s.request.job.to_dict(),  # the job the reproduction's job was shrunk from (preflight compares them)
         "fault": s.request.fault,
         "recipe": s.recipe,
         "budget": s.request.budget,

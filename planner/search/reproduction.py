@@ -111,8 +111,11 @@ class JobScale:
         return replace(job, prompts_per_step=job.prompts_per_step // self.prompts, samples_per_prompt=job.samples_per_prompt // self.samples,
                        response_tokens=response)  # fmt: skip
 
-    def shares(self) -> dict[str, float]:
-        return {"batch": 1 / (self.prompts * self.samples), "length": 1 / self.length}
+    def columns(self) -> dict[str, float]:
+        """The job's shares of the production job, as the calibration dataset's job columns name them."""
+        from planner.fidelity.dataset import JOB_COLUMNS
+
+        return {JOB_COLUMNS["prompts"]: 1 / self.prompts, JOB_COLUMNS["samples"]: 1 / self.samples, JOB_COLUMNS["length"]: 1 / self.length}
 
     def describe(self, job: Job) -> str:
         j = self.apply(job)

@@ -411,15 +411,16 @@ class Suggester:
                 self._costs[key] = infeasible(arch, self.accel, job, devices, [str(exc)])
         return self._costs[key]
 
-    def fidelity(self, experts: int, method: str) -> dict[str, Any]:
-        key = (experts, method)
+    def fidelity(self, experts: int, method: str, scale: str = JobScale().key) -> dict[str, Any]:
+        """The fidelity block of a plan at a reproduction job (a smaller job adds its measured extra shift)."""
+        key = (experts, method, scale)
         if key not in self._fidelity:
             e = self.arch.original_num_experts
             if experts == e:
                 self._fidelity[key] = {"status": "original", "reason": "the original reproduces its own fault", "recipe": self.recipe,
                                        "p_reproduced": 1.0, "interval": [1.0, 1.0], "shift_log2": 0.0, "shift_interval": [0.0, 0.0]}  # fmt: skip
             else:
-                row = self.features(experts, method)
+                row = {**self.features(experts, method), **JobScale.from_key(scale).columns()}
                 block = self.estimator.predict(row, self.recipe)
                 dropped = row.get("frequency_dropped_mean")
                 if dropped is not None and math.isfinite(dropped) and dropped > 1 - experts / e + 1e-9:
@@ -455,7 +456,7 @@ class Suggester:
             total = cost.device_hours_per_step * when.steps
             if total > self.budget.device_hours:
                 within, note = False, f"{total:,.1f} > {self.budget.device_hours:g} {self.accel.device_unit}-hours for {when.steps} steps"
-        return Option(experts, method, recompute, offload, cost, self.fidelity(experts, method), within, note, JobScale.from_key(scale), when)
+        return Option(experts, method, recompute, offload, cost, self.fidelity(experts, method, scale), within, note, JobScale.from_key(scale), when)
 
     def space(self) -> dict[str, list]:
         """The search's dimensions and their values."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.fidelity.dataset import read_dataset
+from planner.fidelity.dataset import production_rows, read_dataset
 from planner.fidelity.estimator import FidelityEstimator, design, recipe_features, training_rows
 from planner.fidelity.validate import score_predictions, variants
 
@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--dataset", default=str(Path(__file__).resolve().parents[1] / "calibration" / "fidelity_dataset.csv"))
     parser.add_argument("--recipe", default="router-collapse")
     args = parser.parse_args()
-    rows = read_dataset(Path(args.dataset))
+    rows = production_rows(read_dataset(Path(args.dataset)))  # the plan models are the production job's
     third = {r["original"] for r in rows if str(r["original"]).endswith("-s2")}
     train = [r for r in rows if r["original"] not in third]
     fitted = FidelityEstimator.fit(train, validate=False)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    from planner.fidelity.dataset import read_dataset
+    from planner.fidelity.dataset import production_rows, read_dataset
     from planner.fidelity.learners import fit_shift
     from planner.fidelity.model import baselines, design, recipe_features, training_rows
     from planner.render import table
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     names = recipe_features(args.recipe)
-    rows = [r for r in training_rows(read_dataset(Path(args.dataset)), args.recipe, names) if r["family"] == args.family]
+    rows = [r for r in training_rows(production_rows(read_dataset(Path(args.dataset))), args.recipe, names) if r["family"] == args.family]
     originals = sorted({r["original"] for r in rows})
     if len(originals) < 3:
         raise SystemExit(f"{args.family}/{args.recipe}: {len(originals)} originals with labelled rows; a curve needs 3 or more")

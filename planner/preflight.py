@@ -35,6 +35,7 @@ fails, 1 otherwise (2 when the request file itself cannot be read).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -141,6 +142,17 @@ class _Context:
         else:
             base = Job()
         return base
+
+    def _load_production(self):
+        """The production job the plan's reproduction job was shrunk from: the plan's record of it, else
+        the plan's job (a plan made before jobs shrank), else the request's own."""
+        from planner.specs import Job
+
+        dep = self.deployment
+        where = f"{self.data['plan']}: deployment"
+        if dep.get("production_job"):
+            return Job.from_dict(dep["production_job"], where=f"{where}.production_job")
+        return Job.from_dict(dep["job"], where=f"{where}.job") if dep.get("job") else self.job
 
     def _load_stats(self):
         from planner.stats.store import load_stats
@@ -319,7 +331,7 @@ def check_budget(c: _Context) -> Check:
         if r.num_devices > budget.max_devices:
             return Check("budget", "FAIL", f"the plan runs on {r.num_devices} {unit}s, the budget is {budget.describe(c.accel)}")
         return Check("budget", "PASS", f"{r.num_devices} of {budget.max_devices} {unit}s")
-    steps = int(c.data.get("steps", 20))
+    steps = int(c.data.get("steps") or ((c.deployment.get("predicted") or {}).get("steps") or 20))  # the plan's own length by default
     hours = r.device_hours_per_step * steps
     if hours > budget.device_hours:
         return Check("budget", "FAIL", f"{steps} steps take {hours:,.1f} {unit}-hours > the budget of {budget.device_hours:g}")
@@ -344,7 +356,10 @@ def check_fidelity(c: _Context) -> Check:
     stats = c.stats
     if not statistics and stats:
         statistics = plan_statistics(stats, plan_key(plan.experts, plan.method))
-    f = FidelityEstimator.load(default_estimator_path()).predict(plan_row(c.config[1], plan.experts, statistics), recipe)
+    from planner.fidelity.dataset import job_columns
+
+    row = {**plan_row(c.config[1], plan.experts, statistics), **job_columns(**_job_shares(c, c.job))}  # at the request's job
+    f = FidelityEstimator.load(default_estimator_path()).predict(row, recipe)
     knob = f"; knob: {f['knob_translation']['text']}" if f.get("knob_translation") else ""
     if f.get("family"):
         from planner.fidelity.estimator import family_text
@@ -367,27 +382,30 @@ def check_fidelity(c: _Context) -> Check:
     return Check("fidelity", "PASS", text)
 
 
+def _job_shares(c: _Context, job) -> dict[str, float]:
+    """A job's shares of the plan's production job, per dimension (prompts, samples, length)."""
+    p = c.production
+    return {"prompts": job.prompts_per_step / p.prompts_per_step, "samples": job.samples_per_prompt / p.samples_per_prompt,
+            "length": job.response_tokens.max / p.response_tokens.max}  # fmt: skip
+
+
 def check_reproduction(c: _Context) -> Check:
     """The request's job against the production job the plan was made from and what the fidelity data
     support (smaller than they support: FAIL; larger than the plan's reproduction job: WARN), and its
-    steps against the plan's predicted onset (too few to reach it, or more than twice what it needs: WARN)."""
+    steps against the plan's predicted onset (ending before its upper end, or running more than twice
+    the steps the plan needs: WARN)."""
     from planner.fidelity.dataset import plan_row
     from planner.fidelity.estimator import FidelityEstimator, default_estimator_path
+    from planner.search.reproduction import run_steps
     from planner.search.suggest import FAULTS
     from planner.specs import Job
 
     dep, plan, job = c.deployment, c.plan, c.job
-    where = f"{c.data['plan']}: deployment"
-    production = Job.from_dict(dep.get("production_job") or dep.get("job"), where=where) if dep.get("production_job") or dep.get("job") else Job()
-    planned = Job.from_dict(dep["job"], where=f"{where}.job") if dep.get("job") else production
-
-    def shares(j: Job) -> dict[str, float]:
-        return {"prompts": j.prompts_per_step / production.prompts_per_step, "samples": j.samples_per_prompt / production.samples_per_prompt,
-                "length": j.response_tokens.max / production.response_tokens.max}  # fmt: skip
-
-    mine, theirs = shares(job), shares(planned)
+    planned = Job.from_dict(dep["job"], where=f"{c.data['plan']}: deployment.job") if dep.get("job") else c.production
+    mine, theirs = _job_shares(c, job), _job_shares(c, planned)
     describe = f"{job.prompts_per_step} x {job.samples_per_prompt}, response <= {job.response_tokens.max}"
-    if plan.experts != plan.original_experts:
+    proxy = plan.experts != plan.original_experts
+    if proxy:
         support = FidelityEstimator.load(default_estimator_path()).job_support(plan_row(c.config[1], plan.experts, None), FAULTS[c.data["fault"]["type"]])
         short = [f"{dim} at {share:g} of the production value ({support[dim]['reason']})" for dim, share in mine.items()
                  if share < 1 - 1e-12 and not (support[dim].get("ok") and share >= support[dim]["min_share"] - 1e-12)]  # fmt: skip
@@ -398,18 +416,20 @@ def check_reproduction(c: _Context) -> Check:
         warns.append(f"the job ({describe}) is larger than the fault needs: the plan's reproduction job is {planned.prompts_per_step} x "
                      f"{planned.samples_per_prompt}, response <= {planned.response_tokens.max}")  # fmt: skip
     onset = (dep.get("predicted") or {}).get("onset") or {}
-    steps = c.data.get("steps")
+    steps, reach = c.data.get("steps"), ""
     if onset.get("original_step") is not None and steps is not None:
-        need = int(onset["steps"])
-        if int(steps) < need:
-            warns.append(f"{steps} steps end before the fault's predicted onset (step {onset['proxy_step']:.0f}, up to "
-                         f"{onset['interval'][1]:.0f}): the plan runs {need}")  # fmt: skip
+        latest = onset["interval"][1]
+        need = run_steps(latest)
+        if int(steps) < math.ceil(latest):
+            warns.append(f"{steps} steps end before the fault's predicted onset is past (step {onset['proxy_step']:.0f}, up to {latest:.0f}): "
+                         f"{need} steps reach it with the margin")  # fmt: skip
         elif int(steps) > 2 * need:
-            warns.append(f"{steps} steps: more than twice the {need} the plan needs to reach the fault (onset up to step {onset['interval'][1]:.0f})")
+            warns.append(f"{steps} steps: more than twice the {need} that reach the fault (predicted onset up to step {latest:.0f})")
+        else:
+            reach = f"; {steps} steps reach the predicted onset (up to step {latest:.0f})"
     if warns:
         return Check("reproduction", "WARN", "; ".join(warns))
-    what = "the plan's reproduction job" if mine == theirs else "within what the fidelity data support"
-    reach = f"; {steps} steps reach the predicted onset" if onset.get("original_step") is not None and steps is not None else ""
+    what = ("the plan's reproduction job" if mine == theirs else "within what the fidelity data support") if proxy else "the original's job"
     return Check("reproduction", "PASS", f"the job ({describe}) is {what}{reach}")
 
 
@@ -420,7 +440,8 @@ def check_factors(c: _Context) -> Check:
     fails, warns, kept = [], [], []
     if "precision" in s:
         (kept if s["precision"] == job.precision else fails).append(f"precision {s['precision']} (job: {job.precision})")
-    for key, have in (("max_prompt_tokens", job.prompt_tokens.max), ("max_response_tokens", job.response_tokens.max)):
+    production = c.production  # a shorter reproduction job is the reproduction check's to judge
+    for key, have in (("max_prompt_tokens", production.prompt_tokens.max), ("max_response_tokens", production.response_tokens.max)):
         if key in s:
             (kept if int(s[key]) <= have else fails).append(f"{key} {s[key]} (job: {have})")
     for key, have in (("top_k", moe.top_k), ("scoring", moe.scoring), ("n_group", moe.n_group), ("topk_group", moe.topk_group)):

@@ -619,3 +619,8 @@ def test_a_grid_with_smaller_jobs_labels_each_against_the_production_original(mi
                                                              "storage": storage, "seeds": {}}, jobs)  # fmt: skip
     assert kept == 1 and len(new_rows) == len(rows) + 1 and "K16-kmeans" in {r["model"] for r in new_rows}
     assert meta["noise_floor"] == [{"original": "qwen3_moe-s0", "recipe": "x"}]  # the family grid's noise floors stay
+    # and the family's grid run again replaces its production rows, keeping the job grid's
+    write_dataset(new_rows, tmp_path / "d.csv", meta)
+    again, _, kept = merged(tmp_path / "d.csv", production_rows(rows), {"grid_key": grid.key(), "noise_floor": noise, "command": "z",
+                                                                        "grid": {}, "storage": storage, "seeds": {}}, grid)  # fmt: skip
+    assert kept == len(rows) - 2 and sorted(r["model"] for r in again if r["model"] == "original") == ["original", "original"]

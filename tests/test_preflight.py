@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -284,9 +285,11 @@ def test_the_reproduction_check_reads_the_plans_job_and_onset(tmp_path):
     plan = yaml.safe_load(plan_path.read_text())
     onset = plan["deployment"]["predicted"]["onset"]
     assert plan["deployment"]["production_job"]["prompts_per_step"] == 512 and onset["original_step"] == 40
-    need = onset["steps"]
+    need, latest = onset["steps"], math.ceil(onset["interval"][1])
+    assert need > latest  # the plan runs past the predicted onset's upper end
     fault = {"type": "router-collapse", "settings": dict(GOOD_SETTINGS)}
-    for steps, status, words in ((need, "PASS", "is the plan's reproduction job; "), (need - 1, "WARN", f"the plan runs {need}"),
+    for steps, status, words in ((need, "PASS", "is the plan's reproduction job; "), (latest, "PASS", "steps reach the predicted onset"),
+                                 (latest - 1, "WARN", f"{need} steps reach it with the margin"),
                                  (2 * need + 1, "WARN", f"more than twice the {need}")):  # fmt: skip
         _, checks = verdict(write(tmp_path, base_request(fault=fault, steps=steps), plan))
         assert checks["reproduction"]["status"] == status and words in checks["reproduction"]["reason"], checks["reproduction"]
@@ -314,3 +317,5 @@ def test_a_request_larger_than_the_plans_reproduction_job_warns(tmp_path):
         result = run_cli("preflight", request, "--estimator", planted, "--json")
         checks = {c["check"]: c for c in json.loads(result.stdout)["checks"]}
         assert checks["reproduction"]["status"] == status and words in checks["reproduction"]["reason"], checks["reproduction"]
+        # the failing run's 3072-token cap is the production job's: a shorter reproduction job is the reproduction check's to judge
+        assert checks["fault factors"]["status"] != "FAIL" and result.exit_code == (1 if status == "FAIL" else 0), checks

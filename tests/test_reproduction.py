@@ -52,6 +52,9 @@ def test_job_scales_halve_each_supported_dimension_down_to_its_bound():
     assert narrow == [JobScale(1, 1, 1), JobScale(1, 1, 2)]
     ppo = Job(algorithm="ppo", prompts_per_step=4, samples_per_prompt=2)
     assert JobScale(1, 2, 1) in job_scales(ppo, JobBounds(), ALL)  # PPO needs no group: one sample per prompt
+    single = Job(samples_per_prompt=1, algorithm="ppo", skip_old_logprob=True)
+    assert job_scales(Job(prompts_per_step=2, samples_per_prompt=3), JobBounds(), ALL)[0] == JobScale()  # the production job always stays
+    assert JobScale(1, 1, 1) in job_scales(single, JobBounds(), ALL) and job_scales(Job(samples_per_prompt=1), JobBounds(), ALL)[0] == JobScale()
     few = Job(prompts_per_step=4, samples_per_prompt=2, mini_batches=4, skip_old_logprob=False)
     assert all((4 // s.prompts) * (2 // s.samples) >= 4 for s in job_scales(few, JobBounds(), ALL))  # as many sequences as mini-batches
 
@@ -94,6 +97,12 @@ def test_the_split_is_a_product_of_its_factors():
     assert m["fewer_devices"] * m["layout"] * m["smaller_job"] * m["step_time"] == pytest.approx(r["accelerator_hours"], rel=1e-12)
     assert r["accelerator_hours"] * m["steps_to_fault"] == pytest.approx(r["reproduction_hours"], rel=1e-12)
     assert m["baseline_step_s"] == pytest.approx(1300.0 * m["step_time"])
+    unfit = split(2.0, 8, 30, 64.0, 256, 44, job=None, step_s=1300.0)["by_mechanism"]  # the job does not fit the baseline's devices
+    assert unfit["smaller_job"] is None and unfit["fewer_devices"] * unfit["step_time"] == pytest.approx(32.0)
+    from planner.search.reproduction import split_text
+
+    assert "the smaller job, fewer experts and this layout together" in split_text({"accelerator_hours": 32.0, "reproduction_hours": 47.0,
+                                                                                    "by_mechanism": unfit}, "npu")  # fmt: skip
 
 
 def test_onset_ratios_are_quantiles_of_the_calibration_curves():

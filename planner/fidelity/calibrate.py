@@ -175,20 +175,21 @@ def merged(dataset: Path, rows: list[dict], provenance: dict, grid: Grid) -> tup
     pairs added with `calibrate add` stay), and the provenance of every grid the dataset holds. A
     grid with smaller jobs adds to its family's data: it replaces only the rows it measured again
     (same original, model, recipe and job), and the noise floors stay those of the family's grid."""
-    from planner.fidelity.dataset import JOB_COLUMNS
+    from planner.fidelity.dataset import JOB_COLUMNS, job_share, production_rows
 
     old = read_dataset(dataset)
     ours = {f"{family}-s{seed}" for family in grid.families for seed in grid.seeds()}
     if len(grid.jobs) > 1:  # a job grid adds to its family's data: it replaces only the rows it measured again
-        from planner.fidelity.model import _finite
-
         def ident(r: dict) -> tuple:
-            return (str(r["original"]), str(r["model"]), r["recipe"], *(float(r[c]) if _finite(r.get(c)) else 1.0 for c in JOB_COLUMNS.values()))
+            return (str(r["original"]), str(r["model"]), r["recipe"], *(job_share(r, c) for c in JOB_COLUMNS.values()))
 
         again = {ident(r) for r in rows}
         kept = [r for r in old if not (r.get("source") == "grid" and ident(r) in again)]
     else:
-        kept = [r for r in old if not (str(r["original"]) in ours and r.get("source") == "grid" and r["recipe"] in grid.recipes)]
+        # a family's grid replaces its production rows; rows of a job grid on the same originals stay
+        production = {id(r) for r in production_rows(old)}
+        kept = [r for r in old if not (str(r["original"]) in ours and r.get("source") == "grid" and r["recipe"] in grid.recipes
+                                       and id(r) in production)]  # fmt: skip
     meta_path = dataset.with_suffix(".json")
     meta = read_json(meta_path, "dataset provenance") if meta_path.is_file() else {}
     grids = [g for g in meta.get("grids", [{k: meta[k] for k in ("command", "grid", "grid_key", "storage", "seeds") if k in meta}])

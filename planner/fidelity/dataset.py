@@ -22,7 +22,7 @@ from planner.fidelity.model import FULL_FEATURES, _finite, features_of
 from planner.fidelity.labels import applicable, curve_agreement, knob_scale, knob_shift, spearman
 from planner.files import write_csv_atomic, write_text_atomic
 
-__all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "TEXT_COLUMNS", "JOB_COLUMNS", "production_rows", "architecture_features", "shape_key", "plan_row",
+__all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "TEXT_COLUMNS", "JOB_COLUMNS", "job_columns", "job_share", "production_rows", "architecture_features", "shape_key", "plan_row",
            "pair_row", "write_dataset", "read_dataset"]  # fmt: skip
 
 ID_COLUMNS = ("family", "routing_shape", "original", "model", "method", "recipe", "experts", "original_experts", "top_k", "source")
@@ -36,10 +36,22 @@ TEXT_COLUMNS = ("family", "routing_shape", "original", "model", "method", "recip
 JOB_COLUMNS = {"prompts": "job_prompts_share", "samples": "job_samples_share", "length": "job_length_share"}
 
 
+def job_columns(prompts: float = 1.0, samples: float = 1.0, length: float = 1.0) -> dict[str, float]:
+    """A job's shares of the production job (prompts per step, samples per prompt, response cap) as
+    the dataset's job columns."""
+    return {JOB_COLUMNS["prompts"]: prompts, JOB_COLUMNS["samples"]: samples, JOB_COLUMNS["length"]: length}
+
+
+def job_share(row: dict, column: str) -> float:
+    """A row's share of the production job in one job column (absent: 1, the production job)."""
+    value = row.get(column)
+    return float(value) if _finite(value) else 1.0
+
+
 def production_rows(rows: list[dict]) -> list[dict]:
     """The rows measured at the production job: every row of a grid without smaller jobs. The plan
     models are fitted and validated on these; the job rows are the job dimensions' own data."""
-    return [r for r in rows if all(not _finite(r.get(c)) or float(r[c]) == 1.0 for c in JOB_COLUMNS.values())]
+    return [r for r in rows if all(job_share(r, c) == 1.0 for c in JOB_COLUMNS.values())]
 
 
 def architecture_features(config: dict, experts: int) -> dict[str, float]:

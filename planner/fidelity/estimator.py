@@ -204,7 +204,7 @@ def job_offset(support: Mapping[str, Mapping], row: Mapping[str, Any]) -> tuple[
         entry = support.get(dim) or {}
         if not _finite(share) or float(share) >= 1.0 or not entry.get("ok"):
             continue
-        ok = [lv for lv in entry["levels"] if lv["ok"]]
+        ok = [lv for lv in entry["levels"] if lv["ok"] and lv["share"] >= entry["min_share"] - 1e-12]  # the kept levels only
         below = [lv for lv in ok if lv["share"] <= float(share) + 1e-12]
         if not ok:
             continue

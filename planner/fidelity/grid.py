@@ -242,9 +242,9 @@ def job_settings(job: str) -> dict[str, int]:
 
 def job_shares(job: str) -> dict[str, float]:
     """The dataset's job columns of a grid job: its share of the production prompts, group and length."""
-    from planner.fidelity.dataset import JOB_COLUMNS
+    from planner.fidelity.dataset import job_columns
 
-    return {JOB_COLUMNS[dim]: 1 / int(d) for dim, d in zip(("prompts", "samples", "length"), job.split("/"))}
+    return job_columns(*(1 / int(d) for d in job.split("/")))
 
 
 def unit_id(base: str, model: str, recipe_name: str, job: str = PRODUCTION) -> str:

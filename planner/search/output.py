@@ -127,9 +127,9 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
     if any(o.experts != o.cost.original_experts for o in s.pareto):  # a front of the original alone says nothing
         lines.append("")
         front = [["original" if o.experts == o.cost.original_experts else o.experts, o.method if o.experts != o.cost.original_experts else "-",
-                  o.cost.num_devices, f"{o.cost.device_hours_per_step:,.2f}", f"{o.reproduction_hours:,.1f}", fidelity_text(o.fidelity)]
-                 for o in s.pareto]  # fmt: skip
-        lines.append(table(["K", "method", unit + "s", f"{unit}-h/step", f"{unit}-h to fault", "fidelity"], front,
+                  o.cost.num_devices, "production" if o.scale.production else o.scale.describe(req.job), f"{o.cost.device_hours_per_step:,.2f}",
+                  f"{o.reproduction_hours:,.1f}", fidelity_text(o.fidelity)] for o in s.pareto]  # fmt: skip
+        lines.append(table(["K", "method", unit + "s", "job", f"{unit}-h/step", f"{unit}-h to fault", "fidelity"], front,
                            title="Pareto set: cost to the fault vs predicted fidelity"))  # fmt: skip
     lines.append("")
     how = (f"the whole space of {s.space_points} points enumerated" if s.enumerated
@@ -159,8 +159,9 @@ def reproduction_lines(s: Suggestion, best: Option) -> list[str]:
     if o is not None:
         when = (f"onset: the original showed the fault at step {o.original}; the proxy's is predicted at step {o.proxy:,.1f} "
                 f"[{o.interval[0]:,.1f}, {o.interval[1]:,.1f}] ({o.basis}); " if o.original is not None else f"onset: {o.basis}; ")  # fmt: skip
+        until = "to the fault" if o.original is not None else f"for {o.steps} steps"
         lines.append(when + f"the reproduction runs {o.steps} steps: {best.reproduction_hours:,.1f} {unit}-hours and "
-                     f"{best.cost.step_time_s * o.steps / 3600:,.1f} h of wall time to the fault")  # fmt: skip
+                     f"{best.cost.step_time_s * o.steps / 3600:,.1f} h of wall time {until}")  # fmt: skip
     split = split_text(reduction(best, s.baseline), unit)
     if split:
         lines.append("reduction of the best: " + split)

@@ -32,10 +32,11 @@ from planner.specs import Job, Lengths
 
 __all__ = ["WORKLOAD", "with_workload", "JobBounds", "JobScale", "job_scales", "Onset", "onset", "run_steps", "split", "split_text"]
 
+# a reproduction runs past the predicted onset's upper end by 10%, at least 2 steps
 ONSET_MARGIN = (0.1, 2)
 # what makes a job's workload (the rest are settings: layouts, recompute, offload, ...)
 WORKLOAD = ("algorithm", "prompts_per_step", "samples_per_prompt", "prompt_tokens", "response_tokens", "ppo_epochs", "mini_batches",
-            "rollout_oversampling")  # fmt: skip  # a reproduction runs past the predicted onset's upper end by 10%, at least 2 steps
+            "rollout_oversampling")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,9 @@ class JobScale:
 
     def columns(self) -> dict[str, float]:
         """The job's shares of the production job, as the calibration dataset's job columns name them."""
-        from planner.fidelity.dataset import JOB_COLUMNS
+        from planner.fidelity.dataset import job_columns
 
-        return {JOB_COLUMNS["prompts"]: 1 / self.prompts, JOB_COLUMNS["samples"]: 1 / self.samples, JOB_COLUMNS["length"]: 1 / self.length}
+        return job_columns(1 / self.prompts, 1 / self.samples, 1 / self.length)
 
     def describe(self, job: Job) -> str:
         j = self.apply(job)
@@ -154,15 +155,17 @@ def job_scales(job: Job, bounds: JobBounds, support: dict[str, dict[str, Any]]) 
         return max(bound, float(s.get("min_share", 0.0))) if s.get("ok") else 1.0
 
     min_samples = 2 if job.algorithm in ("grpo", "dapo") else 1
-    prompts = [d for d in _halvings(floor("prompts", bounds.batch)) if job.prompts_per_step // d >= 1 and job.prompts_per_step % d == 0]
-    samples = [d for d in _halvings(floor("samples", bounds.batch)) if job.samples_per_prompt // d >= min_samples and job.samples_per_prompt % d == 0]
-    lengths = [d for d in _halvings(floor("length", bounds.length)) if job.response_tokens.max // d >= 1]
+    # the production value (divisor 1) always stays, whatever the job; a smaller one must divide it and keep enough
+    prompts = [d for d in _halvings(floor("prompts", bounds.batch)) if d == 1 or job.prompts_per_step % d == 0]
+    samples = [d for d in _halvings(floor("samples", bounds.batch))
+               if d == 1 or (job.samples_per_prompt // d >= min_samples and job.samples_per_prompt % d == 0)]  # fmt: skip
+    lengths = [d for d in _halvings(floor("length", bounds.length)) if d == 1 or job.response_tokens.max // d >= 1]
     out = []
     for p in prompts:
         for s in samples:
             if 1 / (p * s) < bounds.batch - 1e-12:
                 continue
-            if (job.prompts_per_step // p) * (job.samples_per_prompt // s) < job.mini_batches:
+            if (p, s) != (1, 1) and (job.prompts_per_step // p) * (job.samples_per_prompt // s) < job.mini_batches:
                 continue
             out.extend(JobScale(p, s, n) for n in lengths)
     return out
@@ -211,7 +214,7 @@ def onset(fault_step: int | None, ratio: dict[str, Any] | None, default_steps: i
                      f"the proxy's onset is taken as the original's: {why}")  # fmt: skip
     lo, mid, hi = (fault_step * ratio[k] for k in ("low", "median", "high"))
     basis = (f"the original's step {fault_step} x the proxy/original onset ratio {ratio['median']:.2f} [{ratio['low']:.2f}, "
-             f"{ratio['high']:.2f}] measured on {ratio['rows']} calibration curves ({ratio['where']})")  # fmt: skip
+             f"{ratio['high']:.2f}] measured on {ratio['rows']} calibration curves ({ratio['where']}; at the production job)")  # fmt: skip
     return Onset(fault_step, mid, (lo, hi), run_steps(max(hi, 1.0)), own, basis)
 
 

@@ -419,6 +419,8 @@ class Suggester:
             if experts == e:
                 self._fidelity[key] = {"status": "original", "reason": "the original reproduces its own fault", "recipe": self.recipe,
                                        "p_reproduced": 1.0, "interval": [1.0, 1.0], "shift_log2": 0.0, "shift_interval": [0.0, 0.0]}  # fmt: skip
+                if scale != JobScale().key:  # the original at a smaller job is neither the baseline nor a proxy
+                    self._fidelity[key] = {**self._fidelity[key], "rejected": "the original at a smaller job: its own fidelity there is not predicted"}
             else:
                 row = {**self.features(experts, method), **JobScale.from_key(scale).columns()}
                 block = self.estimator.predict(row, self.recipe)
@@ -437,7 +439,9 @@ class Suggester:
             ratio = None if original else self.estimator.onset(self.features(experts, self.methods[0]), self.recipe)
             found = onset(req.fault_step, ratio, req.steps or DEFAULT_STEPS, original=original)
             if req.steps is not None and req.fault_step is not None:  # the user's run length stands
-                found = replace(found, steps=req.steps, original_steps=req.steps, basis=found.basis + f"; run for --steps {req.steps} as given")
+                short = (f", which ends before the predicted onset's upper end (step {found.interval[1]:.0f})"
+                         if found.interval and req.steps < math.ceil(found.interval[1]) else "")  # fmt: skip
+                found = replace(found, steps=req.steps, original_steps=req.steps, basis=found.basis + f"; run for --steps {req.steps} as given{short}")
             self._onsets[experts] = found
         return self._onsets[experts]
 
@@ -667,7 +671,7 @@ def _by_candidate(options: list[Option], original_experts: int) -> dict[tuple[in
 def _why_not(points: list[Option], min_fidelity: float, baseline: Baseline | None, budget: str, unit: str) -> str:
     """The first rule that removes every evaluated point of one candidate (K, method), in the order
     they apply: fidelity's hard rules, the threshold, memory, the budget, a saving over the original."""
-    f = points[0].fidelity  # one fidelity block per (K, method)
+    f = next((o.fidelity for o in points if o.scale.production), points[0].fidelity)  # the block at the production job
     if f["status"] == "not-applicable":
         return f"the fault cannot occur at this K: {f['reason']}"
     if f.get("rejected"):
@@ -685,8 +689,9 @@ def _why_not(points: list[Option], min_fidelity: float, baseline: Baseline | Non
     o = min(within, key=lambda o: (o.hours, o.cost.num_devices))
     b = baseline
     assert b is not None, "without a baseline every fitting proxy saves, so one within the budget is proposed"
-    return (f"costs more than the original in every measure: at best {o.cost.num_devices} {unit}s and {o.hours:,.2f} {unit}-hours/step "
-            f"against the original's {b.minimum.num_devices} {unit}s minimum and {b.cheapest.device_hours_per_step:,.2f} {unit}-hours/step cheapest")  # fmt: skip
+    return (f"costs more than the original in every measure: at best {o.cost.num_devices} {unit}s, {o.hours:,.2f} {unit}-hours/step and "
+            f"{o.reproduction_hours:,.1f} to the fault against the original's {b.minimum.num_devices} {unit}s minimum, "
+            f"{b.cheapest.device_hours_per_step:,.2f} {unit}-hours/step cheapest and {b.cheapest.device_hours_per_step * b.steps:,.1f} to the fault")  # fmt: skip
 
 
 def _smallest_budget(s: Suggester, fitting: list[Option]) -> str:

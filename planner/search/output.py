@@ -146,8 +146,13 @@ def job_search_text(s: Suggestion) -> str:
     free = [dim for dim, v in s.job_support.items() if v.get("ok")]
     head = (f"job searched: {len(s.job_scales)} reproduction jobs ({', '.join(free)} shrunk within {req.job_bounds.describe()})" if free
             else f"job: the production job ({JobScale().describe(req.job)})")  # fmt: skip
-    held = [v["reason"] for v in s.job_support.values() if not v.get("ok")]
-    return head + (f"; held at the production value, since the fidelity of a smaller job is not known: {'; '.join(held)}" if held else "")
+    why: dict[str, list[str]] = {}  # dimensions held for the same reason, named together
+    for v in s.job_support.values():
+        if not v.get("ok"):
+            what, _, reason = v["reason"].partition(": ")
+            why.setdefault(reason, []).append(what)
+    held = [f"{', '.join(whats)}: {reason}" for reason, whats in why.items()]
+    return head + (f"; held at the production value, since the fidelity of a smaller job is not known ({'; '.join(held)})" if held else "")
 
 
 def reproduction_lines(s: Suggestion, best: Option) -> list[str]:
@@ -157,11 +162,12 @@ def reproduction_lines(s: Suggestion, best: Option) -> list[str]:
     lines = [job_search_text(s)]
     o = best.onset
     if o is not None:
-        when = (f"onset: the original showed the fault at step {o.original}; the proxy's is predicted at step {o.proxy:,.1f} "
-                f"[{o.interval[0]:,.1f}, {o.interval[1]:,.1f}] ({o.basis}); " if o.original is not None else f"onset: {o.basis}; ")  # fmt: skip
-        until = "to the fault" if o.original is not None else f"for {o.steps} steps"
-        lines.append(when + f"the reproduction runs {o.steps} steps: {best.reproduction_hours:,.1f} {unit}-hours and "
-                     f"{best.cost.step_time_s * o.steps / 3600:,.1f} h of wall time {until}")  # fmt: skip
+        cost = f"{best.reproduction_hours:,.1f} {unit}-hours and {best.cost.step_time_s * o.steps / 3600:,.1f} h of wall time"
+        if o.original is not None:
+            lines.append(f"onset: the original showed the fault at step {o.original}; the proxy's is predicted at step {o.proxy:,.1f} "
+                         f"[{o.interval[0]:,.1f}, {o.interval[1]:,.1f}] ({o.basis}); the reproduction runs {o.steps} steps: {cost} to the fault")  # fmt: skip
+        else:
+            lines.append(f"onset: {o.basis}: {cost}")
     split = split_text(reduction(best, s.baseline), unit)
     if split:
         lines.append("reduction of the best: " + split)

@@ -594,7 +594,7 @@ class Suggester:
                                 f"{'the baseline job' if req.baseline_job else 'the job'}: " + "; ".join(ran.reasons))  # fmt: skip
         planned, layout = ran, 1.0
         if job.train_layout is not None or job.rollout_layout is not None:  # its own layout against the planner's, same job and devices
-            free = evaluate(arch, self.accel, replace(job, train_layout=None, rollout_layout=None), ran.num_devices, memory_margin=req.memory_margin)
+            free = evaluate(arch, self.accel, with_workload(job, job), ran.num_devices, memory_margin=req.memory_margin)
             if free.feasible:
                 planned, layout = free, ran.step_time_s / free.step_time_s
         unit = self.accel.device_unit

@@ -27,12 +27,12 @@ def plans(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     assert run_cli("suggest", "--budget", "8npu", "-o", root / "plan.yaml").exit_code == 0
     data = yaml.safe_load((root / "plan.yaml").read_text())
-    # pinned to one node of 4, whatever layout the cost model prefers today: a rollout without DP
-    # (MindSpeed-RL's generate_config has none) and no expert TP
-    data["deployment"].update(num_cards=4, train_layout={"tp": 2, "pp": 2, "ep": 1, "cp": 1, "etp": 1},
+    # pinned to one node of 4, whatever layout the cost model prefers today: experts whole over the TP
+    # ranks (MindSpeed-RL's moe_tp_extend_ep) and a rollout without DP (NeMo RL's vLLM config has none)
+    data["deployment"].update(num_cards=4, train_layout={"tp": 2, "pp": 2, "ep": 2, "cp": 1, "etp": 1},
                               rollout_layout={"tp": 4, "dp": 1, "ep": 4})  # fmt: skip
     (root / "plan.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
-    data["deployment"].update(num_cards=16, train_layout={"tp": 4, "pp": 2, "ep": 2, "cp": 1, "etp": 1}, recompute="full")
+    data["deployment"].update(num_cards=16, train_layout={"tp": 4, "pp": 2, "ep": 4, "cp": 1, "etp": 1}, recompute="full")
     data["deployment"]["job"].update(recompute="full", mini_batches=2, ppo_epochs=1, skip_old_logprob=False,
                                      optimizer_offload_fraction=0.5, rollout_graphs=False, rollout_max_seqs=64)
     (root / "wide.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
@@ -63,16 +63,38 @@ def config_keys(tree: dict) -> dict:
     return {**flatten(tree), **{k: {} for k in open_mappings(tree)}}
 
 
+def mindspeed_knows(key: str) -> bool:
+    """A dotted key MindSpeed-RL's config classes accept (BaseConfig.update refuses any other): an
+    attribute of MegatronConfig (megatron_training, actor_config, a model entry), RLConfig or
+    GenerateConfig, as their source at the commit trainer_keys.yaml names defines them."""
+    from planner.runs.trainers import published_keys
+
+    known = published_keys()["mindspeed-rl"]["sections"]
+    head, _, rest = key.partition(".")
+    if head in ("megatron_training", "actor_config"):
+        return rest == "model" or rest in known["megatron"]
+    if head == "model":  # model.<entry>.<attribute>
+        return rest.partition(".")[2] in known["megatron"]
+    if head == "rl_config":
+        return rest == "actor_resource.num_npus" or rest in known["rl"]
+    if head == "generate_config":
+        return rest in known["generate"] or (rest.startswith("sampling_config.") and rest.partition(".")[2] in known["sampling"])
+    return key == "defaults"
+
+
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_every_exported_key_exists_in_the_trainers_config(plans, trainer):
     from planner.plan import load_plan
     from planner.runs.trainers import export_plan, published_keys
 
-    known = set(verl_config()) if trainer == "verl" else set(published_keys()[trainer]["keys"])
+    known = set(verl_config()) if trainer == "verl" else set(published_keys()[trainer].get("keys", ()))
     for path in plans:
         replay = trainer != "mindspeed-rl"
         _, flat = export_plan(load_plan(path), trainer, "/ckpt/proxy", routing_replay=replay)
-        unknown = sorted(k for k in set(flat) - known if not any(k.startswith(o) for o in known if o.endswith(".")))
+        if trainer == "mindspeed-rl":
+            unknown = sorted(k for k in flat if not mindspeed_knows(k))
+        else:
+            unknown = sorted(k for k in set(flat) - known if not any(k.startswith(o) for o in known if o.endswith(".")))
         assert not unknown, f"{trainer}: keys not in its config: {unknown}"
 
 
@@ -321,3 +343,113 @@ def test_the_verl_export_is_written_for_each_release(plans):
     assert refused.exit_code == 2 and "verl 0.6 has no router replay" in refused.output
     old = run_cli("export", plans[1], "--to", "verl", "--model-path", "/p", "--verl-version", "0.5.0")
     assert old.exit_code == 2 and "writes the config of verl 0.6, 0.7, 0.8, 0.9" in old.output
+
+
+# ---- MindSpeed-RL's own configs in and out (tests/data/mindspeed-rl, unchanged from its repository) ---
+
+MINDSPEED = Path(__file__).parent / "data" / "mindspeed-rl" / "configs"
+
+
+@pytest.mark.parametrize("config, expect, model, hardware", [
+    # DAPO: TP4 x EP2 with moe_tp_extend_ep is expert parallelism 8; vLLM DP 8 x TP 1 (EP 8), two instances on 16 dies
+    ("dapo_qwen3_30b_a3b_A3.yaml", dict(algorithm="dapo", prompts=32, samples=8, train=(4, 1, 8, 1), rollout=(1, 8, 8), cards=16,
+                                        recompute="none", swap=False, seqs=None), "qwen3-30b-a3b", "atlas-a3"),  # 512 >= its 256 sequences: no cap
+    ("grpo_qwen3_235b_a22b_A2.yaml", dict(algorithm="grpo", prompts=256, samples=8, train=(2, 16, 8, 1), rollout=(4, 8, 32), cards=128,
+                                          recompute="full", swap=True, seqs=64), "qwen3-235b-a22b", "ascend-910b2"),
+    ("grpo_deepseek_r1_671b_A3.yaml", dict(algorithm="grpo", prompts=512, samples=16, train=(4, 8, 32, 1), rollout=(4, 64, 256), cards=256,
+                                           recompute="full", swap=True, seqs=128), "deepseek-v3", "atlas-a3"),
+])  # fmt: skip
+def test_job_from_reads_mindspeed_rls_own_configs(config, expect, model, hardware, tmp_path):
+    """The model entry through `defaults: - model: [...]`, the actor merged over megatron_training,
+    expert parallelism as MindSpeed-RL computes it (TP x EP under moe_tp_extend_ep), the rollout's
+    vLLM DP from infer_expert_parallel_size, swap_optimizer, enforce_eager and max_num_seqs; and
+    planner cost takes the job at the config's own device count."""
+    from planner.runs.trainers import job_from
+
+    job, cards, notes = job_from("mindspeed-rl", MINDSPEED / config)
+    t, r = job.train_layout, job.rollout_layout
+    got = dict(algorithm=job.algorithm, prompts=job.prompts_per_step, samples=job.samples_per_prompt, train=(t.tp, t.pp, t.ep, t.etp),
+               rollout=(r.tp, r.dp, r.ep), cards=cards, recompute=job.recompute, swap=job.optimizer_swap, seqs=job.rollout_max_seqs)  # fmt: skip
+    assert got == expect
+    assert not job.rollout_graphs and job.mini_batches == 1 and job.skip_old_logprob  # enforce_eager; one update a step: MindSpeed-RL skips the pass
+    assert any("inherits from model/" in n for n in notes) and any("moe_tp_extend_ep" in n for n in notes)
+    out = tmp_path / "job.yaml"
+    assert run_cli("job", "--from", "mindspeed-rl", MINDSPEED / config, "-o", out).exit_code == 0
+    result = run_cli("cost", model, "--hardware", hardware, "--cards", cards, "--job", out, "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["feasible"], result.output[-400:]
+
+
+def test_mindspeed_rl_defaults_fill_what_a_config_leaves_out(tmp_path):
+    """A config with only the keys MindSpeed-RL has no default for: the rest is its config classes'
+    defaults (rollout TP 8, 0.5 of the memory, one sequence at a time, eager), each named."""
+    from planner.runs.trainers import job_from
+
+    path = tmp_path / "minimal.yaml"
+    path.write_text("megatron_training:\n  global_batch_size: 8\nrl_config:\n  actor_resource:\n    num_npus: 8\n")
+    job, cards, notes = job_from("mindspeed-rl", path)
+    assert (cards, job.samples_per_prompt, job.rollout_layout.tp, job.rollout_memory_utilization, job.rollout_max_seqs) == (8, 1, 8, 0.5, 1)
+    assert job.response_tokens.max == 128 and job.prompt_tokens.max == 512 and not job.distributed_optimizer
+    assert any("generate_config.infer_tensor_parallel_size=8" in n for n in notes)
+    (tmp_path / "none.yaml").write_text("rl_config:\n  n_samples_per_prompt: 4\n")
+    result = run_cli("job", "--from", "mindspeed-rl", tmp_path / "none.yaml")
+    assert result.exit_code == 2 and "missing actor_config.global_batch_size, rl_config.actor_resource.num_npus" in result.output
+
+
+def _merged_over(base: Path, export: dict) -> dict:
+    """An export merged over one of MindSpeed-RL's shipped configs and its model entry, the way
+    Hydra composes them (the config's own keys over its defaults)."""
+    from planner.runs.trainers import _inherited, _merge, unflatten
+
+    return _merge(_inherited(base, None), unflatten({k: v for k, v in export.items() if k != "defaults"}))
+
+
+def test_the_mindspeed_rl_export_composes_with_its_shipped_config(plans, tmp_path):
+    """A plan with a data-parallel rollout (vLLM DP 4 x TP 2, experts over 8 ranks) exports and reads
+    back; merged over MindSpeed-RL's DAPO config every key is one its classes accept, its model entry
+    gets the proxy's expert count, the actor loads converted Megatron weights named in the
+    conversion command, and MindSpeed-RL's own divisibility checks (validate_config.py) hold."""
+    from planner.plan import load_plan
+    from planner.runs.trainers import export_plan, flatten, job_from
+
+    data = yaml.safe_load(plans[1].read_text())
+    data["deployment"]["rollout_layout"] = {"tp": 2, "dp": 4, "ep": 8}
+    data["deployment"]["job"].update(algorithm="dapo", rollout_oversampling=1.5, optimizer_offload_fraction=0.0, optimizer_swap=True)
+    path = tmp_path / "dp.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    plan = load_plan(path)
+    text, flat = export_plan(plan, "mindspeed-rl", "/ckpt/proxy")
+    assert (flat["generate_config.infer_tensor_parallel_size"], flat["generate_config.infer_expert_parallel_size"]) == (2, 4)
+    assert flat["generate_config.enable_expert_parallel"] and flat["megatron_training.stage"] == "ray_dapo"
+    assert flat["rl_config.filter_groups_enable"] and flat["megatron_training.swap_optimizer"]
+    assert flat["actor_config.load"] == "/ckpt/proxy-mcore-tp4-pp2-ep1" and flat["actor_config.moe_tp_extend_ep"]  # EP 4 = TP 4 x 1
+    assert "--model-type-hf qwen3-moe" in text and "--target-expert-parallel-size 1 --moe-tp-extend-ep" in text
+    assert "--save-dir /ckpt/proxy-mcore-tp4-pp2-ep1" in text
+    merged = _merged_over(MINDSPEED / "dapo_qwen3_30b_a3b_A3.yaml", flat)
+    assert merged["model"]["qwen3_30b_a3b"]["num_experts"] == plan.experts and merged["model"]["qwen3_30b_a3b"]["moe_router_topk"] == 8
+    assert not [k for k in flatten(merged) if not k.startswith("model.") and not mindspeed_knows(k)]
+    actor = {**merged["megatron_training"], **merged["actor_config"]}
+    npus = merged["rl_config"]["actor_resource"]["num_npus"]
+    dp = npus // (actor["tensor_model_parallel_size"] * actor["pipeline_model_parallel_size"])
+    gen_dp = npus // (merged["generate_config"]["infer_tensor_parallel_size"] * merged["generate_config"]["infer_pipeline_parallel_size"])
+    assert npus % (actor["tensor_model_parallel_size"] * actor["pipeline_model_parallel_size"]) == 0
+    assert actor["global_batch_size"] % dp == 0 and actor["global_batch_size"] % gen_dp == 0
+    out = tmp_path / "ms.yaml"
+    out.write_text(text)
+    job, cards, _ = job_from("mindspeed-rl", out)
+    assert (job.rollout_layout.tp, job.rollout_layout.dp, job.rollout_layout.ep) == (2, 4, 8) and cards == 16
+    assert job.algorithm == "dapo" and job.optimizer_swap and job.train_layout.ep == 4 and job.train_layout.etp == 1
+
+
+def test_the_mindspeed_rl_export_refuses_what_mindspeed_rl_cannot_run(plans, tmp_path):
+    data = yaml.safe_load(plans[0].read_text())
+    cases = [({"job": {"precision": "fp16"}}, "no fp16 key"),
+             ({"train_layout": {"tp": 2, "pp": 2, "ep": 1, "cp": 1, "etp": 1}}, "moe_tp_extend_ep, EP a multiple of TP"),
+             ({"rollout_layout": {"tp": 2, "dp": 2, "ep": 1}}, "data-parallel ranks only with expert parallelism")]  # fmt: skip
+    for change, message in cases:
+        case = yaml.safe_load(yaml.safe_dump(data))
+        for key, value in change.items():
+            case["deployment"][key] = {**case["deployment"][key], **value} if key == "job" else value
+        path = tmp_path / "case.yaml"
+        path.write_text(yaml.safe_dump(case, sort_keys=False))
+        result = run_cli("export", path, "--to", "mindspeed-rl", "--model-path", "/p")
+        assert result.exit_code == 2 and message in result.output, result.output

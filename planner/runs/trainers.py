@@ -3,8 +3,9 @@ trainer's config as planner's job file.
 
 Each trainer is a table of (dotted key, how to read it from the plan's deployment, how to read the
 job back). verl gets Hydra overrides for its Megatron trainer (ppo_megatron_trainer), checked
-against the config the verl package ships; MindSpeed-RL and NeMo RL get YAML, checked against the
-keys of their published GRPO configs (trainer_keys.yaml names them). `job_from` reads the same keys
+against the config the verl package ships; MindSpeed-RL gets YAML checked against its config
+classes' attributes, NeMo RL YAML checked against the keys of its published GRPO configs
+(trainer_keys.yaml names the sources). `job_from` reads the same keys
 back, so export and import round-trip.
 
 Routing replay (`--routing-replay`): the trainer records the proxy run's own routes and replays
@@ -26,7 +27,7 @@ from typing import Any, Callable
 
 import yaml
 
-from planner.errors import SpecError
+from planner.errors import PlannerError, SpecError
 
 __all__ = ["TRAINERS", "VERL_VERSIONS", "export_plan", "job_from", "flatten", "published_keys", "verl_version", "verl_defaults"]
 
@@ -50,6 +51,9 @@ class Deployment:
     model_path: str
     name: str  # the model's name (MindSpeed-RL's model key)
     device_family: str = "nvidia"  # ascend | nvidia (the accelerator profile's family)
+    experts: int = 0  # the proxy's routed experts per MoE layer
+    model_type: str | None = None  # the original's transformers model_type, where its config is at hand
+    layers: int = 0  # decoder layers
 
     @property
     def nodes(self) -> int:
@@ -61,17 +65,23 @@ class Deployment:
 
 
 def _deployment(plan, model_path: str) -> Deployment:
-    from planner.catalog import load_accelerator
+    from planner.catalog import load_accelerator, load_model_config
     from planner.specs import Job, RolloutLayout, TrainLayout
 
     d = plan.deployment
     if not d or not d.get("train_layout") or not d.get("job"):
         raise SpecError("the plan has no deployment (layouts, job, device count): export a plan written by `planner suggest -o`")
     accel = load_accelerator(str(d.get("hardware", "ascend-910b2")))
+    try:
+        config = load_model_config(str(plan.model))[1]
+    except PlannerError:  # a plan of a model whose config is not here: the exports that need it say so
+        config = {}
+    text = config.get("text_config", config)
     return Deployment(job=Job.from_dict(d["job"], "plan deployment.job"), train=TrainLayout.from_dict(d["train_layout"]),
                       rollout=RolloutLayout.from_dict(d["rollout_layout"]), cards=int(d["num_cards"]), per_node=accel.devices_per_node,
-                      model_path=model_path, name=Path(str(plan.model)).name.replace("-", "_").replace(".", "_"),
-                      device_family=accel.family)  # fmt: skip
+                      model_path=model_path, name=_MINDSPEED_MODELS.get(str(plan.model), Path(str(plan.model)).name.replace("-", "_").replace(".", "_")),
+                      device_family=accel.family, experts=int(plan.experts), model_type=text.get("model_type"),
+                      layers=int(text.get("num_hidden_layers", 0)))  # fmt: skip
 
 
 def _mini_batch(j) -> int:
@@ -164,33 +174,58 @@ def _verl(d: Deployment, replay: bool, version: str | None = None) -> dict[str, 
     return out
 
 
+# MindSpeed-RL's model entries (configs/model/<name>.yaml) of catalog models, and the --model-type-hf of
+# MindSpeed-LLM's HF-to-Megatron converter (convert_ckpt_v2.py) per transformers model_type
+_MINDSPEED_MODELS = {"qwen3-30b-a3b": "qwen3_30b_a3b", "qwen3-235b-a22b": "qwen3_235b_a22b", "deepseek-v3": "deepseekv3_671b"}
+_MINDSPEED_HF_TYPES = {"qwen3_moe": "qwen3-moe", "deepseek_v2": "deepseek2-lite"}
+
+
+def _mindspeed_experts(t) -> tuple[int, bool]:
+    """(expert_model_parallel_size, moe_tp_extend_ep) of a training layout: MindSpeed-RL keeps the
+    experts tensor-split like the attention (expert TP = TP), or whole over TP x EP ranks."""
+    etp = t.etp if t.etp is not None else t.tp
+    if etp == t.tp:
+        return t.ep, False
+    if etp == 1 and t.ep % t.tp == 0:
+        return t.ep // t.tp, True
+    raise SpecError(f"MindSpeed-RL splits experts like the attention (expert TP = TP) or keeps them whole over TP x EP ranks "
+                    f"(moe_tp_extend_ep, EP a multiple of TP); this plan trains with {t.describe()}")  # fmt: skip
+
+
 def _mindspeed(d: Deployment, replay: bool) -> dict[str, Any]:
     j, t, r = d.job, d.train, d.rollout
-    if t.cp != 1 or t.etp not in (None, t.tp, 1):
-        raise SpecError(f"MindSpeed-RL's published GRPO configs set no context parallelism and expert TP only as 1 (moe_tp_extend_ep) "
-                        f"or TP; this plan trains with {t.describe()}")  # fmt: skip
-    if r.dp != 1:
-        raise SpecError(f"MindSpeed-RL's generate_config has no data-parallel size; this plan's rollout is {r.describe()}")
     if replay:
-        raise SpecError("routing replay: MindSpeed-RL's published GRPO configs have no router replay key")
+        raise SpecError("routing replay: MindSpeed-RL's config classes have no router replay key")
     if j.recompute == "moe":
-        raise SpecError("MindSpeed-RL's published GRPO configs have no key for recomputing the MoE layers; use recompute full or selective")
+        raise SpecError("MindSpeed-RL's config classes have no key for recomputing the MoE layers; use recompute full or selective")
+    if j.precision == "fp16":
+        raise SpecError("MindSpeed-RL trains in bf16 or fp32: its MegatronConfig has no fp16 key")
+    if t.cp != 1:
+        raise SpecError(f"context parallelism: planner's cost model counts Megatron's ring attention, and MindSpeed-RL's default "
+                        f"algorithm is Ulysses; export a plan without CP (this one trains with {t.describe()})")  # fmt: skip
+    ep, extend = _mindspeed_experts(t)
+    if r.ep == 1 and r.dp != 1:
+        raise SpecError(f"MindSpeed-RL's vLLM runs data-parallel ranks only with expert parallelism (VLLM_DP_SIZE = "
+                        f"infer_expert_parallel_size); this plan's rollout is {r.describe()}")  # fmt: skip
     recompute = _RECOMPUTE[j.recompute]
     out = {
+        f"model.{d.name}.num_experts": d.experts,  # the proxy's expert count over the model entry's
         "megatron_training.model": d.name,
         "megatron_training.tokenizer_name_or_path": d.model_path,
         "megatron_training.global_batch_size": j.prompts_per_step,
         "megatron_training.seq_length": j.max_sequence_tokens,
-        "megatron_training.stage": "ray_grpo",
+        "megatron_training.stage": {"grpo": "ray_grpo", "dapo": "ray_dapo", "ppo": "ray_ppo"}[j.algorithm],
         "megatron_training.bf16": j.precision == "bf16",
         "megatron_training.use_distributed_optimizer": j.distributed_optimizer,
+        "megatron_training.swap_optimizer": j.optimizer_swap,
         "actor_config.model": d.name,
-        "actor_config.load": d.model_path,
+        "actor_config.load": _mindspeed_weights(d, ep),
         "actor_config.micro_batch_size": 1,
         "actor_config.tensor_model_parallel_size": t.tp,
         "actor_config.pipeline_model_parallel_size": t.pp,
-        "actor_config.expert_model_parallel_size": t.ep,
-        "actor_config.moe_tp_extend_ep": True if t.etp == 1 and t.tp > 1 else None,  # experts whole, the TP ranks extend EP
+        "actor_config.expert_model_parallel_size": ep,
+        "actor_config.moe_tp_extend_ep": extend or None,
+        "actor_config.num_layer_list": ",".join(map(str, t.pipeline_layers)) if t.pipeline_layers else None,
         "rl_config.use_integrated_worker": j.colocated,
         "rl_config.mini_batch_size": _mini_batch(j),
         "rl_config.n_samples_per_prompt": j.samples_per_prompt,
@@ -199,10 +234,12 @@ def _mindspeed(d: Deployment, replay: bool) -> dict[str, Any]:
         "rl_config.actor_resource.num_npus": d.cards,
         "generate_config.infer_tensor_parallel_size": r.tp,
         "generate_config.infer_pipeline_parallel_size": 1,
-        "generate_config.infer_expert_parallel_size": r.ep,
+        "generate_config.infer_expert_parallel_size": r.dp if r.ep > 1 else 1,  # vLLM's DP; its EP is that x TP
         "generate_config.enable_expert_parallel": r.ep > 1,
         "generate_config.gpu_memory_utilization": j.rollout_memory_utilization,
         "generate_config.max_model_len": j.max_sequence_tokens,
+        "generate_config.max_num_seqs": j.rollout_max_seqs or j.num_sequences,
+        "generate_config.enforce_eager": not j.rollout_graphs,
         "generate_config.offload_train_optimizer": j.offload.optimizer,
         "generate_config.offload_train_grad": j.offload.grads,
         "generate_config.offload_train_param": j.offload.params,
@@ -211,7 +248,35 @@ def _mindspeed(d: Deployment, replay: bool) -> dict[str, Any]:
     if recompute is not None:
         out.update({"actor_config.recompute_granularity": recompute, "actor_config.recompute_method": "uniform" if recompute == "full" else None,
                     "actor_config.recompute_num_layers": 1 if recompute == "full" else None})  # fmt: skip
+    if j.rollout_oversampling > 1:  # DAPO's dynamic sampling: generate until the step's prompts are filled
+        out.update({"rl_config.filter_groups_enable": True, "rl_config.filter_groups_train_batch_size": j.prompts_per_step})
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _mindspeed_weights(d: Deployment, ep: int) -> str:
+    """Where the proxy's Megatron-format weights go (MindSpeed-RL's actor loads those, not the HF folder)."""
+    return f"{d.model_path.rstrip('/')}-mcore-tp{d.train.tp}-pp{d.train.pp}-ep{ep}"
+
+
+def _mindspeed_head(d: Deployment, flat: dict[str, Any]) -> list[str]:
+    """The header of a MindSpeed-RL export: the model entry it overrides and MindSpeed-LLM's weight conversion."""
+    t, ep = d.train, flat["actor_config.expert_model_parallel_size"]
+    target = (f"--target-tensor-parallel-size {t.tp} --target-pipeline-parallel-size {t.pp} --target-expert-parallel-size {ep}"
+              + (" --moe-tp-extend-ep" if flat.get("actor_config.moe_tp_extend_ep") else "")
+              + (f" --num-layer-list {flat['actor_config.num_layer_list']}" if "actor_config.num_layer_list" in flat else ""))  # fmt: skip
+    dirs = f"--load-dir {d.model_path} --save-dir {flat['actor_config.load']}"
+    if d.model_type == "deepseek_v3":  # MindSpeed-LLM converts DeepSeek-V3 with a script of its own
+        convert = (f"python examples/mcore/deepseek3/convert_ckpt_deepseek3.py --moe-grouped-gemm {target} {dirs} --num-layers {d.layers} "
+                   "--num-nextn-predict-layers 0")  # fmt: skip
+    else:
+        hf = _MINDSPEED_HF_TYPES.get(d.model_type or "", f"<MODEL: the --model-type-hf of MindSpeed-LLM's examples/mcore/*/ckpt_convert_*_hf2mcore.sh for {d.model_type}>")
+        convert = f"python convert_ckpt_v2.py --load-model-type hf --save-model-type mg --model-type-hf {hf} --moe-grouped-gemm {target} {dirs}"
+    entry = (f"the model entry {d.name} (configs/model/{d.name}.yaml, which MindSpeed-RL ships)" if d.name in _MINDSPEED_MODELS.values()
+             else f"a model entry {d.name}: write configs/model/{d.name}.yaml from the original's (MindSpeed-RL ships none for this model)")
+    return [f"defaults: - model: [{d.name}] loads {entry}; model.{d.name}.num_experts sets the proxy's {d.experts} experts over it",
+            "weights: MindSpeed-RL's actor loads Megatron-format weights (actor_config.load); convert the proxy once with MindSpeed-LLM:",
+            f"  {convert}",
+            "the rollout's vLLM data-parallel size is set from infer_expert_parallel_size (VLLM_DP_SIZE) by MindSpeed-RL's launcher"]
 
 
 def _nemo(d: Deployment, replay: bool) -> dict[str, Any]:
@@ -307,9 +372,16 @@ def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = F
         # keys inside a mapping verl's config leaves open are new to Hydra: `+key=value`
         lines += [f"{'+' if k.startswith(_VERL_OPTIM + '.') else ''}{k}={_hydra(v)}" for k, v in flat.items()]
         return "\n".join(lines) + "\n", flat
-    note = {"mindspeed-rl": "merge into a MindSpeed-RL GRPO config (configs/grpo_*.yaml) with the model's own defaults entry",
-            "nemo-rl": "a NeMo RL config that inherits grpo_math_1B_megatron.yaml: run with examples/run_grpo_math.py --config THIS_FILE"}[trainer]  # fmt: skip
-    text = "".join(f"# {h}\n" for h in [*head, note]) + yaml.safe_dump(unflatten(flat), sort_keys=False)
+    if trainer == "mindspeed-rl":
+        head += ["merge into a MindSpeed-RL config of the same stage (configs/grpo_*.yaml, dapo_*.yaml): MindSpeed-RL refuses keys it "
+                 "does not know, and these are all its own", *_mindspeed_head(d, flat)]  # fmt: skip
+        if d.job.optimizer_offload_fraction > 0:
+            head.append(f"optimizer_offload_fraction {d.job.optimizer_offload_fraction:g} is not written: MindSpeed-RL has no hybrid CPU "
+                        "optimizer; swap_optimizer (the whole state in host memory, stepped on the device) is its nearest")  # fmt: skip
+        flat = {"defaults": [{"model": [d.name]}], **flat}
+    else:
+        head.append("a NeMo RL config that inherits grpo_math_1B_megatron.yaml: run with examples/run_grpo_math.py --config THIS_FILE")
+    text = "".join(f"# {h}\n" for h in head) + yaml.safe_dump(unflatten(flat), sort_keys=False)
     return text, flat
 
 
@@ -372,16 +444,30 @@ def _inherited(path: Path, notes: list[str] | None, depth: int = 0) -> dict[str,
     parents = [parents] if isinstance(parents, str) else list(parents or [])
     base: dict[str, Any] = {}
     for parent in parents:
-        parent_path = Path(str(parent)) if str(parent).startswith("/") else path.parent / str(parent)
-        if not parent_path.is_file():  # what the file sets itself still reads; a key only the parent has is missing
-            if notes is not None:
-                notes.append(f"{path.name}: defaults: {parent} not found at {parent_path}: the keys it would give are missing (keep "
-                             "the config beside the files it inherits from)")  # fmt: skip
-            continue
-        base = _merge(base, _inherited(parent_path, notes, depth + 1))
-        if notes is not None and depth == 0:
-            notes.append(f"{path.name} inherits from {parent}: its keys that the file does not set come from there")
+        for group, name in _defaults_entry(parent):
+            if name == "_self_":
+                continue
+            where = f"{group}/{name}.yaml" if group else str(name)
+            parent_path = Path(where) if where.startswith("/") else path.parent / where
+            if not parent_path.is_file():  # what the file sets itself still reads; a key only the parent has is missing
+                if notes is not None:
+                    notes.append(f"{path.name}: defaults: {where} not found at {parent_path}: the keys it would give are missing (keep "
+                                 "the config beside the files it inherits from)")  # fmt: skip
+                continue
+            loaded = _inherited(parent_path, notes, depth + 1)
+            base = _merge(base, {group: loaded} if group else loaded)
+            if notes is not None and depth == 0:
+                notes.append(f"{path.name} inherits from {where}: its keys that the file does not set come from there")
     return _merge(base, data)
+
+
+def _defaults_entry(entry: Any) -> list[tuple[str | None, str]]:
+    """(config group, name) pairs of one `defaults:` entry: a path (NeMo RL: `../grpo_math_1B.yaml`)
+    or a Hydra config-group choice (MindSpeed-RL: `model: [qwen3_30b_a3b]`, loaded from
+    `model/qwen3_30b_a3b.yaml` and placed under the group's key)."""
+    if isinstance(entry, dict):
+        return [(str(g), str(n)) for g, names in entry.items() for n in (names if isinstance(names, list) else [names]) if n is not None]
+    return [(None, str(entry))]
 
 
 def _merge(base: dict, override: dict) -> dict:
@@ -487,6 +573,12 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
                                                                                        f"{f.get(k)}" for k in taken))  # fmt: skip
         else:
             notes.append("verl is not installed, so its defaults are not known: every key the config leaves out must be set")
+    if trainer == "mindspeed-rl":  # MindSpeed-RL merges the actor over the shared Megatron block; the rest is its classes' defaults
+        f = {**{f"actor_config.{k.split('.', 1)[1]}": v for k, v in f.items() if k.startswith("megatron_training.")}, **f}
+        taken = {k: v for k, v in _MINDSPEED_DEFAULTS.items() if k not in f}
+        f = {**_MINDSPEED_DEFAULTS, **f}
+        if taken:
+            notes.append("from MindSpeed-RL's config classes' defaults: " + ", ".join(f"{k}={v}" for k, v in taken.items()))
     missing = [k for k in _REQUIRED[trainer] if f.get(k) is None]
     if missing:
         raise SpecError(f"{path}: not a complete {trainer} config: missing {', '.join(missing)}")
@@ -540,26 +632,7 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
                 notes.append(f"num_layers_in_{stage}_pipeline_stage is set: put the layers per stage in the job's train_layout.pipeline_layers "
                              "(it needs the model's layer count)")  # fmt: skip
     elif trainer == "mindspeed-rl":
-        prompts = n("megatron_training.global_batch_size")
-        infer_ep = n("generate_config.infer_expert_parallel_size")
-        infer_tp = n("generate_config.infer_tensor_parallel_size")
-        kw = dict(prompts_per_step=prompts, samples_per_prompt=n("rl_config.n_samples_per_prompt"),
-                  **lengths(n("rl_config.max_prompt_length"), n("generate_config.sampling_config.max_tokens")),
-                  precision="bf16" if f.get("megatron_training.bf16") else "fp32", recompute=f.get("actor_config.recompute_granularity") or "none",
-                  colocated=bool(f.get("rl_config.use_integrated_worker", True)),
-                  offload=Offload(params=bool(f.get("generate_config.offload_train_param", False)),
-                                  grads=bool(f.get("generate_config.offload_train_grad", False)),
-                                  optimizer=bool(f.get("generate_config.offload_train_optimizer", False))),
-                  ppo_epochs=int(f.get("rl_config.epochs", 1)), mini_batches=prompts // n("rl_config.mini_batch_size"),
-                  distributed_optimizer=bool(f.get("megatron_training.use_distributed_optimizer", True)),
-                  rollout_memory_utilization=n("generate_config.gpu_memory_utilization", float),
-                  train_layout=TrainLayout(tp=n("actor_config.tensor_model_parallel_size"), pp=n("actor_config.pipeline_model_parallel_size"),
-                                           ep=n("actor_config.expert_model_parallel_size"),
-                                           etp=1 if f.get("actor_config.moe_tp_extend_ep") else None),
-                  rollout_layout=RolloutLayout(tp=infer_tp, dp=1, ep=infer_ep))  # fmt: skip
-        cards = n("rl_config.actor_resource.num_npus")
-        if f.get("megatron_training.fp16"):
-            kw["precision"] = "fp16"
+        kw, cards = _mindspeed_job(f, n, lengths, notes)
     else:
         prompts = n("grpo.num_prompts_per_step")
         samples = n("grpo.num_generations_per_prompt")
@@ -593,6 +666,75 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
     return Job(**kw), cards, notes
 
 
+# MindSpeed-RL's defaults for the keys job_from reads (mindspeed_rl/config_cls/{megatron,rl,generate}_config.py,
+# commit 05a90d77): a config that leaves a key out runs with these
+_MINDSPEED_DEFAULTS = {
+    "actor_config.tensor_model_parallel_size": 1, "actor_config.pipeline_model_parallel_size": 1, "actor_config.expert_model_parallel_size": 1,
+    "actor_config.context_parallel_size": 1, "actor_config.moe_tp_extend_ep": False, "actor_config.bf16": True,
+    "actor_config.use_distributed_optimizer": False, "actor_config.swap_optimizer": False, "actor_config.recompute_granularity": None,
+    "actor_config.stage": None, "rl_config.n_samples_per_prompt": 1, "rl_config.mini_batch_size": 1, "rl_config.max_prompt_length": 512,
+    "rl_config.epochs": 1, "rl_config.use_integrated_worker": True, "rl_config.filter_groups_enable": False,
+    "generate_config.infer_tensor_parallel_size": 8, "generate_config.infer_pipeline_parallel_size": 1,
+    "generate_config.infer_expert_parallel_size": 1, "generate_config.enable_expert_parallel": False,
+    "generate_config.gpu_memory_utilization": 0.5, "generate_config.max_num_seqs": 1, "generate_config.enforce_eager": True,
+    "generate_config.offload_train_param": False, "generate_config.offload_train_grad": False, "generate_config.offload_train_optimizer": False,
+    "generate_config.sampling_config.max_tokens": 128,
+}  # fmt: skip
+_MINDSPEED_STAGES = {"ray_grpo": "grpo", "ray_dapo": "dapo", "ray_ppo": "ppo"}
+
+
+def _mindspeed_job(f: dict, n: Callable, lengths: Callable, notes: list[str]) -> tuple[dict[str, Any], int]:
+    """Job fields and device count from a MindSpeed-RL config (the actor merged over megatron_training,
+    defaults filled). Its layouts as MindSpeed-RL computes them: with moe_tp_extend_ep the experts are
+    split over TP x EP ranks and kept whole (expert TP 1); the rollout's vLLM runs VLLM_DP_SIZE =
+    infer_expert_parallel_size data-parallel ranks of infer_tensor_parallel_size each, its experts
+    split over all of them (the weight loader's EP is infer_expert_parallel_size x TP), or, without
+    expert parallelism, tensor-parallel instances of TP ranks."""
+    from planner.specs import Offload, RolloutLayout, TrainLayout
+
+    a, g = "actor_config", "generate_config"
+    prompts, samples = n(f"{a}.global_batch_size"), n("rl_config.n_samples_per_prompt")
+    tp, ep = n(f"{a}.tensor_model_parallel_size"), n(f"{a}.expert_model_parallel_size")
+    extend = bool(f.get(f"{a}.moe_tp_extend_ep"))
+    train = TrainLayout(tp=tp, pp=n(f"{a}.pipeline_model_parallel_size"), ep=ep * tp if extend else ep, cp=n(f"{a}.context_parallel_size"),
+                        etp=1 if extend else None)  # fmt: skip
+    if extend and tp > 1:
+        notes.append(f"moe_tp_extend_ep: expert parallelism is TP x EP = {tp} x {ep} = {train.ep}, each expert whole on its rank")
+    infer_tp, infer_ep = n(f"{g}.infer_tensor_parallel_size"), n(f"{g}.infer_expert_parallel_size")
+    if n(f"{g}.infer_pipeline_parallel_size") != 1:
+        raise SpecError("generate_config.infer_pipeline_parallel_size > 1: MindSpeed-RL's vLLM rollout has no pipeline parallelism")
+    if f.get(f"{g}.enable_expert_parallel"):
+        rollout = RolloutLayout(tp=infer_tp, dp=infer_ep, ep=infer_tp * infer_ep)
+        notes.append(f"rollout: vLLM data parallel {infer_ep} (VLLM_DP_SIZE = infer_expert_parallel_size) x TP {infer_tp}, experts over all "
+                     f"{rollout.ep} ranks of an instance")  # fmt: skip
+    else:
+        rollout = RolloutLayout(tp=infer_tp, dp=1, ep=1)
+    stage = f.get(f"{a}.stage")
+    kw = dict(algorithm=_MINDSPEED_STAGES.get(stage, "grpo"), prompts_per_step=prompts, samples_per_prompt=samples,
+              **lengths(n("rl_config.max_prompt_length"), n(f"{g}.sampling_config.max_tokens")),
+              precision="bf16" if f.get(f"{a}.bf16") else "fp32", recompute=f.get(f"{a}.recompute_granularity") or "none",
+              colocated=bool(f.get("rl_config.use_integrated_worker")),
+              offload=Offload(params=bool(f.get(f"{g}.offload_train_param")), grads=bool(f.get(f"{g}.offload_train_grad")),
+                              optimizer=bool(f.get(f"{g}.offload_train_optimizer"))),
+              ppo_epochs=n("rl_config.epochs"), mini_batches=max(1, prompts // n("rl_config.mini_batch_size")),
+              distributed_optimizer=bool(f.get(f"{a}.use_distributed_optimizer")), optimizer_swap=bool(f.get(f"{a}.swap_optimizer")),
+              rollout_memory_utilization=n(f"{g}.gpu_memory_utilization", float), rollout_graphs=not f.get(f"{g}.enforce_eager"),
+              train_layout=train, rollout_layout=rollout)  # fmt: skip
+    if stage is not None and stage not in _MINDSPEED_STAGES:
+        notes.append(f"megatron_training.stage {stage}: not a stage planner knows ({', '.join(_MINDSPEED_STAGES)}); read as GRPO")
+    seqs = n(f"{g}.max_num_seqs")
+    kw["rollout_max_seqs"] = None if seqs >= prompts * samples else seqs  # a cap of the step's every sequence cannot bind
+    if kw["recompute"] == "full" and f.get(f"{a}.recompute_num_layers") is not None:
+        notes.append(f"recompute_granularity full with recompute_method {f.get(f'{a}.recompute_method')} and recompute_num_layers "
+                     f"{f.get(f'{a}.recompute_num_layers')}: planner counts every layer as recomputed")  # fmt: skip
+    if f.get("rl_config.filter_groups_enable"):
+        notes.append("DAPO dynamic sampling (filter_groups_enable): the generation rounds per step depend on the data; set the job's "
+                     "rollout_oversampling from your run (responses generated per kept response), 1.0 is assumed")  # fmt: skip
+    if f.get(f"{a}.stage") == "ray_dapo" and (f.get("rl_config.clip_higher_enable") or f.get("rl_config.overlong_buffer_enable")):
+        notes.append("DAPO's clip-higher and overlong buffer change the loss, not the cost: the job does not carry them")
+    return kw, n("rl_config.actor_resource.num_npus")
+
+
 _VERL_MEGA = "actor_rollout_ref.actor.megatron"
 # read with a default of verl's when the script leaves them out (named in the notes)
 _VERL_DEFAULTED = ["algorithm.adv_estimator", f"{_VERL_MEGA}.param_offload", f"{_VERL_MEGA}.optimizer_offload", f"{_VERL_MEGA}.dtype",
@@ -606,10 +748,7 @@ _REQUIRED = {  # what job_from reads without a default
              "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.gpu_memory_utilization",
              *(f"{_VERL_MEGA}.{k}_parallel_size" for k in ("tensor_model", "pipeline_model", "expert_model", "context")),
              *(f"actor_rollout_ref.rollout.{k}_parallel_size" for k in ("tensor_model", "data", "expert")), "trainer.n_gpus_per_node", "trainer.nnodes"],
-    "mindspeed-rl": ["megatron_training.global_batch_size", "rl_config.n_samples_per_prompt", "rl_config.max_prompt_length",
-                     "generate_config.sampling_config.max_tokens", "rl_config.mini_batch_size", "generate_config.gpu_memory_utilization",
-                     *(f"actor_config.{k}_parallel_size" for k in ("tensor_model", "pipeline_model", "expert_model")),
-                     *(f"generate_config.infer_{k}_parallel_size" for k in ("tensor", "expert")), "rl_config.actor_resource.num_npus"],
+    "mindspeed-rl": ["actor_config.global_batch_size", "rl_config.actor_resource.num_npus"],  # no default in MindSpeed-RL either
     "nemo-rl": ["grpo.num_prompts_per_step", "grpo.num_generations_per_prompt", "policy.max_total_sequence_length", "policy.train_global_batch_size",
                 "policy.generation.vllm_cfg.gpu_memory_utilization", "policy.generation.vllm_cfg.tensor_parallel_size",
                 *(f"policy.megatron_cfg.{k}_parallel_size" for k in ("tensor_model", "pipeline_model", "expert_model")),

@@ -453,3 +453,73 @@ def test_the_mindspeed_rl_export_refuses_what_mindspeed_rl_cannot_run(plans, tmp
         path.write_text(yaml.safe_dump(case, sort_keys=False))
         result = run_cli("export", path, "--to", "mindspeed-rl", "--model-path", "/p")
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+# ---- DAPO and precision, both ways ---------------------------------------------------------------------
+
+def _variant(plans, tmp_path, name, **job) -> Path:
+    data = yaml.safe_load(plans[0].read_text())
+    data["deployment"]["job"].update(job)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_dapo_and_its_oversampling_round_trip(plans, tmp_path, trainer):
+    """DAPO's dynamic sampling as each trainer sizes it (verl 0.9's filter_groups and gen_batch_size,
+    NeMo RL's use_dynamic_sampling and batch_multiplier, MindSpeed-RL's ray_dapo stage with its
+    global batch generated per round): the job's algorithm and oversampling come back."""
+    from planner.runs.trainers import job_from
+
+    path = _variant(plans, tmp_path, "dapo", algorithm="dapo", rollout_oversampling=2.0)
+    out = tmp_path / f"{trainer}.cfg"
+    extra = ["--verl-version", "0.9"] if trainer == "verl" else []
+    result = run_cli("export", path, "--to", trainer, "--model-path", "/ckpt/proxy", "-o", out, *extra)
+    assert result.exit_code == 0, result.output
+    job, _, notes = job_from(trainer, out)
+    assert (job.algorithm, job.rollout_oversampling, job.prompts_per_step) == ("dapo", 2.0, 512)
+    assert any("rollout_oversampling 2 from" in n for n in notes)
+    if trainer == "verl":
+        refused = run_cli("export", path, "--to", "verl", "--model-path", "/p", "--verl-version", "0.7")
+        assert refused.exit_code == 2 and "recipe/dapo" in refused.output
+
+
+def _nemo_rl_dtype_checks():
+    """NeMo RL's own _apply_precision_config and _validate_dtype_config, read from its source with ast
+    (the module's imports, Megatron Bridge among them, are not run) and run with torch."""
+    import ast
+
+    import torch
+
+    source = (Path(__file__).parent / "data" / "nemo-rl" / "nemo_rl" / "models" / "megatron" / "setup.py").read_text()
+    wanted = {"_apply_precision_config", "_validate_dtype_config"}
+    body = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name in wanted]
+    namespace = {"torch": torch, "Any": object}
+    exec(compile(ast.Module(body=body, type_ignores=[]), "nemo_rl/models/megatron/setup.py", "exec"), namespace)
+    return namespace["_apply_precision_config"], namespace["_validate_dtype_config"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_nemo_rl_export_passes_nemo_rls_own_dtype_checks(plans, tmp_path, precision):
+    """The export merged over the Megatron config it inherits (grpo_math_1B_megatron.yaml, whose
+    optimizer is precision-aware and bf16) passes NeMo RL's dtype validation in every precision."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from planner.plan import load_plan
+    from planner.runs.trainers import _inherited, _merge, export_plan, job_from, unflatten
+
+    apply_precision, validate = _nemo_rl_dtype_checks()
+    _, flat = export_plan(load_plan(_variant(plans, tmp_path, precision, precision=precision)), "nemo-rl", "/ckpt/proxy")
+    base = _inherited(Path(__file__).parent / "data" / "nemo-rl" / "examples" / "configs" / "grpo_math_1B_megatron.yaml", None)
+    policy = _merge(base, unflatten({k: v for k, v in flat.items() if k != "defaults"}))["policy"]
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[policy["precision"]]
+    policy["megatron_cfg"]["pipeline_dtype"] = policy["precision"]  # ${policy.precision} in the file
+    model = SimpleNamespace()
+    apply_precision(model, policy, dtype)
+    validate(dtype, model, SimpleNamespace(**policy["megatron_cfg"]["optimizer"]))  # raises AssertionError where NeMo RL would
+    out = tmp_path / "nemo.yaml"
+    out.write_text(yaml.safe_dump(unflatten(flat)))
+    assert job_from("nemo-rl", out)[0].precision == precision

@@ -90,6 +90,20 @@ def _mini_batch(j) -> int:
     return j.prompts_per_step // j.mini_batches
 
 
+def _dynamic_sampling(j) -> bool:
+    """DAPO's dynamic sampling: groups whose samples all score alike are dropped and more prompts are
+    generated until the step's batch is full."""
+    return j.algorithm == "dapo" or j.rollout_oversampling > 1
+
+
+def _generated_prompts(j) -> int:
+    """Prompts generated per round under dynamic sampling: the step's prompts times the job's
+    oversampling, the way the trainers size it (verl's data.gen_batch_size, NeMo RL's batch_multiplier,
+    MindSpeed-RL's global batch over filter_groups_train_batch_size); reading it back gives the
+    oversampling as generated over kept prompts."""
+    return math.ceil(j.prompts_per_step * j.rollout_oversampling)
+
+
 # ---- the tables: key -> value from a Deployment ------------------------------------------------------
 
 VERL_VERSIONS = ("0.6", "0.7", "0.8", "0.9")  # the verl releases whose Megatron trainer config the export writes
@@ -155,6 +169,14 @@ def _verl(d: Deployment, replay: bool, version: str | None = None) -> dict[str, 
     # the reference model in the actor's layout: verl 0.7 and later inherit it, 0.6 defaults its own to 1
     for key in ("tensor_model", "pipeline_model", "expert_model", "expert_tensor", "context"):
         out[f"actor_rollout_ref.ref.megatron.{key}_parallel_size"] = out[f"{mega}.{key}_parallel_size"]
+    # the reference and the rollout in the actor's precision (each has its own key, bf16 by default)
+    out["actor_rollout_ref.ref.megatron.dtype"] = out["actor_rollout_ref.rollout.dtype"] = _DTYPE[j.precision]
+    if _dynamic_sampling(j):
+        if version != "0.9":
+            raise SpecError(f"DAPO's dynamic sampling: verl {version} runs it through recipe/dapo's own trainer, whose config this export "
+                            "does not write; its filter_groups came into the main trainer in 0.9 (--verl-version 0.9)")  # fmt: skip
+        out["algorithm.filter_groups.enable"] = True
+        out["data.gen_batch_size"] = _generated_prompts(j)
     if d.device_family == "ascend":
         out["trainer.device"] = "npu"
     # vLLM's cap on the sequences a rank decodes at once (verl's default: 256); a job without a cap gets
@@ -212,9 +234,9 @@ def _mindspeed(d: Deployment, replay: bool) -> dict[str, Any]:
         f"model.{d.name}.num_experts": d.experts,  # the proxy's expert count over the model entry's
         "megatron_training.model": d.name,
         "megatron_training.tokenizer_name_or_path": d.model_path,
-        "megatron_training.global_batch_size": j.prompts_per_step,
+        "megatron_training.global_batch_size": _generated_prompts(j) if _dynamic_sampling(j) else j.prompts_per_step,
         "megatron_training.seq_length": j.max_sequence_tokens,
-        "megatron_training.stage": {"grpo": "ray_grpo", "dapo": "ray_dapo", "ppo": "ray_ppo"}[j.algorithm],
+        "megatron_training.stage": "ray_dapo" if _dynamic_sampling(j) else {"grpo": "ray_grpo", "ppo": "ray_ppo"}[j.algorithm],
         "megatron_training.bf16": j.precision == "bf16",
         "megatron_training.use_distributed_optimizer": j.distributed_optimizer,
         "megatron_training.swap_optimizer": j.optimizer_swap,
@@ -248,7 +270,7 @@ def _mindspeed(d: Deployment, replay: bool) -> dict[str, Any]:
     if recompute is not None:
         out.update({"actor_config.recompute_granularity": recompute, "actor_config.recompute_method": "uniform" if recompute == "full" else None,
                     "actor_config.recompute_num_layers": 1 if recompute == "full" else None})  # fmt: skip
-    if j.rollout_oversampling > 1:  # DAPO's dynamic sampling: generate until the step's prompts are filled
+    if _dynamic_sampling(j):  # DAPO: generate the global batch per round until the step's prompts are filled
         out.update({"rl_config.filter_groups_enable": True, "rl_config.filter_groups_train_batch_size": j.prompts_per_step})
     return {k: v for k, v in out.items() if v is not None}
 
@@ -290,6 +312,9 @@ def _nemo(d: Deployment, replay: bool) -> dict[str, Any]:
         "policy.train_micro_batch_size": 1,
         "policy.max_total_sequence_length": j.max_sequence_tokens,
         "policy.precision": _DTYPE[j.precision],
+        # NeMo RL's own dtype check (_validate_dtype_config) wants the precision-aware optimizer in the same precision
+        "policy.megatron_cfg.optimizer.bf16": j.precision == "bf16",
+        "policy.megatron_cfg.optimizer.fp16": j.precision == "fp16",
         "policy.router_replay.enabled": replay,
         "policy.megatron_cfg.enabled": True,
         "policy.megatron_cfg.tensor_model_parallel_size": t.tp,
@@ -306,6 +331,8 @@ def _nemo(d: Deployment, replay: bool) -> dict[str, Any]:
         "cluster.gpus_per_node": d.gpus_per_node,
         "cluster.num_nodes": d.nodes,
     }
+    if _dynamic_sampling(j):  # DAPO: batch_multiplier x the step's prompts generated per round
+        out.update({"grpo.use_dynamic_sampling": True, "grpo.batch_multiplier": math.ceil(j.rollout_oversampling)})
     return out
 
 
@@ -624,6 +651,13 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
             kw["rollout_max_seqs"] = None if seqs >= prompts * kw["samples_per_prompt"] else seqs
         if f.get(f"{_VERL_OPTIM}.optimizer_cpu_offload"):
             kw["optimizer_offload_fraction"] = float(f.get(f"{_VERL_OPTIM}.optimizer_offload_fraction", 1.0))
+        if f.get("algorithm.filter_groups.enable"):  # DAPO's dynamic sampling (verl 0.9's main trainer)
+            kw.update(_oversampling(f.get("data.gen_batch_size"), prompts, "data.gen_batch_size", notes))
+            kw["algorithm"] = "dapo" if kw["algorithm"] == "grpo" else kw["algorithm"]
+        rollout_dtype = f.get("actor_rollout_ref.rollout.dtype")
+        if rollout_dtype not in (None, f.get(f"{mega}.dtype", "bfloat16")):
+            notes.append(f"the rollout runs in {rollout_dtype}, the actor in {f.get(f'{mega}.dtype', 'bfloat16')}: the job's precision is the "
+                         "actor's, and the rollout's own precision is a rollout-mismatch knob, not a cost")  # fmt: skip
         cards = n("trainer.n_gpus_per_node") * n("trainer.nnodes")
         # verl recomputes the old log-probs unless bypass mode takes the rollout's (verl >= 0.7)
         kw["skip_old_logprob"] = bool(f.get("algorithm.rollout_correction.bypass_mode", False))
@@ -656,6 +690,10 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
                                            etp=f.get(f"{mega}.expert_tensor_parallel_size")),
                   rollout_layout=RolloutLayout(tp=n("policy.generation.vllm_cfg.tensor_parallel_size"), dp=1,
                                                ep=int(f.get("policy.generation.vllm_cfg.expert_parallel_size", 1))))  # fmt: skip
+        if f.get("grpo.use_dynamic_sampling"):  # DAPO: batch_multiplier x the step's prompts per generation round
+            multiplier = f.get("grpo.batch_multiplier", 1)
+            kw.update(algorithm="dapo", **_oversampling(prompts * multiplier if isinstance(multiplier, (int, float)) else None, prompts,
+                                                         "grpo.batch_multiplier", notes))  # fmt: skip
         cards = n("cluster.gpus_per_node") * n("cluster.num_nodes")
     updates = kw.get("ppo_epochs", 1) * kw["mini_batches"]
     if "skip_old_logprob" not in kw:
@@ -666,6 +704,16 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
     return Job(**kw), cards, notes
 
 
+def _oversampling(generated: Any, prompts: int, key: str, notes: list[str]) -> dict[str, float]:
+    """The job's rollout_oversampling under DAPO's dynamic sampling: prompts generated per round over
+    prompts kept, at least 1 (more rounds, when a round keeps too few, depend on the data)."""
+    ratio = generated / prompts if isinstance(generated, (int, float)) and not isinstance(generated, bool) and generated > 0 else 1.0
+    ratio = max(1.0, float(ratio))
+    notes.append(f"DAPO dynamic sampling: rollout_oversampling {ratio:g} from {key} (prompts generated per round over the step's "
+                 f"{prompts}); a run whose rounds keep too few prompts generates more, so set it from your run's own ratio")  # fmt: skip
+    return {"rollout_oversampling": ratio}
+
+
 # MindSpeed-RL's defaults for the keys job_from reads (mindspeed_rl/config_cls/{megatron,rl,generate}_config.py,
 # commit 05a90d77): a config that leaves a key out runs with these
 _MINDSPEED_DEFAULTS = {
@@ -674,6 +722,7 @@ _MINDSPEED_DEFAULTS = {
     "actor_config.use_distributed_optimizer": False, "actor_config.swap_optimizer": False, "actor_config.recompute_granularity": None,
     "actor_config.stage": None, "rl_config.n_samples_per_prompt": 1, "rl_config.mini_batch_size": 1, "rl_config.max_prompt_length": 512,
     "rl_config.epochs": 1, "rl_config.use_integrated_worker": True, "rl_config.filter_groups_enable": False,
+    "rl_config.filter_groups_train_batch_size": 1,
     "generate_config.infer_tensor_parallel_size": 8, "generate_config.infer_pipeline_parallel_size": 1,
     "generate_config.infer_expert_parallel_size": 1, "generate_config.enable_expert_parallel": False,
     "generate_config.gpu_memory_utilization": 0.5, "generate_config.max_num_seqs": 1, "generate_config.enforce_eager": True,
@@ -694,6 +743,10 @@ def _mindspeed_job(f: dict, n: Callable, lengths: Callable, notes: list[str]) ->
 
     a, g = "actor_config", "generate_config"
     prompts, samples = n(f"{a}.global_batch_size"), n("rl_config.n_samples_per_prompt")
+    sampling = {}
+    if f.get("rl_config.filter_groups_enable"):  # DAPO: the global batch is generated per round until this many prompts are kept
+        generated, prompts = prompts, n("rl_config.filter_groups_train_batch_size")
+        sampling = _oversampling(generated, prompts, "megatron_training.global_batch_size", notes)
     tp, ep = n(f"{a}.tensor_model_parallel_size"), n(f"{a}.expert_model_parallel_size")
     extend = bool(f.get(f"{a}.moe_tp_extend_ep"))
     train = TrainLayout(tp=tp, pp=n(f"{a}.pipeline_model_parallel_size"), ep=ep * tp if extend else ep, cp=n(f"{a}.context_parallel_size"),
@@ -719,7 +772,9 @@ def _mindspeed_job(f: dict, n: Callable, lengths: Callable, notes: list[str]) ->
               ppo_epochs=n("rl_config.epochs"), mini_batches=max(1, prompts // n("rl_config.mini_batch_size")),
               distributed_optimizer=bool(f.get(f"{a}.use_distributed_optimizer")), optimizer_swap=bool(f.get(f"{a}.swap_optimizer")),
               rollout_memory_utilization=n(f"{g}.gpu_memory_utilization", float), rollout_graphs=not f.get(f"{g}.enforce_eager"),
-              train_layout=train, rollout_layout=rollout)  # fmt: skip
+              train_layout=train, rollout_layout=rollout, **sampling)  # fmt: skip
+    if sampling:
+        kw["algorithm"] = "dapo"
     if stage is not None and stage not in _MINDSPEED_STAGES:
         notes.append(f"megatron_training.stage {stage}: not a stage planner knows ({', '.join(_MINDSPEED_STAGES)}); read as GRPO")
     seqs = n(f"{g}.max_num_seqs")
@@ -727,9 +782,6 @@ def _mindspeed_job(f: dict, n: Callable, lengths: Callable, notes: list[str]) ->
     if kw["recompute"] == "full" and f.get(f"{a}.recompute_num_layers") is not None:
         notes.append(f"recompute_granularity full with recompute_method {f.get(f'{a}.recompute_method')} and recompute_num_layers "
                      f"{f.get(f'{a}.recompute_num_layers')}: planner counts every layer as recomputed")  # fmt: skip
-    if f.get("rl_config.filter_groups_enable"):
-        notes.append("DAPO dynamic sampling (filter_groups_enable): the generation rounds per step depend on the data; set the job's "
-                     "rollout_oversampling from your run (responses generated per kept response), 1.0 is assumed")  # fmt: skip
     if f.get(f"{a}.stage") == "ray_dapo" and (f.get("rl_config.clip_higher_enable") or f.get("rl_config.overlong_buffer_enable")):
         notes.append("DAPO's clip-higher and overlong buffer change the loss, not the cost: the job does not carry them")
     return kw, n("rl_config.actor_resource.num_npus")

@@ -420,3 +420,36 @@ def test_a_run_cut_mid_line_is_read_up_to_its_last_whole_record(tmp_path, monkey
         assert sig["steps"] == 19 and any("cut" in n for n in sig["notes"]), (path.name, sig["notes"])
     (tmp_path / "bad.jsonl").write_text('{"step": 1, "data": {"actor/grad_norm": 1.0}}\nnot json\n{"step": 2, "data": {"actor/grad_norm": 1.0}}\n')
     assert run_cli("detect", tmp_path / "bad.jsonl").exit_code == 2  # a bad line in the middle is still an error
+
+
+def write_wandb_panels(rows, folder: Path, run: str = "qwen3-grpo-1") -> None:
+    """Each metric as a W&B chart's "Export panel data" CSV: Step, "<run> - <key>" and the
+    downsampled bucket's __MIN/__MAX, one file per chart (written with pandas)."""
+    import pandas as pd
+
+    folder.mkdir()
+    recs = _trainer_records(rows, VERL)
+    for key in sorted({k for r in recs for k in r} - {"step"}):
+        col = f"{run} - {key}"
+        frame = pd.DataFrame([{"Step": r["step"], col: r[key], f"{col}__MIN": r[key], f"{col}__MAX": r[key]} for r in recs if key in r])
+        frame.to_csv(folder / f"{key.replace('/', '_')}.csv", index=False)
+
+
+def test_wandb_panel_exports_read_as_one_run(tmp_path):
+    """A folder of W&B panel CSVs (one chart each) merges on the step: the grad blow-up from step 37
+    is found there as in verl's own logs; one panel alone reads too; a panel of two runs is refused."""
+    from planner.runs.read import read_run
+    from planner.runs.signature import signature
+
+    rows = planted_rows(60, grad_norm=[1.0 + 0.01 * i * (20 if i >= 37 else 1) for i in range(60)])
+    write_wandb_panels(rows, tmp_path / "panels")
+    sig = signature(tmp_path / "panels")
+    assert sig["trainer"] == "verl" and sig["steps"] == 60
+    assert sig["fault"]["fault"] == "grad-blowup" and sig["fault"]["onset_step"] == 37
+    assert any("W&B panel export of run 'qwen3-grpo-1'" in n for n in sig["notes"])
+    one = read_run(tmp_path / "panels" / "actor_grad_norm.csv")
+    assert list(one.metrics.columns) == ["grad_norm"] and one.metrics["grad_norm"].iloc[37] == pytest.approx(1.0 + 0.37 * 20)
+    two = tmp_path / "two.csv"
+    two.write_text('Step,a - actor/grad_norm,b - actor/grad_norm\n1,1.0,1.0\n')
+    result = run_cli("detect", two)
+    assert result.exit_code == 2 and "a W&B panel of 2 runs (a, b)" in result.output

@@ -8,7 +8,9 @@ Formats (a file, or a directory holding one of them):
     *.jsonl                    verl's file logger ({"step": N, "data": {...}} per line), or flat
                                records with a step key (wandb's history stream: _step)
     *.csv                      a wandb history export (run.history().to_csv(): _step, keys...) or
-                               any table with a step column
+                               any table with a step column; a W&B chart's "Export panel data" CSV
+                               (Step, "<run> - <key>", its __MIN/__MAX), or a folder of them (one per
+                               chart), merged on the step
     *.log, *.txt, *.out        console logs: verl's `step:N - key:value - ...` lines and
                                MindSpeed-RL's `iteration: N / M | key : value | ...` lines
 
@@ -157,17 +159,62 @@ def _tensorboard(path: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _csv(path: Path) -> list[dict]:
+_PANEL = re.compile(r"^(.+?) - (.+?)(__MIN|__MAX)?$")
+
+
+def _read_table(path: Path):
     import pandas as pd
 
     try:  # as text: an empty cell stays None (read_run takes a training metric's as a NaN pandas wrote that way)
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
+        return pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
     except (pd.errors.ParserError, UnicodeDecodeError, pd.errors.EmptyDataError) as exc:
         raise SpecError(f"{path}: not a CSV table ({type(exc).__name__})") from None
+
+
+def _panel(frame, path: Path, notes: list[str]):
+    """A W&B chart's panel export (`Step`, `<run> - <key>`, `<run> - <key>__MIN`, `__MAX`) as a table
+    of the one run's keys, or None where the table is not one. Its __MIN/__MAX columns (the range of
+    a downsampled bucket) are left out; a panel of several runs is refused, naming them."""
+    if "Step" not in frame.columns:
+        return None
+    columns = {c: _PANEL.match(str(c)) for c in frame.columns if c != "Step"}
+    if not columns or not all(columns.values()):
+        return None
+    runs = sorted({m.group(1) for m in columns.values()})
+    if len(runs) > 1:
+        raise SpecError(f"{path}: a W&B panel of {len(runs)} runs ({', '.join(runs[:5])}); export the chart with one run shown")
+    kept = {c: m.group(2) for c, m in columns.items() if m.group(3) is None}
+    notes.append(f"{path.name}: a W&B panel export of run {runs[0]!r} ({', '.join(kept.values())}); its __MIN/__MAX columns left out")
+    return frame[["Step", *kept]].rename(columns={"Step": "step", **kept})
+
+
+def _csv(path: Path, notes: list[str] | None = None) -> list[dict]:
+    frame = _read_table(path)
+    panel = _panel(frame, path, notes if notes is not None else [])
+    return _records(frame) if panel is None else _records(panel, empty_is_nan=False)
+
+
+def _panels(paths: list[Path], notes: list[str]) -> list[dict] | None:
+    """A folder of W&B panel exports (one chart each) merged on the step, or None where one is not."""
+    import pandas as pd
+
+    frames = []
+    for path in paths:
+        panel = _panel(_read_table(path), path, notes)
+        if panel is None:
+            return None
+        frames.append(panel.set_index("step"))
+    merged = pd.concat(frames, axis=1)
+    return _records(merged.loc[:, ~merged.columns.duplicated()].reset_index(), empty_is_nan=False)
+
+
+def _records(frame, empty_is_nan: bool = True) -> list[dict]:
+    """Numeric records of a table read as text. An empty cell is None, a NaN written that way (pandas
+    writes NaN as one), or, in a W&B panel export, where the run logged nothing: left out."""
     records = []
-    for rec in frame.to_dict("records"):  # an empty cell stays None: pandas writes NaN as an empty cell
+    for rec in frame.to_dict("records"):
         parsed = {str(k): (_number(v) if isinstance(v, str) else None) for k, v in rec.items()}
-        records.append({k: v for k, v in parsed.items() if v is not None or not isinstance(rec[k], str)})
+        records.append({k: v for k, v in parsed.items() if v is not None or (empty_is_nan and not isinstance(rec[k], str))})
     return records
 
 
@@ -193,6 +240,8 @@ def _locate(path: Path) -> tuple[str, Path]:
     files = [p for p in sorted(path.iterdir()) if p.is_file() and p.suffix.lower() in (".jsonl", ".csv", *TEXT_SUFFIXES)]
     if len(files) == 1:
         return _locate(files[0])
+    if files and all(p.suffix.lower() == ".csv" for p in files):
+        return "csv-folder", path  # W&B panel exports, one chart each (read_run checks they are)
     if not files:
         raise SpecError(f"{path}: no run metrics here (metrics.csv, TensorBoard events, *.jsonl, *.csv or a console log)")
     raise SpecError(f"{path}: {len(files)} candidate metric files ({', '.join(p.name for p in files[:5])}); pass one of them")
@@ -240,7 +289,14 @@ def read_run(path: str | Path) -> Run:
     elif kind == "jsonl":
         records = _jsonl(where, notes)
     elif kind == "csv":
-        records = _csv(where)
+        records = _csv(where, notes)
+    elif kind == "csv-folder":
+        files = sorted(where.glob("*.csv"))
+        records = _panels(files, notes)
+        if records is None:
+            raise SpecError(f"{where}: {len(files)} CSV files ({', '.join(p.name for p in files[:5])}) that are not all W&B panel exports; "
+                            "pass one of them")  # fmt: skip
+        kind = "csv"
     else:
         try:
             text = where.read_text(errors="replace")

@@ -13,6 +13,7 @@ import yaml
 from click.testing import CliRunner
 
 from planner.cli import main
+from planner.runs.trainers import VERL_APPENDED
 
 TRAINERS = ("verl", "mindspeed-rl", "nemo-rl")
 
@@ -93,6 +94,8 @@ def test_every_exported_key_exists_in_the_trainers_config(plans, trainer):
         _, flat = export_plan(load_plan(path), trainer, "/ckpt/proxy", routing_replay=replay)
         if trainer == "mindspeed-rl":
             unknown = sorted(k for k in flat if not mindspeed_knows(k))
+        elif trainer == "verl":  # keys verl passes on to Megatron's configs are new to its own (written +key=value)
+            unknown = sorted(k for k in set(flat) - known if not k.startswith(VERL_APPENDED) and not any(k.startswith(o) for o in known if o.endswith(".")))
         else:
             unknown = sorted(k for k in set(flat) - known if not any(k.startswith(o) for o in known if o.endswith(".")))
         assert not unknown, f"{trainer}: keys not in its config: {unknown}"
@@ -523,3 +526,32 @@ def test_nemo_rl_export_passes_nemo_rls_own_dtype_checks(plans, tmp_path, precis
     out = tmp_path / "nemo.yaml"
     out.write_text(yaml.safe_dump(unflatten(flat)))
     assert job_from("nemo-rl", out)[0].precision == precision
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_uneven_pipeline_stages_round_trip(plans, tmp_path, trainer):
+    """48 layers over 4 stages as 11, 13, 13, 11: Megatron's num_layers_in_first/last_pipeline_stage
+    (verl through +override_transformer_config, NeMo RL's megatron_cfg) or MindSpeed-RL's
+    num_layer_list, read back with the model's layer count from its config.json."""
+    from planner.catalog import load_model_config
+    from planner.runs.trainers import job_from
+
+    proxy = tmp_path / "proxy"
+    proxy.mkdir()
+    (proxy / "config.json").write_text(json.dumps(load_model_config("qwen3-30b-a3b")[1]))
+    data = yaml.safe_load(plans[1].read_text())
+    data["deployment"]["train_layout"] = {"tp": 4, "pp": 4, "ep": 4, "cp": 1, "etp": 1, "pipeline_layers": [11, 13, 13, 11]}
+    path = tmp_path / "stages.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    out = tmp_path / "cfg"
+    result = run_cli("export", path, "--to", trainer, "--model-path", proxy, "-o", out)
+    assert result.exit_code == 0, result.output
+    if trainer == "verl":
+        assert "+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=11" in out.read_text()
+    job, _, _ = job_from(trainer, out)
+    assert job.train_layout.pipeline_layers == (11, 13, 13, 11)
+    data["deployment"]["train_layout"]["pipeline_layers"] = [10, 13, 14, 11]
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    if trainer != "mindspeed-rl":  # MindSpeed-LLM's num_layer_list takes any split; Megatron's first/last keys only an even middle
+        result = run_cli("export", path, "--to", trainer, "--model-path", proxy)
+        assert result.exit_code == 2 and "the stages between must hold as many layers each" in result.output

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
@@ -104,6 +104,42 @@ def _generated_prompts(j) -> int:
     return math.ceil(j.prompts_per_step * j.rollout_oversampling)
 
 
+def _first_last(t) -> tuple[int, int] | None:
+    """(first, last) stage layer counts of an uneven pipeline, as Megatron sets it
+    (num_layers_in_{first,last}_pipeline_stage; the stages between share the rest evenly)."""
+    layers = t.pipeline_layers
+    if not layers:
+        return None
+    if len(set(layers[1:-1])) > 1:
+        raise SpecError(f"train_layout.pipeline_layers {list(layers)}: Megatron sets only the first and the last stage's layers "
+                        "(num_layers_in_first/last_pipeline_stage); the stages between must hold as many layers each")  # fmt: skip
+    return layers[0], layers[-1]
+
+
+def _stage_layers(first: Any, last: Any, pp: int, model_path: Any, notes: list[str]) -> tuple[int, ...] | None:
+    """A job's pipeline_layers from Megatron's num_layers_in_{first,last}_pipeline_stage and the
+    model's layer count (its config.json at the path the config names), or None with a note."""
+    if first is None and last is None:
+        return None
+    from planner.catalog import load_model_config
+
+    try:
+        config = load_model_config(str(model_path))[1]
+        total = int(config.get("text_config", config)["num_hidden_layers"])
+    except (PlannerError, KeyError, TypeError, ValueError):
+        notes.append(f"num_layers_in_first/last_pipeline_stage {first}/{last}: the model's layer count is not readable at {model_path}, "
+                     "so the job's train_layout.pipeline_layers is left out (set it: layers per stage)")  # fmt: skip
+        return None
+    ends = [x for x in (first, last) if x is not None]
+    middle = pp - len(ends)
+    rest = total - sum(ends)
+    if middle < 0 or rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+        raise SpecError(f"num_layers_in_first/last_pipeline_stage {first}/{last} with {total} layers over {pp} stages: the stages between "
+                        "cannot share the rest evenly")  # fmt: skip
+    each = rest // middle if middle else 0
+    return tuple(([first] if first is not None else []) + [each] * middle + ([last] if last is not None else []))
+
+
 # ---- the tables: key -> value from a Deployment ------------------------------------------------------
 
 VERL_VERSIONS = ("0.6", "0.7", "0.8", "0.9")  # the verl releases whose Megatron trainer config the export writes
@@ -169,6 +205,9 @@ def _verl(d: Deployment, replay: bool, version: str | None = None) -> dict[str, 
     # the reference model in the actor's layout: verl 0.7 and later inherit it, 0.6 defaults its own to 1
     for key in ("tensor_model", "pipeline_model", "expert_model", "expert_tensor", "context"):
         out[f"actor_rollout_ref.ref.megatron.{key}_parallel_size"] = out[f"{mega}.{key}_parallel_size"]
+    if (stages := _first_last(t)) is not None:  # Megatron's TransformerConfig fields, new to verl's mapping (written with +)
+        for stage, count in zip(("first", "last"), stages):
+            out[f"{mega}.override_transformer_config.num_layers_in_{stage}_pipeline_stage"] = count
     # the reference and the rollout in the actor's precision (each has its own key, bf16 by default)
     out["actor_rollout_ref.ref.megatron.dtype"] = out["actor_rollout_ref.rollout.dtype"] = _DTYPE[j.precision]
     if _dynamic_sampling(j):
@@ -323,6 +362,8 @@ def _nemo(d: Deployment, replay: bool) -> dict[str, Any]:
         "policy.megatron_cfg.expert_tensor_parallel_size": t.etp if t.etp is not None else t.tp,
         "policy.megatron_cfg.expert_model_parallel_size": t.ep,
         "policy.megatron_cfg.sequence_parallel": t.tp > 1,
+        **({f"policy.megatron_cfg.num_layers_in_{stage}_pipeline_stage": count for stage, count in zip(("first", "last"), _first_last(t))}
+           if t.pipeline_layers else {}),
         "policy.megatron_cfg.optimizer.optimizer_cpu_offload": j.optimizer_offload_fraction > 0,
         "policy.megatron_cfg.optimizer.optimizer_offload_fraction": j.optimizer_offload_fraction,
         "policy.generation.vllm_cfg.tensor_parallel_size": r.tp,
@@ -397,7 +438,7 @@ def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = F
                          "rollout's log-probs as the old policy instead, which changes the ratio a rollout mismatch acts on)")  # fmt: skip
         lines.append("# launch: python -m verl.trainer.main_ppo --config-name ppo_megatron_trainer $(grep -v '^#' THIS_FILE)")
         # keys inside a mapping verl's config leaves open are new to Hydra: `+key=value`
-        lines += [f"{'+' if k.startswith(_VERL_OPTIM + '.') else ''}{k}={_hydra(v)}" for k, v in flat.items()]
+        lines += [f"{'+' if k.startswith(VERL_APPENDED) else ''}{k}={_hydra(v)}" for k, v in flat.items()]
         return "\n".join(lines) + "\n", flat
     if trainer == "mindspeed-rl":
         head += ["merge into a MindSpeed-RL config of the same stage (configs/grpo_*.yaml, dapo_*.yaml): MindSpeed-RL refuses keys it "
@@ -661,10 +702,10 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         cards = n("trainer.n_gpus_per_node") * n("trainer.nnodes")
         # verl recomputes the old log-probs unless bypass mode takes the rollout's (verl >= 0.7)
         kw["skip_old_logprob"] = bool(f.get("algorithm.rollout_correction.bypass_mode", False))
-        for stage in ("first", "last"):
-            if f.get(f"{mega}.override_transformer_config.num_layers_in_{stage}_pipeline_stage") is not None:
-                notes.append(f"num_layers_in_{stage}_pipeline_stage is set: put the layers per stage in the job's train_layout.pipeline_layers "
-                             "(it needs the model's layer count)")  # fmt: skip
+        stages = _stage_layers(*(f.get(f"{mega}.override_transformer_config.num_layers_in_{s}_pipeline_stage") for s in ("first", "last")),
+                               kw["train_layout"].pp, f.get("actor_rollout_ref.model.path"), notes)  # fmt: skip
+        if stages is not None:
+            kw["train_layout"] = replace(kw["train_layout"], pipeline_layers=stages)
     elif trainer == "mindspeed-rl":
         kw, cards = _mindspeed_job(f, n, lengths, notes)
     else:
@@ -694,6 +735,10 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
             multiplier = f.get("grpo.batch_multiplier", 1)
             kw.update(algorithm="dapo", **_oversampling(prompts * multiplier if isinstance(multiplier, (int, float)) else None, prompts,
                                                          "grpo.batch_multiplier", notes))  # fmt: skip
+        stages = _stage_layers(f.get(f"{mega}.num_layers_in_first_pipeline_stage"), f.get(f"{mega}.num_layers_in_last_pipeline_stage"),
+                               kw["train_layout"].pp, f.get("policy.model_name"), notes)  # fmt: skip
+        if stages is not None:
+            kw["train_layout"] = replace(kw["train_layout"], pipeline_layers=stages)
         cards = n("cluster.gpus_per_node") * n("cluster.num_nodes")
     updates = kw.get("ppo_epochs", 1) * kw["mini_batches"]
     if "skip_old_logprob" not in kw:
@@ -749,8 +794,13 @@ def _mindspeed_job(f: dict, n: Callable, lengths: Callable, notes: list[str]) ->
         sampling = _oversampling(generated, prompts, "megatron_training.global_batch_size", notes)
     tp, ep = n(f"{a}.tensor_model_parallel_size"), n(f"{a}.expert_model_parallel_size")
     extend = bool(f.get(f"{a}.moe_tp_extend_ep"))
+    stages = f.get(f"{a}.num_layer_list")  # uneven pipeline stages, "a,b,c" (MindSpeed-LLM's --num-layer-list)
+    try:
+        stages = tuple(int(x) for x in str(stages).split(",")) if stages not in (None, "") else None
+    except ValueError:
+        raise SpecError(f"actor_config.num_layer_list {stages!r}: layer counts per stage, comma-separated") from None
     train = TrainLayout(tp=tp, pp=n(f"{a}.pipeline_model_parallel_size"), ep=ep * tp if extend else ep, cp=n(f"{a}.context_parallel_size"),
-                        etp=1 if extend else None)  # fmt: skip
+                        etp=1 if extend else None, pipeline_layers=stages)  # fmt: skip
     if extend and tp > 1:
         notes.append(f"moe_tp_extend_ep: expert parallelism is TP x EP = {tp} x {ep} = {train.ep}, each expert whole on its rank")
     infer_tp, infer_ep = n(f"{g}.infer_tensor_parallel_size"), n(f"{g}.infer_expert_parallel_size")
@@ -795,6 +845,8 @@ _VERL_DEFAULTED = ["algorithm.adv_estimator", f"{_VERL_MEGA}.param_offload", f"{
                    "actor_rollout_ref.actor.use_dynamic_bsz", "algorithm.rollout_correction.bypass_mode", "actor_rollout_ref.rollout.enforce_eager",
                    "actor_rollout_ref.rollout.max_num_seqs"]  # fmt: skip
 _VERL_OPTIM = "actor_rollout_ref.actor.optim.override_optimizer_config"  # verl passes it to Megatron's OptimizerConfig
+# keys new to verl's config, passed through its override mappings to Megatron's configs: Hydra wants `+key=value`
+VERL_APPENDED = (f"{_VERL_OPTIM}.", f"{_VERL_MEGA}.override_transformer_config.num_layers_in_")
 _REQUIRED = {  # what job_from reads without a default
     "verl": ["data.train_batch_size", "data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.n",
              "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.gpu_memory_utilization",

@@ -275,7 +275,7 @@ NEMO_CONFIGS = Path(__file__).parent / "data" / "nemo-rl" / "examples" / "config
     ("recipes/llm/grpo-qwen3-30ba3b-8n8g-megatron-cp2-r3.yaml", dict(prompts=16, samples=8, mini=1, tp=4, pp=2, ep=4, cp=2, cards=64,
                                                                       rollout=(4, 4), recompute="none")),
 ])  # fmt: skip
-def test_job_from_nemo_rl_follows_its_defaults_inheritance(config, expect):
+def test_job_from_nemo_rl_follows_its_defaults_inheritance(config, expect, tmp_path):
     """Each config inherits most of its keys (cluster, parallel sizes, activation checkpointing) from the
     files its `defaults:` names, as NeMo RL's own loader merges them; the values expected here are read
     off the files by hand."""
@@ -287,6 +287,12 @@ def test_job_from_nemo_rl_follows_its_defaults_inheritance(config, expect):
                rollout=(job.rollout_layout.tp, job.rollout_layout.ep), recompute=job.recompute)  # fmt: skip
     assert got == expect
     assert any("inherits from" in n for n in notes)
+    # planner cost takes the job at the config's own device count (NeMo RL's recipes run on H100s)
+    out = tmp_path / "job.yaml"
+    assert run_cli("job", "--from", "nemo-rl", NEMO_CONFIGS / config, "-o", out).exit_code == 0
+    model = "deepseek-v3" if "dsv3" in config else "qwen3-30b-a3b"
+    result = run_cli("cost", model, "--hardware", "h100-sxm", "--cards", cards, "--job", out, "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["feasible"], result.output[-400:]
 
 
 def test_nemo_rl_inheritance_override_marker_and_a_missing_parent(tmp_path):

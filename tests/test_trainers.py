@@ -120,8 +120,8 @@ def test_job_from_reads_the_export_back(plans, trainer, tmp_path):
             same += ["offload", "recompute", "micro_tokens"]
         if trainer != "mindspeed-rl":  # Megatron's hybrid CPU optimizer (MindSpeed-RL swaps the optimizer instead)
             same += ["optimizer_offload_fraction"]
-        if trainer == "verl":  # vLLM's enforce_eager and max_num_seqs, as verl's rollout config names them
-            same += ["rollout_graphs", "rollout_max_seqs"]
+        same += ["rollout_graphs", "rollout_max_seqs", "algorithm"]  # vLLM's enforce_eager and max_num_seqs, in each trainer's words
+        if trainer == "verl":
             assert got.prompt_tokens.max == want.prompt_tokens.max and got.response_tokens.max == want.response_tokens.max
         assert {k: getattr(got, k) for k in same} == {k: getattr(want, k) for k in same}, trainer
         assert f"# from {trainer} config" in (tmp_path / "job.yaml").read_text() and f"{d['num_cards']} devices" in result.output

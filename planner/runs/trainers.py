@@ -367,11 +367,17 @@ def _nemo(d: Deployment, replay: bool) -> dict[str, Any]:
         "policy.megatron_cfg.optimizer.optimizer_cpu_offload": j.optimizer_offload_fraction > 0,
         "policy.megatron_cfg.optimizer.optimizer_offload_fraction": j.optimizer_offload_fraction,
         "policy.generation.vllm_cfg.tensor_parallel_size": r.tp,
-        "policy.generation.vllm_cfg.expert_parallel_size": r.ep,
+        "policy.generation.vllm_cfg.expert_parallel_size": r.ep,  # vLLM's EP = DP x TP: NeMo RL's DP follows from it
         "policy.generation.vllm_cfg.gpu_memory_utilization": j.rollout_memory_utilization,
+        "policy.generation.vllm_cfg.enforce_eager": not j.rollout_graphs,
         "cluster.gpus_per_node": d.gpus_per_node,
         "cluster.num_nodes": d.nodes,
     }
+    if r.ep == 1 and r.dp != 1:
+        raise SpecError(f"NeMo RL's vLLM runs data-parallel ranks only with expert parallelism (its EP = DP x TP); this plan's rollout is "
+                        f"{r.describe()}")  # fmt: skip
+    if j.rollout_max_seqs:  # passed to vLLM's engine arguments as they are
+        out["policy.generation.vllm_kwargs.max_num_seqs"] = j.rollout_max_seqs
     if _dynamic_sampling(j):  # DAPO: batch_multiplier x the step's prompts generated per round
         out.update({"grpo.use_dynamic_sampling": True, "grpo.batch_multiplier": math.ceil(j.rollout_oversampling)})
     return out
@@ -729,8 +735,13 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
                   train_layout=TrainLayout(tp=n(f"{mega}.tensor_model_parallel_size"), pp=n(f"{mega}.pipeline_model_parallel_size"),
                                            ep=n(f"{mega}.expert_model_parallel_size"), cp=int(f.get(f"{mega}.context_parallel_size", 1)),
                                            etp=f.get(f"{mega}.expert_tensor_parallel_size")),
-                  rollout_layout=RolloutLayout(tp=n("policy.generation.vllm_cfg.tensor_parallel_size"), dp=1,
-                                               ep=int(f.get("policy.generation.vllm_cfg.expert_parallel_size", 1))))  # fmt: skip
+                  rollout_layout=_nemo_rollout(n("policy.generation.vllm_cfg.tensor_parallel_size"),
+                                               int(f.get("policy.generation.vllm_cfg.expert_parallel_size", 1))))  # fmt: skip
+        if f.get("policy.generation.vllm_cfg.enforce_eager") is not None:
+            kw["rollout_graphs"] = not f["policy.generation.vllm_cfg.enforce_eager"]
+        if f.get("policy.generation.vllm_kwargs.max_num_seqs") is not None:
+            seqs = n("policy.generation.vllm_kwargs.max_num_seqs")
+            kw["rollout_max_seqs"] = None if seqs >= prompts * samples else seqs
         if f.get("grpo.use_dynamic_sampling"):  # DAPO: batch_multiplier x the step's prompts per generation round
             multiplier = f.get("grpo.batch_multiplier", 1)
             kw.update(algorithm="dapo", **_oversampling(prompts * multiplier if isinstance(multiplier, (int, float)) else None, prompts,
@@ -747,6 +758,16 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         notes.append(f"bypass mode with {updates} optimizer steps per RL step: the cost model keeps the old log-prob pass for off-policy updates")
         kw["skip_old_logprob"] = False
     return Job(**kw), cards, notes
+
+
+def _nemo_rollout(tp: int, ep: int):
+    """NeMo RL's vLLM layout: with expert parallelism its EP is DP x TP (EP a multiple of TP)."""
+    from planner.specs import RolloutLayout
+
+    if ep > 1 and ep % tp:
+        raise SpecError(f"policy.generation.vllm_cfg.expert_parallel_size {ep} is not a multiple of tensor_parallel_size {tp} "
+                        "(NeMo RL's vLLM EP = DP x TP)")  # fmt: skip
+    return RolloutLayout(tp=tp, dp=ep // tp if ep > 1 else 1, ep=ep)
 
 
 def _oversampling(generated: Any, prompts: int, key: str, notes: list[str]) -> dict[str, float]:

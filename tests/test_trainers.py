@@ -116,8 +116,9 @@ def test_job_from_reads_the_export_back(plans, trainer, tmp_path):
         want, d = Job.from_dict(plan.deployment["job"]), plan.deployment
         assert got.train_layout == TrainLayout.from_dict(d["train_layout"]) and got.rollout_layout == RolloutLayout.from_dict(d["rollout_layout"])
         same = ["prompts_per_step", "samples_per_prompt", "precision", "mini_batches", "ppo_epochs", "rollout_memory_utilization", "max_sequence_tokens"]
+        same += ["recompute"]
         if trainer != "nemo-rl":  # NeMo RL keeps one total length and only the optimizer offload
-            same += ["offload", "recompute", "micro_tokens"]
+            same += ["offload", "micro_tokens"]
         if trainer != "mindspeed-rl":  # Megatron's hybrid CPU optimizer (MindSpeed-RL swaps the optimizer instead)
             same += ["optimizer_offload_fraction"]
         same += ["rollout_graphs", "rollout_max_seqs", "algorithm"]  # vLLM's enforce_eager and max_num_seqs, in each trainer's words

@@ -362,6 +362,9 @@ def _nemo(d: Deployment, replay: bool) -> dict[str, Any]:
         "policy.megatron_cfg.expert_tensor_parallel_size": t.etp if t.etp is not None else t.tp,
         "policy.megatron_cfg.expert_model_parallel_size": t.ep,
         "policy.megatron_cfg.sequence_parallel": t.tp > 1,
+        "policy.megatron_cfg.activation_checkpointing": j.recompute != "none",
+        "policy.megatron_cfg.recompute_granularity": _RECOMPUTE[j.recompute] or "full",
+        "policy.megatron_cfg.recompute_modules": _MODULES.get(j.recompute),
         **({f"policy.megatron_cfg.num_layers_in_{stage}_pipeline_stage": count for stage, count in zip(("first", "last"), _first_last(t))}
            if t.pipeline_layers else {}),
         "policy.megatron_cfg.optimizer.optimizer_cpu_offload": j.optimizer_offload_fraction > 0,
@@ -726,7 +729,7 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         mega = "policy.megatron_cfg"
         f = _resolve(f)
         kw = dict(prompts_per_step=prompts, samples_per_prompt=samples, **lengths(prompt_max, total - prompt_max),
-                  recompute="full" if f.get(f"{mega}.activation_checkpointing") else "none",
+                  recompute=_nemo_recompute(f, mega),
                   precision=precision.get(f.get("policy.precision", "bfloat16"), "bf16"),
                   optimizer_offload_fraction=float(f.get(f"{mega}.optimizer.optimizer_offload_fraction", 1.0))
                   if f.get(f"{mega}.optimizer.optimizer_cpu_offload") else 0.0,
@@ -758,6 +761,16 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         notes.append(f"bypass mode with {updates} optimizer steps per RL step: the cost model keeps the old log-prob pass for off-policy updates")
         kw["skip_old_logprob"] = False
     return Job(**kw), cards, notes
+
+
+def _nemo_recompute(f: dict, mega: str) -> str:
+    """NeMo RL's activation checkpointing as the job's recompute: its granularity (full by default),
+    selective with Megatron's `moe` module as moe."""
+    if not f.get(f"{mega}.activation_checkpointing"):
+        return "none"
+    granularity = f.get(f"{mega}.recompute_granularity") or "full"
+    modules = f.get(f"{mega}.recompute_modules")
+    return "moe" if granularity == "selective" and isinstance(modules, list) and "moe" in modules else granularity
 
 
 def _nemo_rollout(tp: int, ep: int):

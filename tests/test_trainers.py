@@ -562,3 +562,70 @@ def test_uneven_pipeline_stages_round_trip(plans, tmp_path, trainer):
     if trainer != "mindspeed-rl":  # MindSpeed-LLM's num_layer_list takes any split; Megatron's first/last keys only an even middle
         result = run_cli("export", path, "--to", trainer, "--model-path", proxy)
         assert result.exit_code == 2 and "the stages between must hold as many layers each" in result.output
+
+
+def _verl_config_dirs(tmp_path) -> dict[str, Path]:
+    """The trainer config folder of every verl release at hand (the installed package's, and each
+    older wheel's extracted from its zip), as verl's own Hydra entry point loads it."""
+    import zipfile
+
+    from planner.runs.trainers import verl_defaults
+
+    out = {}
+    shipped = verl_defaults()
+    spec = importlib.util.find_spec("verl")
+    if shipped and spec is not None:
+        out[".".join(shipped[1].split(".")[:2])] = Path(spec.origin).parent / "trainer" / "config"
+    for wheel in sorted((Path(__file__).resolve().parents[1] / ".venv" / "verl-wheels").glob("verl-*.whl")):
+        release = ".".join(wheel.name.split("-")[1].split(".")[:2])
+        with zipfile.ZipFile(wheel) as z:
+            for name in z.namelist():
+                if name.startswith("verl/trainer/config/") and name.endswith(".yaml"):
+                    z.extract(name, tmp_path / release)
+        out[release] = tmp_path / release / "verl" / "trainer" / "config"
+    return out
+
+
+@pytest.mark.parametrize("variant", ["plan", "wide", "dapo-stages"])
+def test_each_verl_export_composes_with_that_releases_hydra_config(plans, tmp_path, variant):
+    """The export's override lines, as `main_ppo --config-name ppo_megatron_trainer` takes them,
+    composed by Hydra itself over each release's shipped config folder (struct mode: a key the release
+    does not have is refused unless written +key) and resolved; the composed values are the plan's."""
+    pytest.importorskip("hydra", reason="hydra-core (the test extra) composes verl's configs")
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from planner.plan import load_plan
+    from planner.runs.trainers import export_plan
+
+    dirs = _verl_config_dirs(tmp_path)
+    if len(dirs) < 3:
+        pytest.skip(f"verl configs at hand: {sorted(dirs)}; make downloads 0.6.1 and 0.7.1")
+    path = plans[0] if variant == "plan" else plans[1]
+    if variant == "dapo-stages":
+        data = yaml.safe_load(plans[1].read_text())
+        data["deployment"]["train_layout"] = {"tp": 4, "pp": 4, "ep": 4, "cp": 1, "etp": 1, "pipeline_layers": [11, 13, 13, 11]}
+        data["deployment"]["job"].update(algorithm="dapo", rollout_oversampling=2.0, precision="fp16")
+        path = tmp_path / "dapo.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+    plan = load_plan(path)
+    for release, folder in dirs.items():
+        if variant == "dapo-stages" and release != "0.9":
+            continue  # DAPO is refused before 0.9 (tested above)
+        text, flat = export_plan(plan, "verl", "/ckpt/proxy", routing_replay=release != "0.6", version=release)
+        overrides = [line for line in text.splitlines() if line and not line.startswith("#")]
+        with initialize_config_dir(config_dir=str(folder), version_base=None):
+            cfg = compose(config_name="ppo_megatron_trainer", overrides=overrides)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        actor = resolved["actor_rollout_ref"]["actor"]["megatron"]
+        layout = plan.deployment["train_layout"]
+        assert (actor["tensor_model_parallel_size"], actor["pipeline_model_parallel_size"], actor["expert_model_parallel_size"]) == (
+            layout["tp"], layout["pp"], layout["ep"]), release
+        assert resolved["actor_rollout_ref"]["ref"]["megatron"]["pipeline_model_parallel_size"] == layout["pp"]
+        assert resolved["data"]["train_batch_size"] == plan.deployment["job"]["prompts_per_step"]
+        if variant == "dapo-stages":
+            assert resolved["algorithm"]["filter_groups"]["enable"] and resolved["data"]["gen_batch_size"] == 1024
+            assert actor["override_transformer_config"]["num_layers_in_first_pipeline_stage"] == 11
+            assert actor["dtype"] == resolved["actor_rollout_ref"]["rollout"]["dtype"] == "float16"
+        with pytest.raises(Exception, match="bogus"), initialize_config_dir(config_dir=str(folder), version_base=None):
+            compose(config_name="ppo_megatron_trainer", overrides=[*overrides, "actor_rollout_ref.actor.bogus=1"])

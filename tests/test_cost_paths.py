@@ -121,3 +121,41 @@ def test_lengths_of_a_job_reach_the_kv_count():
     """A job's max prompt + response is the cache a sequence can reach (256 + 3072 by default)."""
     assert Job().max_sequence_tokens == 256 + 3072
     assert replace(Job(), response_tokens=Lengths(mean=100, max=1000)).max_sequence_tokens == 256 + 1000
+
+
+def test_context_parallel_ring_passes_are_the_hand_count():
+    """Qwen3-235B-A22B (4 KV heads of 128: K and V 1,024 wide per token), 32,768-token micro-batches
+    on 128 Atlas A3 dies as TP4 PP4 EP32 CP4, no recompute: per attention layer of a stage (24 of
+    94 layers) each rank passes 32768 / 4 tokens x 1024 / 4 x 2 bytes x 3 hops forward, twice that
+    backward, over the 16-die scale-up links; CP1 passes nothing."""
+    from planner.cost.layouts import TrainCandidates
+    from planner.specs import TrainLayout
+
+    arch, accel = _arch("qwen3-235b-a22b"), load_accelerator("atlas-a3")
+    job = Job(prompts_per_step=64, samples_per_prompt=16, prompt_tokens=Lengths(mean=512, max=2048),
+              response_tokens=Lengths(mean=8192, max=30720), micro_batch_tokens=32768, recompute="none")  # fmt: skip
+    model = CostModel(arch, accel, job)
+    cand = TrainCandidates.of([(128, 4, 4, 32, 4, 1), (128, 4, 4, 32, 1, 1)])
+    te = model.train(cand)
+    g, mb = model._grid(cand), model._micro_batches(model._grid(cand))
+    hop = 32768 / 4 * 1024 / 4 * 2.0
+    per_pass = mb.micro_all[0] * 24 * hop * 3 / accel.link_bytes_per_s(16)
+    assert te.update_cp_s[0] == pytest.approx(3 * per_pass, rel=1e-9) and te.update_cp_s[1] == 0.0
+    assert g.layers_stage[0] == 24 and float(accel.link_bytes_per_s(16)) == accel.intra_node_bytes_per_s
+
+
+def test_the_search_tries_context_parallelism_where_a_micro_batch_is_long():
+    """CP is searched while each rank keeps at least 4,096 tokens of a micro-batch, up to 8: the
+    default job (3,328-token micro-batches) stays at CP1; the published Qwen3-235B 32K GRPO run
+    (34,816-token micro-batches) fits on no more than its published 128 Atlas A3 dies with CP, and
+    on none of that size without it (where the search had stopped before: 768 dies)."""
+    from planner.cost.evaluate import _max_cp, min_devices
+    from planner.cost.fit import load_runs
+
+    assert _max_cp(Job()) == 1 and _max_cp(Job(micro_batch_tokens=8192)) == 2 and _max_cp(Job(micro_batch_tokens=34816)) == 8
+    run = next(r for r in load_runs() if r.id == "qwen3-235b-a3-32k")
+    job = replace(run.job, train_layout=None, rollout_layout=None)
+    arch, accel = _arch(run.model), load_accelerator(run.hardware)
+    found = min_devices(arch, accel, job)
+    assert found.feasible and found.num_devices <= run.devices and found.train_layout.cp > 1
+    assert evaluate(arch, accel, replace(job, train_layout=replace(found.train_layout, cp=1)), found.num_devices).feasible is False

@@ -138,6 +138,21 @@ def _max_tp(accel: Accelerator) -> int:
     return min(accel.devices_per_node, 16)
 
 
+# Context parallelism splits each packed micro-batch of micro_batch_tokens over CP ranks; the search
+# tries CP up to MAX_SEARCH_CP while every rank keeps at least CP_MIN_TOKENS of it (below that the
+# ring's K/V passes outweigh the attention they overlap, and Megatron's zig-zag split wants 2 x CP
+# chunks of a sequence), so jobs of a few thousand tokens per micro-batch search CP 1 only
+MAX_SEARCH_CP = 8
+CP_MIN_TOKENS = 4096
+
+
+def _max_cp(job: Job) -> int:
+    cp = 1
+    while cp * 2 <= MAX_SEARCH_CP and job.micro_tokens / (cp * 2) >= CP_MIN_TOKENS:
+        cp *= 2
+    return cp
+
+
 class _Evaluator:
     def __init__(self, arch: Architecture, accel: Accelerator, job: Job, knobs: Knobs | None, memory_margin: float = DEFAULT_MEMORY_MARGIN):
         if not job.colocated:
@@ -156,7 +171,7 @@ class _Evaluator:
         if self.job.train_layout is not None:
             check_train_layout(self.arch, devices, self.job.train_layout)
             return TrainCandidates.single(devices, self.job.train_layout)
-        return enumerate_train(self.arch, devices, max_tp=_max_tp(self.accel))
+        return enumerate_train(self.arch, devices, max_tp=_max_tp(self.accel), max_cp=_max_cp(self.job))
 
     def rollout_candidates(self, devices: int) -> RolloutCandidates:
         if self.job.rollout_layout is not None:
@@ -303,6 +318,7 @@ class _Evaluator:
             ("update", "pipeline bubble", u(te.update_bubble_s), f"compute x (pp - 1) / {f(te.micro_batches):.0f} micro-batches, pp {lay.pp}"),
             ("update", "expert all-to-all", u(te.update_a2a_s), f"ep {lay.ep}; a2a_efficiency {kn.a2a_efficiency:.3f}"),
             ("update", "tensor-parallel collectives", u(te.update_tp_s), f"tp {lay.tp}"),
+            ("update", "context-parallel ring (K/V passes)", u(te.update_cp_s), f"cp {lay.cp}"),
             ("update", "gradient sync (data parallel)", u(te.update_sync_s), "reduce-scatter and all-gather once per optimizer step"),
             ("update", "expert-TP gather", u(te.update_etp_s), f"etp {lay.etp}: tokens all-gathered and reduce-scattered over the expert-TP group"),
             ("update", "optimizer swap", u(te.update_swap_s), "host link, optimizer_swap" if job.optimizer_swap else "no swap"),

@@ -84,6 +84,7 @@ class TrainEval:
     update_swap_s: np.ndarray
     update_host_adam_s: np.ndarray  # optimizer_offload_fraction: the host's Adam step and its transfers
     update_etp_s: np.ndarray  # the dispatcher's all-gather / reduce-scatter over the expert-TP group
+    update_cp_s: np.ndarray  # context parallelism: ring attention's K/V passes over the CP group
     expert_gemm_flops: np.ndarray  # one expert GEMM per micro-batch on one rank
     expert_gemm_efficiency: np.ndarray
     compute_slowdown: np.ndarray  # experts (imbalance, GEMM size) and the busiest pipeline stage
@@ -395,11 +396,12 @@ class CostModel:
         comp = self._compute_times(g, slow.slow, rc)
         bubble, fwd_bubble = self._pipeline_bubble(g, mb, comp.update), self._pipeline_bubble(g, mb, comp.forward)
         a2a, etp, tp = self._ep_all_to_all(g, mb, rc), self._expert_tp_comm(g, mb, rc), self._tp_comm(g, mb, rc)
+        cp = self._cp_comm(g, mb, rc)
         sync = self._dp_sync(g, st, mem.peak_idx)
         swap = self._optimizer_swap(host.swapped)
         host_adam = self._host_adam(g, st, mem.peak_idx)
-        update = (comp.update + bubble + a2a.update + etp.update + tp.update + sync + swap + host_adam) * models
-        logprob = comp.forward + fwd_bubble + a2a.per_pass + etp.per_pass + tp.per_pass
+        update = (comp.update + bubble + a2a.update + etp.update + tp.update + cp.update + sync + swap + host_adam) * models
+        logprob = comp.forward + fwd_bubble + a2a.per_pass + etp.per_pass + tp.per_pass + cp.per_pass
         zeros = np.zeros(g.n)
         dispatch = job.dispatch  # as the job gives it: data reaching every rank before a pass starts
         peak = mem.peak_idx
@@ -429,6 +431,7 @@ class CostModel:
             update_swap_s=swap * np.ones(g.n),
             update_host_adam_s=host_adam,
             update_etp_s=etp.update,
+            update_cp_s=cp.update,
             expert_gemm_flops=slow.gemm,
             expert_gemm_efficiency=slow.gemm_eff,
             compute_slowdown=slow.slow,
@@ -685,6 +688,23 @@ class CostModel:
         tp_bytes = job.micro_tokens / g.cp * arch.hidden_size * job.activation_bytes * (tp - 1) / tp
         tp_pass = mb.micro_all * g.layers_stage * 4 * tp_bytes / self.accel.link_bytes_per_s(tp)
         return _PassComm(per_pass=tp_pass, update=job.ppo_epochs * tp_pass * (2.0 + rc.tp))
+
+    def _cp_comm(self, g: _Grid, mb: _Micro, rc: _Recompute) -> _PassComm:
+        """Context parallelism as Megatron-Core runs it (ring attention over the CP group, zig-zag
+        chunks): in every attention layer each CP rank passes its K and V chunk CP - 1 hops round
+        the ring in the forward, and K, V and their gradients in the backward:
+          bytes     = micro_tokens / CP x (K + V width) / TP x activation bytes x (CP - 1)
+          per pass  = micro-batches per epoch x layers x bytes / link bandwidth(TP x CP)
+          update    = epochs x per pass x (3 + recomputed forward under full recompute)
+        (the backward moves twice the forward's bytes; TP splits the heads, so each TP rank passes
+        its own heads' share). MLA attends over every head's full K and V (num_kv_heads = heads)."""
+        arch, job = self.arch, self.job
+        att = arch.attention
+        cp, tp = g.cp, g.tp
+        kv_width = att.kv_width + att.num_kv_heads * att.v_dim
+        cp_bytes = job.micro_tokens / cp * kv_width / tp * job.activation_bytes * (cp - 1)
+        per_pass = np.where(cp > 1, mb.micro_all * g.layers_stage * cp_bytes / self.accel.link_bytes_per_s(tp * cp), 0.0)
+        return _PassComm(per_pass=per_pass, update=job.ppo_epochs * per_pass * (3.0 + rc.tp))
 
     def _dp_sync(self, g: _Grid, st: _States, peak_idx: np.ndarray) -> np.ndarray:
         """DP gradient reduce-scatter and parameter all-gather (distributed optimizer), once per

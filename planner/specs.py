@@ -182,7 +182,12 @@ _JOB_DOC = {
     "response_tokens": "{mean, max[, shape]}: response lengths; gamma-shaped, truncated at max",
     "precision": "bf16 | fp16 | fp32 (training compute and weights)",
     "recompute": "none | selective | moe | full (activation recomputation in the update; moe: each MoE layer rebuilt from its input in backward)",
-    "colocated": "actor, reference and rollout share the devices (time-shared); false is not modelled yet",
+    "colocated": "actor, reference and rollout share the devices (time-shared; default true); false puts the rollout on a pool "
+    "of its own (rollout_devices) and training on the rest, the trained weights sent across each step",
+    "rollout_devices": "with colocated: false, the rollout pool's devices (the rest train); searched when absent",
+    "max_staleness": "with colocated: false, steps the rollout may run ahead of training (default 0: on-policy, the pools "
+    "take turns; k >= 1: generation of step t + k overlaps training of step t, each batch trained k steps after the "
+    "weights that generated it)",
     "offload": "{params, grads, optimizer}: moved to host while another phase runs",
     "reference_model": "a frozen reference model for the KL term (one forward pass per step)",
     "skip_old_logprob": "on-policy: the old log-prob pass is skipped (equals the detached current)",
@@ -252,6 +257,8 @@ class Job:
     dispatch_s: tuple[tuple[str, float], ...] = ()  # (pass, seconds) pairs; a mapping in YAML
     rollout_oversampling: float = 1.0
     rollout_max_seqs: int | None = None
+    rollout_devices: int | None = None
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         _choice(self.algorithm, ("grpo", "ppo", "dapo"), "algorithm")
@@ -286,6 +293,12 @@ class Job:
             _int(self.rollout_max_seqs, "rollout_max_seqs")
         if self.logprob_padded_seqs is not None:
             _int(self.logprob_padded_seqs, "logprob_padded_seqs")
+        if self.rollout_devices is not None:
+            _int(self.rollout_devices, "rollout_devices")
+        _int(self.max_staleness, "max_staleness", minimum=0)
+        if self.colocated and (self.rollout_devices is not None or self.max_staleness):
+            raise SpecError(f"rollout_devices and max_staleness describe separate pools: set colocated: false with them "
+                            f"(got rollout_devices {self.rollout_devices}, max_staleness {self.max_staleness})")  # fmt: skip
         if self.mini_batches > self.num_sequences:
             raise SpecError(f"mini_batches={self.mini_batches} exceeds the {self.num_sequences} sequences per step")
         updates = self.ppo_epochs * self.mini_batches
@@ -369,7 +382,9 @@ class Job:
                 kw[key] = _bool(value, at)
             elif key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "mini_batches"):
                 kw[key] = _int(value, at)
-            elif key in ("micro_batch_tokens", "rollout_max_seqs", "logprob_padded_seqs"):
+            elif key == "max_staleness":
+                kw[key] = _int(value, at, minimum=0)
+            elif key in ("micro_batch_tokens", "rollout_max_seqs", "logprob_padded_seqs", "rollout_devices"):
                 kw[key] = None if value is None else _int(value, at)
             elif key in ("rollout_memory_utilization", "expert_imbalance", "reward_s", "rollout_oversampling", "optimizer_offload_fraction"):
                 kw[key] = _num(value, at)

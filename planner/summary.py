@@ -76,11 +76,17 @@ def render_cost(r: CostResult) -> str:
         lines.append("INFEASIBLE")
         lines.extend(f"  - {reason}" for reason in r.reasons)
         return "\n".join(lines)
-    lines.append(f"  train layout    {r.train_layout.describe()}")
-    instances = r.num_devices // (r.rollout_layout.tp * r.rollout_layout.dp)
-    lines.append(f"  rollout layout  {r.rollout_layout.describe()} ({instances} instance{'s' if instances > 1 else ''})")
+    pools = r.pools or {}
+    train_on = f" on {pools['train_devices']} {unit}s" if pools else ""
+    rollout_devices = pools.get("rollout_devices", r.num_devices)
+    lines.append(f"  train layout    {r.train_layout.describe()}{train_on}")
+    instances = rollout_devices // (r.rollout_layout.tp * r.rollout_layout.dp)
+    lines.append(f"  rollout layout  {r.rollout_layout.describe()} ({instances} instance{'s' if instances > 1 else ''}"
+                 + (f" on {rollout_devices} {unit}s)" if pools else ")"))
     lines.append("")
     phase_rows = [[p, f"{t:,.1f}", f"{100 * t / r.step_time_s:.0f}%"] for p, t in r.phase_times_s.items()]
+    if r.overlap_s:
+        phase_rows.append(["overlapped", f"-{r.overlap_s:,.1f}", f"-{100 * r.overlap_s / r.step_time_s:.0f}%"])
     phase_rows.append(["step", f"{r.step_time_s:,.1f}", "100%"])
     lines.append(table(["phase", "seconds", "share"], phase_rows))
     lines.append("")

@@ -84,11 +84,13 @@ def test_dapo_oversampling_repeats_the_rollout_and_nothing_else():
 
 
 def test_a_baseline_whose_devices_do_not_hold_the_proxies_job(tmp_path):
-    """The original ran a short-response job on 16 NPUs; the proxies run 128K-token responses that
-    do not fit the original on 16 (its update phase needs more than an NPU holds there). The hours reduction is then not split into 'smaller job' and
-    'step time': it is stated as one factor, and the product still equals the reduction."""
+    """The original ran a short-response job on 16 NPUs without recompute; the proxies run 128K-token
+    responses that do not fit the original on 16 with those settings (its update phase needs more than
+    an NPU holds there, context parallelism included). The hours reduction is then not split into
+    'smaller job' and 'step time': it is stated as one factor, and the product still equals the
+    reduction."""
     ran = tmp_path / "ran.yaml"
-    ran.write_text("response_tokens: {mean: 400, max: 1024}\n")
+    ran.write_text("response_tokens: {mean: 400, max: 1024}\nrecompute: none\n")
     long = tmp_path / "long.yaml"
     long.write_text("response_tokens: {mean: 65536, max: 131072}\n")
     result = run_cli("suggest", "--budget", "16npu", "--job", long, "--baseline-cards", "16", "--baseline-job", ran, "--json")

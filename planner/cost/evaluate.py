@@ -28,7 +28,7 @@ from planner.cost.layouts import (
 )
 from planner.cost.model import HOST_USABLE_FRACTION, CostModel
 from planner.errors import InfeasibleError, LayoutError, SpecError
-from planner.specs import Job, RolloutLayout, TrainLayout
+from planner.specs import Job, Offload, RolloutLayout, TrainLayout
 from planner.units import gib
 
 __all__ = ["CostResult", "evaluate", "infeasible", "min_devices", "candidate_device_counts", "DEFAULT_MEMORY_MARGIN"]
@@ -61,6 +61,10 @@ class CostResult:
     notes: list[str] = field(default_factory=list)
     job: Job | None = None
     terms: list[dict] = field(default_factory=list)  # the step's terms with their inputs (`planner cost --explain`)
+    # separate pools (colocated: false): the seconds the two pools' work overlaps in a step (max_staleness
+    # >= 1), and each pool's devices, busy share, the weight sync and the policy lag
+    overlap_s: float = 0.0
+    pools: dict[str, Any] | None = None
 
     @property
     def num_cards(self) -> float:
@@ -68,7 +72,8 @@ class CostResult:
 
     @property
     def step_time_s(self) -> float:
-        return float(sum(self.phase_times_s.values())) if self.feasible else float("nan")
+        """The phases' sum, less what separate pools overlap (generation of a later step during training)."""
+        return float(sum(self.phase_times_s.values())) - self.overlap_s if self.feasible else float("nan")
 
     @property
     def device_hours_per_step(self) -> float:
@@ -115,6 +120,8 @@ class CostResult:
             "train_layout": None if self.train_layout is None else self.train_layout.to_dict(),
             "rollout_layout": None if self.rollout_layout is None else vars(self.rollout_layout),
             "layouts_evaluated": self.layouts_evaluated,
+            "overlap_s": self.overlap_s,
+            "pools": self.pools,
             "reasons": self.reasons,
             "notes": self.notes,
             "terms": self.terms,
@@ -153,13 +160,18 @@ def _max_cp(job: Job) -> int:
     return cp
 
 
+class _Reasons(list):
+    """Why no layout fits, and the index of the closest layout (`best`) to name."""
+
+    def __init__(self, items=(), best: int = 0):
+        super().__init__(items)
+        self.best = best
+
+
 class _Evaluator:
     def __init__(self, arch: Architecture, accel: Accelerator, job: Job, knobs: Knobs | None, memory_margin: float = DEFAULT_MEMORY_MARGIN):
-        if not job.colocated:
-            raise SpecError(
-                "colocated: false (separate rollout and training pools) is not modelled yet; "
-                "model the colocated case, or each pool with its own job"
-            )
+        if not job.colocated:  # separate pools: nothing is offloaded to make room for the other phase
+            job = dataclasses.replace(job, offload=Offload(params=False, grads=False, optimizer=False))
         self.arch, self.accel, self.job = arch, accel, job
         self.model = CostModel(arch, accel, job, knobs)
         self.usable = accel.usable_bytes
@@ -180,66 +192,162 @@ class _Evaluator:
         return enumerate_rollout(self.arch, devices, max_tp=_max_tp(self.accel))
 
     def run(self, devices: int) -> CostResult:
-        arch, accel, job, m = self.arch, self.accel, self.job, self.model
+        accel = self.accel
         if devices % accel.devices_per_card:
             raise SpecError(
                 f"{devices} {accel.device_unit}s is not a whole number of {accel.id} cards "
                 f"({accel.devices_per_card} {accel.device_unit}s per card)"
             )
-        tc = self.train_candidates(devices)
-        rc = self.rollout_candidates(devices)
-        reasons: list[str] = []
-        if len(tc) == 0:
-            reasons.append(f"no valid training layout on {devices} {accel.device_unit}s for {arch.name} with K={arch.moe.num_experts}")
-        if len(rc) == 0:
-            reasons.append(f"no valid rollout layout on {devices} {accel.device_unit}s")
+        return self._colocated(devices) if self.job.colocated else self._pools(devices)
+
+    def _colocated(self, devices: int) -> CostResult:
+        """Training and rollout on the same devices in turn: the training layout that fits with the
+        least training time, then the rollout layout that fits beside what training keeps."""
+        job, m = self.job, self.model
+        tc, rc = self.train_candidates(devices), self.rollout_candidates(devices)
+        reasons = self._no_layouts(tc, devices, rc, devices)
         if reasons:
             return self._infeasible(devices, reasons, len(tc) + len(rc))
-
         te = m.train(tc)
-        limit = self.train_limit
+        # the switch depends on the training layout too
+        ti, reasons = self._fit_train(tc, te, te.update_s + te.reference_s + te.old_logprob_s + te.values_s + te.switch_train_s)
+        if ti is None:
+            return self._infeasible(devices, reasons, len(tc) + len(rc), self._train_layout(tc, reasons.best))
+        kept = float(te.kept_bytes[ti])
+        re = m.rollout(rc, kept_train_bytes=kept)
+        ri, reasons = self._fit_rollout(rc, re, kept)
+        if ri is None:
+            return self._infeasible(devices, reasons, len(tc) + len(rc), self._train_layout(tc, ti), rc.layout(reasons.best))
+        phases = self._phases(te, ti, re, ri)
+        phases["switch"] = m.switch_seconds(te, ti, re, ri, int(rc.instance[ri]))
+        memory = self._memory(te, ti, re, ri, kept)
+        return self._result(devices, tc, te, ti, rc, re, ri, phases, memory)
+
+    def _pools(self, devices: int) -> CostResult:
+        """Rollout on a pool of its own and training on the rest (colocated: false): the job's
+        rollout_devices, or the split with the shortest step among whole nodes (whole cards within
+        one node); each pool's layouts chosen as in the colocated case, nothing offloaded."""
+        job, accel = self.job, self.accel
+        if job.rollout_devices is not None:
+            if not 0 < job.rollout_devices < devices:
+                raise SpecError(f"rollout_devices {job.rollout_devices} leaves no training pool on {devices} {accel.device_unit}s")
+            splits = [job.rollout_devices]
+        else:
+            unit = accel.devices_per_node if devices >= 2 * accel.devices_per_node else accel.devices_per_card
+            splits = list(range(unit, devices, unit))
+            if not splits:
+                return self._infeasible(devices, [f"{devices} {accel.device_unit}s cannot be split into a rollout and a training pool"], 0)
+        results = [self._split(devices, r) for r in splits]
+        fits = [r for r in results if r.feasible]
+        if fits:
+            best = min(fits, key=lambda r: r.step_time_s)
+            if len(splits) > 1:
+                best.notes.append(f"{len(fits)} of {len(splits)} pool splits fit; this one ({best.pools['rollout_devices']} rollout + "
+                                  f"{best.pools['train_devices']} training {accel.device_unit}s) has the shortest step")  # fmt: skip
+            return best
+        shown = results if len(results) <= 3 else [results[0], results[len(results) // 2], results[-1]]
+        reasons = [reason for r in shown for reason in r.reasons]
+        return self._infeasible(devices, reasons, sum(r.layouts_evaluated for r in results))
+
+    def _split(self, devices: int, rollout_devices: int) -> CostResult:
+        job, m, unit = self.job, self.model, self.accel.device_unit
+        train_devices = devices - rollout_devices
+        where = f"pools of {rollout_devices} rollout + {train_devices} training {unit}s: "
+        try:
+            tc, rc = self.train_candidates(train_devices), self.rollout_candidates(rollout_devices)
+        except LayoutError as exc:
+            return self._infeasible(devices, [where + str(exc)], 0)
+        reasons = self._no_layouts(tc, train_devices, rc, rollout_devices)
+        if reasons:
+            return self._infeasible(devices, [where + r for r in reasons], len(tc) + len(rc))
+        te = m.train(tc)
+        ti, reasons = self._fit_train(tc, te, te.update_s + te.reference_s + te.old_logprob_s + te.values_s + te.switch_gather_s)
+        if ti is None:
+            return self._infeasible(devices, [where + r for r in reasons], len(tc) + len(rc), self._train_layout(tc, reasons.best))
+        re = m.rollout(rc, kept_train_bytes=0.0)
+        ri, reasons = self._fit_rollout(rc, re, 0.0)
+        if ri is None:
+            return self._infeasible(devices, [where + r for r in reasons], len(tc) + len(rc), self._train_layout(tc, ti), rc.layout(reasons.best))
+        phases = self._phases(te, ti, re, ri)
+        phases["weight_sync"] = sync = m.pool_sync_seconds(te, ti, re, ri)
+        generate = phases["rollout"] + phases["reward"]
+        train = sum(phases[p] for p in ("reference", "old_logprob", "values", "update") if p in phases)
+        overlap = min(generate, train) if job.max_staleness else 0.0
+        step = sum(phases.values()) - overlap
+        pools = {"rollout_devices": rollout_devices, "train_devices": train_devices, "max_staleness": job.max_staleness,
+                 "rollout_busy": generate / step, "train_busy": train / step, "weight_sync_s": sync, "policy_lag_steps": job.max_staleness,
+                 "bound_by": "rollout" if generate >= train else "training"}  # fmt: skip
+        memory = self._memory(te, ti, re, ri, None)
+        result = self._result(devices, tc, te, ti, rc, re, ri, phases, memory, overlap=overlap, pools=pools)
+        result.notes.insert(0, self._pools_note(pools))
+        return result
+
+    def _pools_note(self, p: dict[str, Any]) -> str:
+        unit = self.accel.device_unit
+        head = (f"separate pools: {p['rollout_devices']} rollout + {p['train_devices']} training {unit}s, the trained weights sent "
+                f"across in {p['weight_sync_s']:,.1f} s a step; rollout pool busy {p['rollout_busy']:.0%}, training pool "
+                f"{p['train_busy']:.0%} of the step")  # fmt: skip
+        if not p["max_staleness"]:
+            return head + "; on-policy (max_staleness 0): the pools take turns, each idle while the other works"
+        return (head + f"; generation of step t + {p['max_staleness']} overlaps training of step t (bound by the {p['bound_by']} pool), "
+                f"so each batch is trained {p['policy_lag_steps']} step(s) after the weights that generated it")  # fmt: skip
+
+    def _no_layouts(self, tc, train_devices: int, rc, rollout_devices: int) -> list[str]:
+        unit, arch = self.accel.device_unit, self.arch
+        reasons = []
+        if len(tc) == 0:
+            reasons.append(f"no valid training layout on {train_devices} {unit}s for {arch.name} with K={arch.moe.num_experts}")
+        if len(rc) == 0:
+            reasons.append(f"no valid rollout layout on {rollout_devices} {unit}s")
+        return reasons
+
+    def _fit_train(self, tc, te, train_time) -> tuple[int | None, "_Reasons"]:
+        """The training layout with the least `train_time` among those whose phases fit device and
+        host memory, or None with the reasons (naming the closest layout, `reasons.best`)."""
+        accel, limit = self.accel, self.train_limit
         train_fit = (te.update_bytes <= limit) & (te.logprob_bytes <= limit) & (te.reference_bytes <= limit)
         host_fit = te.host_bytes_per_node <= self.host_limit
         ok = train_fit & host_fit
-        if not ok.any():
-            i = int(np.argmin(np.maximum(te.update_bytes, te.reference_bytes)))
-            lay = self._train_layout(tc, i)
-            if not train_fit[i]:
-                reasons.append(
-                    f"update phase needs {gib(te.update_bytes[i])} per {accel.device_unit} at best ({lay.describe()}: "
-                    f"weights {gib(te.weights_bytes[i])}, grads {gib(te.grads_bytes[i])}, optimizer "
-                    f"{gib(te.optimizer_bytes[i])}, activations {gib(te.activations_bytes[i])}; reference phase "
-                    f"{gib(te.reference_bytes[i])}) > {gib(limit)} usable on {accel.id}"
-                    + (f" with {self.memory_margin:.0%} kept free" if self.memory_margin else "")
-                )
-            if not host_fit[i]:
-                reasons.append(
-                    f"offloaded states need {gib(te.host_bytes_per_node[i])} of host memory per node > "
-                    f"{gib(self.host_limit)} ({HOST_USABLE_FRACTION:.0%} of {gib(accel.host_memory_bytes_per_node)})"
-                )
-            if not reasons:
-                reasons.append("no training layout fits both device and host memory")
-            return self._infeasible(devices, reasons, len(tc) + len(rc), self._train_layout(tc, i))
-        train_time = te.update_s + te.reference_s + te.old_logprob_s + te.values_s + te.switch_train_s  # the switch depends on it too
-        ti = int(np.flatnonzero(ok)[np.argmin(train_time[ok])])
-        kept = float(te.kept_bytes[ti])
-
-        re = m.rollout(rc, kept_train_bytes=kept)
-        # the engine's share of memory, after weights, workspace and what training keeps, must
-        # hold at least one longest sequence's KV cache per rank (vLLM refuses to start otherwise)
-        roll_fit = re.kv_budget_bytes >= re.kv_per_sequence_bytes
-        if not roll_fit.any():
-            i = int(np.argmax(re.kv_budget_bytes - re.kv_per_sequence_bytes))
+        if ok.any():
+            return int(np.flatnonzero(ok)[np.argmin(train_time[ok])]), _Reasons()
+        i = int(np.argmin(np.maximum(te.update_bytes, te.reference_bytes)))
+        lay = self._train_layout(tc, i)
+        reasons = _Reasons(best=i)
+        if not train_fit[i]:
             reasons.append(
-                f"rollout: at best ({rc.layout(i).describe()}) weights {gib(re.weights_bytes[i])} + workspace "
-                f"{gib(re.workspace_bytes[i])} + training states kept {gib(kept)} leave "
-                f"{gib(max(re.kv_budget_bytes[i], 0.0))} of {job.rollout_memory_utilization:.2f} x {gib(self.usable)} "
-                f"for the KV cache; one {job.max_sequence_tokens}-token sequence needs {gib(re.kv_per_sequence_bytes[i])}"
+                f"update phase needs {gib(te.update_bytes[i])} per {accel.device_unit} at best ({lay.describe()}: "
+                f"weights {gib(te.weights_bytes[i])}, grads {gib(te.grads_bytes[i])}, optimizer "
+                f"{gib(te.optimizer_bytes[i])}, activations {gib(te.activations_bytes[i])}; reference phase "
+                f"{gib(te.reference_bytes[i])}) > {gib(limit)} usable on {accel.id}"
+                + (f" with {self.memory_margin:.0%} kept free" if self.memory_margin else "")
             )
-            return self._infeasible(devices, reasons, len(tc) + len(rc), self._train_layout(tc, ti), rc.layout(i))
-        ri = int(np.flatnonzero(roll_fit)[np.argmin(re.rollout_s[roll_fit])])
+        if not host_fit[i]:
+            reasons.append(
+                f"offloaded states need {gib(te.host_bytes_per_node[i])} of host memory per node > "
+                f"{gib(self.host_limit)} ({HOST_USABLE_FRACTION:.0%} of {gib(accel.host_memory_bytes_per_node)})"
+            )
+        if not reasons:
+            reasons.append("no training layout fits both device and host memory")
+        return None, reasons
 
-        switch = m.switch_seconds(te, ti, re, ri, int(rc.instance[ri]))
+    def _fit_rollout(self, rc, re, kept: float) -> tuple[int | None, "_Reasons"]:
+        """The fastest rollout layout whose engine memory, after weights, workspace and what training
+        keeps, holds at least one longest sequence's KV cache per rank (vLLM refuses to start
+        otherwise), or None with the reason."""
+        roll_fit = re.kv_budget_bytes >= re.kv_per_sequence_bytes
+        if roll_fit.any():
+            return int(np.flatnonzero(roll_fit)[np.argmin(re.rollout_s[roll_fit])]), _Reasons()
+        job = self.job
+        i = int(np.argmax(re.kv_budget_bytes - re.kv_per_sequence_bytes))
+        return None, _Reasons([
+            f"rollout: at best ({rc.layout(i).describe()}) weights {gib(re.weights_bytes[i])} + workspace "
+            f"{gib(re.workspace_bytes[i])} + training states kept {gib(kept)} leave "
+            f"{gib(max(re.kv_budget_bytes[i], 0.0))} of {job.rollout_memory_utilization:.2f} x {gib(self.usable)} "
+            f"for the KV cache; one {job.max_sequence_tokens}-token sequence needs {gib(re.kv_per_sequence_bytes[i])}"
+        ], best=i)  # fmt: skip
+
+    def _phases(self, te, ti: int, re, ri: int) -> dict[str, float]:
+        job = self.job
         phases = {
             "rollout": float(re.rollout_s[ri]),
             "reference": float(te.reference_s[ti]),
@@ -247,17 +355,19 @@ class _Evaluator:
             "values": float(te.values_s[ti]),
             "update": float(te.update_s[ti]),
             "reward": float(job.reward_s),
-            "switch": switch,
         }
         if job.algorithm != "ppo":
             phases.pop("values")
+        return phases
+
+    def _memory(self, te, ti: int, re, ri: int, kept: float | None) -> dict[str, dict[str, float]]:
+        """Bytes per device by phase; the rollout's `kept` is what training leaves beside it (None:
+        a pool of its own)."""
+        job = self.job
+        rollout = {} if kept is None else {"training_states_kept": float(kept)}
+        rollout.update(weights=float(re.weights_bytes[ri]), workspace=float(re.workspace_bytes[ri]), kv_cache=float(max(re.kv_budget_bytes[ri], 0.0)))
         memory = {
-            "rollout": {
-                "training_states_kept": float(kept),
-                "weights": float(re.weights_bytes[ri]),
-                "workspace": float(re.workspace_bytes[ri]),
-                "kv_cache": float(max(re.kv_budget_bytes[ri], 0.0)),
-            },
+            "rollout": rollout,
             "reference": {"total": float(te.reference_bytes[ti])},
             "old_logprob": {"total": float(te.logprob_bytes[ti])},
             "update": {
@@ -275,26 +385,32 @@ class _Evaluator:
             memory.pop("reference")
         for parts in memory.values():
             parts.setdefault("total", float(sum(parts.values())))
-        peak_phase = max(memory, key=lambda p: memory[p]["total"])
-        notes = self._notes(self._train_layout(tc, ti), te, ti, re, ri)
-        if job.optimizer_swap:
+        return memory
+
+    def _result(self, devices: int, tc, te, ti: int, rc, re, ri: int, phases: dict[str, float], memory: dict, *, overlap: float = 0.0,
+                pools: dict | None = None) -> CostResult:  # fmt: skip
+        lay = self._train_layout(tc, ti)
+        notes = self._notes(lay, te, ti, re, ri)
+        if self.job.optimizer_swap:
             notes.append("optimizer state is swapped: it lives in host memory and streams in for each optimizer step")
         return CostResult(
-            **_point(arch, accel, devices),
+            **_point(self.arch, self.accel, devices),
             feasible=True,
             reasons=[],
-            train_layout=self._train_layout(tc, ti),
+            train_layout=lay,
             rollout_layout=rc.layout(ri),
             phase_times_s=phases,
             memory_per_device_bytes=memory,
-            peak_phase=peak_phase,
+            peak_phase=max(memory, key=lambda p: memory[p]["total"]),
             usable_bytes_per_device=self.usable,
             host_memory_bytes_per_node=float(te.host_bytes_per_node[ti]),
             host_memory_limit_bytes_per_node=self.host_limit,
             layouts_evaluated=len(tc) + len(rc),
             notes=notes,
-            job=job,
-            terms=self._terms(devices, self._train_layout(tc, ti), te, ti, re, ri, phases),
+            job=self.job,
+            terms=self._terms(devices, lay, te, ti, re, ri, phases),
+            overlap_s=overlap,
+            pools=pools,
         )
 
     def _terms(self, devices: int, lay: TrainLayout, te, ti: int, re, ri: int, phases: dict[str, float]) -> list[dict]:
@@ -350,6 +466,15 @@ class _Evaluator:
                  f"+ {sync - m.weight_tensors * kn.switch_tensor_s:,.1f} s of bytes" if job.weight_sync == "gather"
                  else "weight_sync shard: each device receives its rollout shard over the instance's links"),
                 ("switch", "engine sleep and wake", fixed, f"switch_fixed_s {fixed:g}"),
+            ]  # fmt: skip
+        if phases.get("weight_sync"):
+            net = accel.inter_node_bytes_per_s
+            gathered = f(te.switch_gather_s) if job.weight_sync == "gather" else 0.0
+            out += [
+                ("weight_sync", "gather over the training groups", gathered, "as the colocated switch's weight sync (weight_sync gather)"),
+                ("weight_sync", "sent across the pools", phases["weight_sync"] - gathered,
+                 f"{'the whole bf16 model' if job.weight_sync == 'gather' else 'each rollout device its shard'} over the network "
+                 f"({net / 1e9:g} GB/s)"),
             ]  # fmt: skip
         return [{"phase": p, "term": t, "seconds": s, "inputs": i} for p, t, s, i in out]
 

@@ -143,7 +143,7 @@ def _predicted_phases(run: PublishedRun, result: CostResult) -> dict[str, float]
     p = dict(result.phase_times_s)
     if not result.feasible:
         return {k: math.inf for k in PHASES}
-    step = sum(p.values())
+    step = result.step_time_s  # the phases less what separate pools overlap
     if run.switch_in == "none":
         step -= p.get("switch", 0.0)
     elif run.switch_in == "rollout":

@@ -1002,6 +1002,17 @@ class CostModel:
         return self.knobs.decode_step_overhead_s + eager + latency
 
     # ---- switching between phases -----------------------------------------------------------
+    def pool_sync_seconds(self, train: TrainEval, ti: int, rollout: RolloutEval, ri: int) -> float:
+        """The trained weights sent from the training pool to a rollout pool of its own, per step
+        (colocated: false): for `gather` (verl, NeMo RL) the training side's gather of every full
+        tensor (as in the colocated switch) and the whole bf16 model over the network between the
+        pools; for `shard` each rollout device's shard over the network. No host moves and no
+        engine sleep or wake: each pool keeps its memory."""
+        net = self.accel.inter_node_bytes_per_s
+        if self.job.weight_sync == "shard":
+            return float(rollout.weights_bytes[ri] / net)
+        return float(train.switch_gather_s[ti]) + self.counts.total * BF16_BYTES / net
+
     def switch_seconds(self, train: TrainEval, ti: int, rollout: RolloutEval, ri: int, rollout_instance: int) -> float:
         """Host moves, weight sync and the fixed engine costs (sleep/wake, cache release) of one step.
 

@@ -105,3 +105,34 @@ def test_pool_settings_are_checked(setup):
     with pytest.raises(SpecError, match="rollout_devices 32 leaves no training pool on 32 gpus"):
         evaluate(arch, accel, replace(JOB, colocated=False, rollout_devices=32), 32)
     assert not evaluate(arch, accel, replace(JOB, colocated=False), 1).feasible  # one device cannot be split
+
+
+def test_suggest_keeps_a_separate_pool_job_on_pools_and_searches_pools_for_a_colocated_one(tmp_path):
+    """A production run on separate pools one step off-policy (verl's fully-async style): every plan
+    keeps separate pools at its staleness and says so, the split is recorded in the plan's job, and
+    the export refuses to write it as a colocated config. A colocated job's search space holds the
+    on-policy pool placement next to the offload settings."""
+    import json
+
+    import yaml
+    from click.testing import CliRunner
+
+    from planner.cli import main
+    from planner.search.suggest import POOLS, Request, Suggester
+
+    job = tmp_path / "job.yaml"
+    job.write_text("prompts_per_step: 64\nsamples_per_prompt: 16\ncolocated: false\nmax_staleness: 1\n")
+    out = tmp_path / "plan.yaml"
+    result = CliRunner().invoke(main, ["suggest", "--hardware", "h20", "--budget", "32gpu", "--job", str(job), "--json", "-o", str(out)],
+                                catch_exceptions=False)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    plans = json.loads(result.stdout)["plans"]
+    assert plans and all(p["offload"] == POOLS for p in plans)
+    assert any("separate pools:" in n and "trained 1 step(s) after" in n for n in plans[0]["notes"])
+    deployment = yaml.safe_load(out.read_text())["deployment"]
+    assert deployment["job"]["colocated"] is False and deployment["job"]["max_staleness"] == 1
+    assert 0 < deployment["job"]["rollout_devices"] < deployment["num_cards"]
+    refused = CliRunner().invoke(main, ["export", str(out), "--to", "verl", "--model-path", "/p"])
+    assert refused.exit_code == 2 and "the export writes colocated configs only" in refused.output
+    space = Suggester(Request(model="qwen3-30b-a3b", hardware="h20", budget="32gpu")).space()
+    assert POOLS in space["offload"] and "all" in space["offload"]

@@ -407,7 +407,7 @@ class _Evaluator:
             host_memory_limit_bytes_per_node=self.host_limit,
             layouts_evaluated=len(tc) + len(rc),
             notes=notes,
-            job=self.job,
+            job=self.job if pools is None else dataclasses.replace(self.job, rollout_devices=pools["rollout_devices"]),  # the split chosen
             terms=self._terms(devices, lay, te, ti, re, ri, phases),
             overlap_s=overlap,
             pools=pools,

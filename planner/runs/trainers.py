@@ -429,6 +429,11 @@ def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = F
     if version is not None and trainer != "verl":
         raise SpecError(f"--verl-version is for --to verl, not {trainer}")
     d = _deployment(plan, model_path)
+    if not d.job.colocated:
+        raise SpecError(f"this plan puts the rollout on a pool of its own ({d.job.rollout_devices} of {d.cards} devices, max_staleness "
+                        f"{d.job.max_staleness}); the export writes colocated configs only (verl's fully-async recipe, NeMo RL's "
+                        "non-colocated generation and MindSpeed-RL's separate resources are not written yet): set the pool sizes "
+                        "in the trainer by hand, or suggest with a colocated job")  # fmt: skip
     flat = _verl(d, routing_replay, version) if trainer == "verl" else _TABLES[trainer](d, routing_replay)
     pred = (plan.deployment or {}).get("predicted", {})
     head = [f"planner export --to {trainer}: the proxy of {plan.model} keeping {plan.experts} of {plan.original_experts} experts "

@@ -75,6 +75,9 @@ def _times(ratio: float | None, digits: int) -> str:
 
 
 def _settings(c) -> str:
+    if c.pools:
+        return (f"recompute {c.job.recompute}, separate pools ({c.pools['rollout_devices']} rollout + {c.pools['train_devices']} training, "
+                f"staleness {c.pools['max_staleness']})")  # fmt: skip
     offload = next((name for name, value in OFFLOADS.items() if c.job and c.job.offload == value), "?")
     return f"recompute {c.job.recompute if c.job else '?'}, offload {offload}"
 

@@ -49,7 +49,7 @@ from planner.plan import BAD_METHODS
 from planner.stats.store import plan_key, plan_statistics, stale_note
 from planner.units import plural
 
-__all__ = ["FAULTS", "OFFLOADS", "RECOMPUTES", "DEFAULT_STEPS", "Request", "Option", "Suggestion", "Suggester", "suggest", "proposable", "saves",
+__all__ = ["FAULTS", "OFFLOADS", "POOLS", "RECOMPUTES", "DEFAULT_STEPS", "Request", "Option", "Suggestion", "Suggester", "suggest", "proposable", "saves",
            "reduction", "fault_conflicts"]  # fmt: skip
 
 # user-facing fault names -> the calibration recipe that provokes them
@@ -66,6 +66,9 @@ FAULTS = {
 }
 OFFLOADS = {"none": Offload(params=False, grads=False, optimizer=False), "optimizer": Offload(params=False, grads=False, optimizer=True),
             "all": Offload(params=True, grads=True, optimizer=True)}  # fmt: skip
+# the placement the offload dimension also takes: rollout and training on separate pools (colocated:
+# false), at the job's own staleness (0, on-policy, for a colocated job: the same dynamics)
+POOLS = "pools"
 ENUMERATE_UP_TO = 2000  # a space of at most this many points is enumerated (each point once), whatever --trials says
 # Search heuristics (planner's own choices, checked against enumeration by benchmarks/suggest_search.py):
 NEAR_MINIMUM = 3  # device counts kept from each K's minimum up: cost per step grows with devices past it
@@ -176,7 +179,7 @@ class Option:
     def rank_key(self) -> tuple:
         # ties go to the larger K, then the least intrusive recompute and offload (their table order)
         return (self.reproduction_hours, self.hours, self.cost.num_devices, -self.score, -self.experts, self.method,
-                RECOMPUTES.index(self.recompute), list(OFFLOADS).index(self.offload), self.scale)  # fmt: skip
+                RECOMPUTES.index(self.recompute), [*OFFLOADS, POOLS].index(self.offload), self.scale)  # fmt: skip
 
     def dominates(self, other: "Option") -> bool:
         """Same proxy on as many devices, no more hours and no more memory: `other`'s recompute or
@@ -341,6 +344,12 @@ class Suggester:
             raise SpecError(f"--budget {request.budget}: below the smallest allocation of {self.accel.id} ({self.accel.devices_per_card} {self.accel.device_unit}s)")
         self.devices = self._focus(counts)
 
+    @cached_property
+    def offloads(self) -> list[str]:
+        """The offload settings searched, and separate pools: a job already on separate pools keeps
+        them (its offload does not apply), a colocated one may move to them on-policy."""
+        return [POOLS] if not self.request.job.colocated else [*OFFLOADS, POOLS]
+
     def minimum(self, experts: int) -> CostResult | None:
         """K's own smallest device count (most memory-frugal settings, the request's memory margin),
         up to the search bound; None when it fits nowhere there."""
@@ -404,7 +413,8 @@ class Suggester:
         key = (experts, devices, recompute, offload, scale)
         if key not in self._costs:
             arch = self.arch.with_experts(experts)  # K = E: the original itself
-            job = replace(JobScale.from_key(scale).apply(self.request.job), recompute=recompute, offload=OFFLOADS[offload])
+            job = replace(JobScale.from_key(scale).apply(self.request.job), recompute=recompute)
+            job = replace(job, colocated=False, offload=OFFLOADS["none"]) if offload == POOLS else replace(job, offload=OFFLOADS[offload])
             try:
                 self._costs[key] = evaluate(arch, self.accel, job, devices, memory_margin=self.request.memory_margin)
             except PlannerError as exc:  # a job-fixed layout that cannot run on this count
@@ -464,7 +474,7 @@ class Suggester:
 
     def space(self) -> dict[str, list]:
         """The search's dimensions and their values."""
-        return {"experts": self.experts, "method": self.methods, "devices": self.devices, "recompute": list(RECOMPUTES), "offload": list(OFFLOADS),
+        return {"experts": self.experts, "method": self.methods, "devices": self.devices, "recompute": list(RECOMPUTES), "offload": self.offloads,
                 "job": [s.key for s in self.scales]}  # fmt: skip
 
     def space_size(self) -> int:
@@ -521,7 +531,7 @@ class Suggester:
                     m = self.minimum(k)
                     devices = m.num_devices if m is not None and m.num_devices in self.devices else self.devices[-1]
                     for recompute in RECOMPUTES:
-                        for offload in OFFLOADS:
+                        for offload in self.offloads:
                             study.enqueue_trial({"experts": k, "method": self.methods[0], "devices": devices, "recompute": recompute, "offload": offload,
                                                  "job": self.scales[-1].key})  # fmt: skip
             to_run, target = req.trials - len(done), req.trials
@@ -574,7 +584,7 @@ class Suggester:
         counts = set(counts[:first]) | {counts[round(i * (len(counts) - 1) / (spread - 1))] for i in range(spread)}
         # and every count the search visits: no original the search evaluates is cheaper than the baseline
         counts |= {n for n in self.devices if n >= minimum.num_devices}
-        fitting = [c for n in sorted(counts) for r in RECOMPUTES for o in OFFLOADS if (c := self.cost(e, n, r, o)).feasible]
+        fitting = [c for n in sorted(counts) for r in RECOMPUTES for o in self.offloads if (c := self.cost(e, n, r, o)).feasible]
         cheapest = min(fitting + [minimum], key=lambda c: c.device_hours_per_step)
         return Baseline(minimum, cheapest, job_factors=self._job_factors(cheapest), steps=self.onset(e).original_steps)
 

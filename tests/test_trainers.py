@@ -275,6 +275,9 @@ NEMO_CONFIGS = Path(__file__).parent / "data" / "nemo-rl" / "examples" / "config
                                                                        rollout=(4, 1), recompute="full")),
     ("recipes/llm/grpo-qwen3-30ba3b-8n8g-megatron-cp2-r3.yaml", dict(prompts=16, samples=8, mini=1, tp=4, pp=2, ep=4, cp=2, cards=64,
                                                                       rollout=(4, 4), recompute="none")),
+    # its async variant on 10 nodes: generation on 2 of them, one step ahead
+    ("recipes/llm/grpo-qwen3-30ba3b-10n8g-megatron-cp2-r3-async.yaml", dict(prompts=16, samples=8, mini=1, tp=4, pp=2, ep=4, cp=2, cards=80,
+                                                                            rollout=(4, 4), recompute="none", pools=(16, 1))),
 ])  # fmt: skip
 def test_job_from_nemo_rl_follows_its_defaults_inheritance(config, expect, tmp_path):
     """Each config inherits most of its keys (cluster, parallel sizes, activation checkpointing) from the
@@ -286,6 +289,8 @@ def test_job_from_nemo_rl_follows_its_defaults_inheritance(config, expect, tmp_p
     got = dict(prompts=job.prompts_per_step, samples=job.samples_per_prompt, mini=job.mini_batches, tp=job.train_layout.tp,
                pp=job.train_layout.pp, ep=job.train_layout.ep, cp=job.train_layout.cp, cards=cards,
                rollout=(job.rollout_layout.tp, job.rollout_layout.ep), recompute=job.recompute)  # fmt: skip
+    if not job.colocated:
+        got["pools"] = (job.rollout_devices, job.max_staleness)
     assert got == expect
     assert any("inherits from" in n for n in notes)
     # planner cost takes the job at the config's own device count (NeMo RL's recipes run on H100s)

@@ -759,6 +759,8 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         if stages is not None:
             kw["train_layout"] = replace(kw["train_layout"], pipeline_layers=stages)
         cards = n("cluster.gpus_per_node") * n("cluster.num_nodes")
+        if f.get("policy.generation.colocated.enabled") is False:
+            kw.update(_nemo_pools(f, n, cards, notes))
     updates = kw.get("ppo_epochs", 1) * kw["mini_batches"]
     if "skip_old_logprob" not in kw:
         kw["skip_old_logprob"] = updates == 1
@@ -776,6 +778,21 @@ def _nemo_recompute(f: dict, mega: str) -> str:
     granularity = f.get(f"{mega}.recompute_granularity") or "full"
     modules = f.get(f"{mega}.recompute_modules")
     return "moe" if granularity == "selective" and isinstance(modules, list) and "moe" in modules else granularity
+
+
+def _nemo_pools(f: dict, n: Callable, cards: int, notes: list[str]) -> dict[str, Any]:
+    """NeMo RL's non-colocated generation as separate pools, the way its setup splits the cluster
+    (nemo_rl/algorithms/grpo.py): on one node the generation takes resources.gpus_per_node of it,
+    on several it takes resources.num_nodes whole nodes; async GRPO runs max_trajectory_age_steps
+    ahead."""
+    key = "policy.generation.colocated.resources"
+    rollout = n(f"{key}.gpus_per_node") if n("cluster.num_nodes") == 1 else n(f"{key}.num_nodes") * n("cluster.gpus_per_node")
+    staleness = int(f.get("grpo.async_grpo.max_trajectory_age_steps") or 1) if f.get("grpo.async_grpo.enabled") else 0
+    notes.append(f"separate pools: {rollout} generation and {cards - rollout} training GPUs"
+                 + (f", async GRPO {staleness} step(s) ahead" if staleness else ", synchronous (on-policy)")
+                 + ("; in-flight weight updates (generation keeps running through a sync) are not modelled"
+                    if f.get("grpo.async_grpo.in_flight_weight_updates") and staleness else ""))  # fmt: skip
+    return {"colocated": False, "rollout_devices": rollout, "max_staleness": staleness}
 
 
 def _nemo_rollout(tp: int, ep: int):

@@ -4,7 +4,9 @@
 Training and rollout layouts are chosen separately (their memory peaks fall in different phases):
 the training layout minimises reference + old log-prob + update time among those that fit; the
 rollout layout, given what the training side leaves on the device, minimises rollout time; the
-switch time then follows from both.
+switch time then follows from both. A job on separate pools (colocated: false) is costed the same
+way on each pool's devices, for the job's split or every split in whole nodes; its step is the
+pools' pipeline (CostResult.overlap_s, CostResult.pools).
 """
 
 from __future__ import annotations

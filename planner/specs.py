@@ -180,7 +180,10 @@ _JOB_DOC = {
     "samples_per_prompt": "responses sampled per prompt (group size)",
     "prompt_tokens": "mean prompt length, or {mean, max}",
     "response_tokens": "{mean, max[, shape]}: response lengths; gamma-shaped, truncated at max",
-    "precision": "bf16 | fp16 | fp32 (training compute and weights)",
+    "precision": "bf16 | fp16 | fp32 | fp8 (training compute and weights; fp8: Megatron's FP8 GEMMs over bf16 weights, timed at "
+    "the MoE training speed-up measured for them, not the FP8 peak)",
+    "rollout_precision": "bf16 | fp8 (the rollout engine's weights and matmuls; default bf16 whatever the training precision: "
+    "fp8 serves the linear layers' weights in one byte and runs its matmuls at the FP8 peak, the KV cache stays bf16)",
     "recompute": "none | selective | moe | full (activation recomputation in the update; moe: each MoE layer rebuilt from its input in backward)",
     "colocated": "actor, reference and rollout share the devices (time-shared; default true); false puts the rollout on a pool "
     "of its own (rollout_devices) and training on the rest, the trained weights sent across each step",
@@ -233,6 +236,7 @@ class Job:
     prompt_tokens: Lengths = field(default_factory=lambda: Lengths(mean=78, max=256))
     response_tokens: Lengths = field(default_factory=lambda: Lengths(mean=1577, max=3072))
     precision: str = "bf16"
+    rollout_precision: str = "bf16"
     recompute: str = "full"
     colocated: bool = True
     offload: Offload = field(default_factory=Offload)
@@ -262,7 +266,8 @@ class Job:
 
     def __post_init__(self) -> None:
         _choice(self.algorithm, ("grpo", "ppo", "dapo"), "algorithm")
-        _choice(self.precision, ("bf16", "fp16", "fp32"), "precision")
+        _choice(self.precision, ("bf16", "fp16", "fp32", "fp8"), "precision")
+        _choice(self.rollout_precision, ("bf16", "fp8"), "rollout_precision")
         _choice(self.recompute, RECOMPUTE_MODES, "recompute")
         _choice(self.optimizer_moments, ("fp32", "bf16"), "optimizer_moments")
         _choice(self.trainer_backend, ("megatron", "transformers"), "trainer_backend")

@@ -427,7 +427,7 @@ class _Evaluator:
         dispatch = job.dispatch
         out = [
             ("update", "compute", u(te.update_compute_s),
-             f"{te.update_flops / 1e15:,.1f} PFLOP (forward, backward{recomputed}) / ({devices} x {accel.peak_flops(job.precision) / 1e12:,.0f} TFLOP/s x "
+             f"{te.update_flops / 1e15:,.1f} PFLOP (forward, backward{recomputed}) / ({devices} x {m.train_peak_flops() / 1e12:,.0f} TFLOP/s x "
              f"train_mfu {kn.train_mfu:.3f}), attention ({m.attention_share():.0%} of the FLOPs) at attention_efficiency "
              f"{kn.attention_efficiency:.3f} of that rate, x slowdown {f(te.compute_slowdown):.2f} (expert GEMMs of {f(te.expert_gemm_flops) / 1e9:.2f} "
              f"GFLOP at efficiency {f(te.expert_gemm_efficiency):.2f}, expert imbalance {m.imbalance:g} where ep > 1, the busiest "

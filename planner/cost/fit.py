@@ -114,7 +114,7 @@ def update_mfu_checks(path: str | Path | None = None) -> list[dict[str, Any]]:
         model = CostModel(arch, accel, job)
         for devices, published in zip(check["devices"], check["published_mfu"]):
             update_s = float(model.train(TrainCandidates.single(devices, job.train_layout)).update_s[0])
-            predicted = model.update_model_flops() / (update_s * devices * accel.peak_flops(job.precision))
+            predicted = model.update_model_flops() / (update_s * devices * model.train_peak_flops())
             rows.append({"check": check["id"], "devices": devices, "published_mfu": published,
                          "predicted_mfu": round(predicted, 3), "ratio": round(predicted / published, 3)})
     return rows

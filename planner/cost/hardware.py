@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from planner.errors import ConfigError
+from planner.errors import ConfigError, SpecError
 from planner.units import GIB
 
 __all__ = ["Accelerator"]
@@ -34,6 +34,7 @@ _OPTIONAL = (
     "scale_up_devices",
     "peak_bf16_tflops",
     "peak_from_cube",
+    "peak_fp8_tflops",
     "host_link_gb_per_s",
     "host_memory_gib_per_node",
     "collective_latency_us",
@@ -67,6 +68,7 @@ class Accelerator:
     scale_out_latency_s: float  # the same across the scale-out network
     host_adam_params_per_s: float  # Adam steps the host CPUs of one node apply per second
     eager_layer_s: float  # what one decoder layer's kernel launches from Python add to a decode step in eager mode
+    peak_fp8_flops: float | None = None  # dense FP8 matmul peak; None: the device has no FP8 format
     a2a_dispatch: tuple[tuple[int, float], ...] = ()  # (ep, bytes/s) measured points
     a2a_combine: tuple[tuple[int, float], ...] = ()
     sources: Mapping[str, str] = field(default_factory=dict)
@@ -78,7 +80,13 @@ class Accelerator:
 
     def peak_flops(self, precision: str) -> float:
         """Dense matmul peak. fp32 runs on the matrix units as TF32/HF32 at half the bf16 rate
-        (NVIDIA A100/H100 datasheets: TF32 dense = BF16 dense / 2); fp16 equals bf16."""
+        (NVIDIA A100/H100 datasheets: TF32 dense = BF16 dense / 2); fp16 equals bf16; fp8 is the
+        profile's own figure, refused where the device has none."""
+        if precision == "fp8":
+            if self.peak_fp8_flops is None:
+                raise SpecError(f"{self.id} ({self.name}) has no FP8 matmul format in its profile: use bf16 there, or give peak_fp8_tflops "
+                                "in a custom profile (planner cost --hardware my.yaml) if your devices have one")  # fmt: skip
+            return self.peak_fp8_flops
         return self.peak_bf16_flops / 2 if precision == "fp32" else self.peak_bf16_flops
 
     def link_bytes_per_s(self, group_size):
@@ -176,6 +184,7 @@ class Accelerator:
             reserved_bytes=reserved,
             hbm_bytes_per_s=num("hbm_tb_per_s") * 1e12,
             peak_bf16_flops=peak,
+            peak_fp8_flops=num("peak_fp8_tflops") * 1e12 if data.get("peak_fp8_tflops") is not None else None,
             intra_node_bytes_per_s=num("intra_node_gb_per_s") * 1e9,
             inter_node_bytes_per_s=num("inter_node_gb_per_s") * 1e9,
             host_link_bytes_per_s=num("host_link_gb_per_s", 25) * 1e9,

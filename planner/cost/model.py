@@ -40,7 +40,8 @@ from planner.cost.layouts import RolloutCandidates, TrainCandidates
 from planner.cost.lengths import LengthModel
 from planner.specs import Job
 
-__all__ = ["CostModel", "TrainEval", "RolloutEval", "HOST_USABLE_FRACTION", "ROLLOUT_BATCHED_TOKENS", "BF16_BYTES", "FP32_BYTES"]
+__all__ = ["CostModel", "TrainEval", "RolloutEval", "HOST_USABLE_FRACTION", "ROLLOUT_BATCHED_TOKENS", "BF16_BYTES", "FP8_BYTES", "FP32_BYTES",
+           "FP8_TRAIN_SPEEDUP"]
 
 # Host RAM a node can give to offloaded tensors; the rest stays for the OS, dataloaders, Ray and
 # pinned staging buffers (assumption, stated in reports).
@@ -49,6 +50,11 @@ HOST_USABLE_FRACTION = 0.8
 # activation workspace is reserved up front by the engine's profiling run.
 ROLLOUT_BATCHED_TOKENS = 8192
 BF16_BYTES = 2.0  # bytes per element of a bf16 tensor: rollout weights, KV cache, activations on the wire
+FP8_BYTES = 1.0
+# Megatron's FP8 GEMMs speed MoE training up far less than the FP8 peak would: 242.9 against 240.5
+# TFLOPS per H100 for Qwen3-30B-A3B, FP8 blockwise against BF16 (Megatron-LM PR #5728): the MoE
+# update is bound by much besides its GEMMs
+FP8_TRAIN_SPEEDUP = 242.9 / 240.5
 FP32_BYTES = 4.0  # bytes per fp32 element: the rollout engine's logits
 
 
@@ -627,7 +633,7 @@ class CostModel:
                     / (devices x peak x train_mfu) x slow
           forward = forward FLOPs x timed x log-prob padding / (devices x peak x logprob_mfu) x slow"""
         job, kn = self.job, self.knobs
-        peak = self.accel.peak_flops(job.precision)
+        peak = self.train_peak_flops()
         fwd_flops = self.forward_flops_per_step()
         train_flops = job.ppo_epochs * fwd_flops * (3.0 + rc.fwd)
         # attention runs at its own fraction of the GEMMs' rate: time counts its FLOPs at that rate
@@ -816,8 +822,22 @@ class CostModel:
         _, first = np.unique(owner[hits], return_index=True)
         return hits[first]
 
+    def train_peak_flops(self) -> float:
+        """The matmul peak the training passes are timed at: the training precision's, except FP8,
+        timed at the bf16 peak x FP8_TRAIN_SPEEDUP (refused on a device without FP8)."""
+        if self.job.precision == "fp8":
+            self.accel.peak_flops("fp8")  # raises where the device has no FP8
+            return self.accel.peak_bf16_flops * FP8_TRAIN_SPEEDUP
+        return self.accel.peak_flops(self.job.precision)
+
     # ---- rollout side -------------------------------------------------------------------------
+    def rollout_peak_flops(self) -> float:
+        return self.accel.peak_flops(self.job.rollout_precision)
+
     def rollout_weight_bytes(self, cand: RolloutCandidates) -> np.ndarray:
+        """Inference weights on one device: the linear layers' (attention projections, dense and
+        shared MLPs, routed experts) in the rollout precision, embeddings, output head, norms and
+        router in bf16 (as vLLM's FP8 serving keeps them)."""
         arch, c = self.arch, self.counts
         tp = cand.tp.astype(float)
         inst = cand.instance.astype(float)
@@ -825,10 +845,13 @@ class CostModel:
         kv_split = np.minimum(tp, a.num_kv_heads) if a.kind == "gqa" else tp
         sharded, kvp = self.attn_sharded_total, self.attn_kv_total
         replicated_attn = c.attention - sharded - kvp
-        dense_parts = c.shared_experts + c.dense_mlp + c.embeddings + c.lm_head
-        params = (sharded + dense_parts) / tp + kvp / kv_split + replicated_attn + c.norms + c.router
-        params = params + c.routed_experts / inst  # MoE spans the instance (EP or TP)
-        return params * BF16_BYTES  # rollout engines serve bf16 weights
+        linear_bytes = self._rollout_linear_bytes()
+        linear = (sharded + c.shared_experts + c.dense_mlp) / tp + kvp / kv_split + replicated_attn + c.routed_experts / inst  # MoE spans the instance
+        kept_bf16 = (c.embeddings + c.lm_head) / tp + c.norms + c.router
+        return linear * linear_bytes + kept_bf16 * BF16_BYTES
+
+    def _rollout_linear_bytes(self) -> float:
+        return FP8_BYTES if self.job.rollout_precision == "fp8" else BF16_BYTES
 
     def kv_bytes_per_token(self, cand: RolloutCandidates) -> np.ndarray:
         """KV-cache bytes one token of context costs on one device (bf16 cache)."""
@@ -884,7 +907,7 @@ class CostModel:
         tp = cand.tp.astype(float)
         inst = cand.instance.astype(float)
         weights = self.rollout_weight_bytes(cand)
-        expert_bytes_dev = self.routed_total / inst * BF16_BYTES
+        expert_bytes_dev = self.routed_total / inst * self._rollout_linear_bytes()
         return _RolloutGrid(
             tp=tp, inst=inst, dp=cand.dp.astype(float), expert_parallel=cand.ep > 1,
             weights=weights, expert_bytes=expert_bytes_dev, nonexpert_bytes=weights - expert_bytes_dev,
@@ -922,10 +945,10 @@ class CostModel:
         return _KV(budget=budget, seq_max=seq_max, live_ctx=live_ctx, n_rank=n_rank, conc=conc)
 
     def _prefill(self, r: _RolloutGrid, kv: _KV) -> np.ndarray:
-        """Prefill, compute-bound over the instance, in bf16 whatever the training precision:
+        """Prefill, compute-bound over the instance, in the rollout precision whatever the training's:
           sequences x (prompt x matmul FLOPs per token + attended pairs x FLOPs per pair)
-          / (instance devices x bf16 peak x logprob_mfu)      (FLOPs: PaLM appendix B, `_flops`)"""
-        peak = self.accel.peak_flops("bf16")  # rollout engines serve bf16 whatever the training precision
+          / (instance devices x rollout peak x logprob_mfu)      (FLOPs: PaLM appendix B, `_flops`)"""
+        peak = self.rollout_peak_flops()  # the engine's precision, whatever the training's
         prompt = self.job.prompt_tokens.mean
         # prefill: compute-bound over the instance
         prefill_flops = kv.n_rank * r.dp * (prompt * self.matmul_flops_per_token + self.prefill_pairs_per_seq * self.attn_flops_per_pair)
@@ -954,12 +977,12 @@ class CostModel:
         return self._decode_roofline(r, batch, context) + self._decode_comm(r, batch) + step_fixed
 
     def _decode_roofline(self, r: _RolloutGrid, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
-        """max(bytes / (HBM bandwidth x decode_mbu), FLOPs / (bf16 peak x logprob_mfu)) of one decode
+        """max(bytes / (HBM bandwidth x decode_mbu), FLOPs / (rollout peak x logprob_mfu)) of one decode
         step (docs/cost-model.md "Step time"), with
           bytes = non-expert weights + expert bytes x (1 - (1 - k/E)^(batch x DP)) + batch x KV read
           FLOPs = batch x (matmul FLOPs per token + FLOPs per pair x attended keys) / TP"""
         arch, accel, kn = self.arch, self.accel, self.knobs
-        peak = accel.peak_flops("bf16")  # rollout engines serve bf16 whatever the training precision
+        peak = self.rollout_peak_flops()  # the engine's precision, whatever the training's
         k_over_e = arch.moe.top_k / arch.moe.num_experts
         touched = 1.0 - (1.0 - k_over_e) ** (batch * r.dp)
         span = self._span(context)

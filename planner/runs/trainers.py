@@ -429,6 +429,9 @@ def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = F
     if version is not None and trainer != "verl":
         raise SpecError(f"--verl-version is for --to verl, not {trainer}")
     d = _deployment(plan, model_path)
+    if "fp8" in (d.job.precision, d.job.rollout_precision):
+        raise SpecError(f"this plan runs FP8 (training {d.job.precision}, rollout {d.job.rollout_precision}); each trainer sets FP8 with "
+                        "keys of its own (recipes, scaling, the engine's quantization) that the export does not write yet")  # fmt: skip
     if not d.job.colocated:
         raise SpecError(f"this plan puts the rollout on a pool of its own ({d.job.rollout_devices} of {d.cards} devices, max_staleness "
                         f"{d.job.max_staleness}); the export writes colocated configs only (verl's fully-async recipe, NeMo RL's "

@@ -230,6 +230,7 @@ def catalog_listing() -> dict[str, Any]:
                 "usable_bytes": a.usable_bytes,
                 "hbm_bytes_per_s": a.hbm_bytes_per_s,
                 "peak_bf16_flops": a.peak_bf16_flops,
+                "peak_fp8_flops": a.peak_fp8_flops,
                 "intra_node_bytes_per_s": a.intra_node_bytes_per_s,
                 "inter_node_bytes_per_s": a.inter_node_bytes_per_s,
                 "sources": dict(a.sources),
@@ -278,6 +279,7 @@ def render_catalog(listing: dict[str, Any]) -> str:
             f"{a['usable_bytes'] / GIB:.2f}",
             f"{a['hbm_bytes_per_s'] / 1e12:.2f}",
             f"{a['peak_bf16_flops'] / 1e12:.1f}",
+            "-" if a["peak_fp8_flops"] is None else f"{a['peak_fp8_flops'] / 1e12:.0f}",
             f"{a['intra_node_bytes_per_s'] / 1e9:.0f} / {a['inter_node_bytes_per_s'] / 1e9:.0f}",
             a["devices_per_node"],
         ]
@@ -285,7 +287,7 @@ def render_catalog(listing: dict[str, Any]) -> str:
     ]
     out.append(
         table(
-            ["accelerator", "family", "device", "HBM GiB", "usable GiB", "TB/s", "bf16 TFLOPS", "intra/inter GB/s", "per node"],
+            ["accelerator", "family", "device", "HBM GiB", "usable GiB", "TB/s", "bf16 TFLOPS", "fp8 TFLOPS", "intra/inter GB/s", "per node"],
             rows,
             title="Accelerators (per device as the framework counts it; sources in models/accelerators.yaml)",
         )

@@ -15,8 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from planner.cost.fit import fit_all, load_runs, update_mfu_checks
-from planner.cost.knobs import knobs_path
+from planner.cost.fit import fit_all, load_runs, residual_table, update_mfu_checks, validation_effects
+from planner.cost.knobs import knobs_path, load_knobs
 from planner.render import table
 from planner.summary import fmt_ratio, published_fit_rows, published_fit_summary, render_published_fit
 
@@ -51,6 +51,20 @@ def main() -> None:
                 [[c["check"], c["devices"], c["published_mfu"], c["predicted_mfu"], c["ratio"]] for c in checks]))
     lines += ["", "## Actor-update MFU (a check, not fitted)", "", "| check | GPUs | published | predicted | ratio |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {c['check']} | {c['devices']} | {c['published_mfu']} | {c['predicted_mfu']} | {c['ratio']} |" for c in checks]
+    validation = load_runs(section="validation")
+    rows = residual_table(validation, {run.family: load_knobs(run.family) for run in validation})
+    print()
+    print(table(["validation row (not fitted)", "phase", "published s", "predicted s", "ratio"],
+                [[r["run"], r["phase"], f"{r['published_s']:,.1f}", f"{r['predicted_s']:,.1f}", r["ratio"]] for r in rows]))
+    lines += ["", "## Validation rows (mechanisms the fit never saw, predicted with the fitted knobs)", "",
+              "| row | phase | published s | predicted s | ratio |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {r['run']} | {r['phase']} | {r['published_s']:,.2f} | {r['predicted_s']:,.2f} | {r['ratio']} |" for r in rows]
+    effects = validation_effects(validation)
+    print(table(["validation row", "against", "phase", "published effect", "predicted effect"],
+                [[e["run"], e["base"], e["phase"], f"{e['published']:.3f}", f"{e['predicted']:.3f}"] for e in effects]))
+    lines += ["", "Each row's effect against the fitted run it varies (its time over the base run's, published and predicted):", "",
+              "| row | against | phase | published | predicted |", "|---|---|---|---:|---:|"]
+    lines += [f"| {e['run']} | {e['base']} | {e['phase']} | {e['published']:.3f} | {e['predicted']:.3f} |" for e in effects]
     OUT.write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT}")
 

@@ -145,6 +145,30 @@ class Offload:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Speculative:
+    """Speculative decoding in the rollout engine: a draft of `draft_tokens` per sequence, verified in
+    one step that yields `accept_length` tokens on average (the bonus token included), switched on
+    while an engine rank decodes at most `max_batch` sequences (cann-recipes' adaptive switch; 0 for
+    always on)."""
+
+    method: str = "sam"  # sam | ngram | mtp: where the drafts come from (no draft model is costed)
+    draft_tokens: int = 3
+    accept_length: float = 1.0
+    max_batch: int = 0
+
+    def __post_init__(self) -> None:
+        _choice(self.method, ("sam", "ngram", "mtp"), "speculative.method")
+        _int(self.draft_tokens, "speculative.draft_tokens")
+        _num(self.accept_length, "speculative.accept_length", 1.0, self.draft_tokens + 1.0)
+        _int(self.max_batch, "speculative.max_batch", minimum=0)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "speculative") -> "Speculative":
+        check_keys(data, [f.name for f in fields(cls)], where, required=("accept_length",))
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Lengths:
     """A token-length distribution: its mean and maximum (and, for responses, a gamma shape)."""
 
@@ -187,6 +211,9 @@ _JOB_DOC = {
     "recompute": "none | selective | moe | full (activation recomputation in the update; moe: each MoE layer rebuilt from its input in backward)",
     "colocated": "actor, reference and rollout share the devices (time-shared; default true); false puts the rollout on a pool "
     "of its own (rollout_devices) and training on the rest, the trained weights sent across each step",
+    "speculative": "{method: sam | ngram | mtp, draft_tokens (3), accept_length (tokens a verification step yields, the bonus "
+    "token included; measure it), max_batch (speculate only while a rank decodes at most this many sequences; 0: always)}: "
+    "speculative decoding in the rollout; a verification step reads the weights once for draft_tokens + 1 tokens per sequence",
     "rollout_devices": "with colocated: false, the rollout pool's devices (the rest train); searched when absent",
     "max_staleness": "with colocated: false, steps the rollout may run ahead of training (default 0: on-policy, the pools "
     "take turns; k >= 1: generation of step t + k overlaps training of step t, each batch trained k steps after the "
@@ -263,6 +290,7 @@ class Job:
     rollout_max_seqs: int | None = None
     rollout_devices: int | None = None
     max_staleness: int = 0
+    speculative: Speculative | None = None
 
     def __post_init__(self) -> None:
         _choice(self.algorithm, ("grpo", "ppo", "dapo"), "algorithm")
@@ -379,6 +407,8 @@ class Job:
                     raise SpecError(f"{at}: expected a mapping of {', '.join(DISPATCH_PASSES)} to seconds, got {value!r}")
                 check_keys(value or {}, list(DISPATCH_PASSES), at)
                 kw[key] = tuple(sorted((k, _num(v, f"{at}.{k}")) for k, v in (value or {}).items()))
+            elif key == "speculative":
+                kw[key] = None if value is None else Speculative.from_dict(value, at)
             elif key == "train_layout":
                 kw[key] = None if value is None else TrainLayout.from_dict(value, at)
             elif key == "rollout_layout":

@@ -188,3 +188,28 @@ def test_fp8_per_phase_against_the_hand_count_and_refused_without_fp8():
     for job in (Job(rollout_precision="fp8"), Job(precision="fp8")):
         with pytest.raises(SpecError, match="ascend-910b2 .* has no FP8"):
             evaluate(arch, load_accelerator("ascend-910b2"), job, 16)
+
+
+def test_speculative_decoding_shortens_only_the_speculated_steps():
+    """A verification step yields accept_length tokens for the price of one step over draft_tokens + 1
+    tokens a sequence: with speculation always on, more accepted tokens never cost more; a switch at
+    max_batch sequences a rank speculates only in the tail (so saves less than always-on); a job file
+    round-trips it and an accept length beyond the draft + bonus is refused."""
+    from planner.specs import Speculative
+
+    arch, accel = _arch("qwen3-30b-a3b"), load_accelerator("h100-sxm")
+    cand = RolloutCandidates.of([(8, 2, 4, 8)])
+    base = Job(prompts_per_step=64, samples_per_prompt=16, response_tokens=Lengths(mean=4000, max=16384))
+
+    def rollout_s(spec):
+        return float(CostModel(arch, accel, replace(base, speculative=spec)).rollout(cand, kept_train_bytes=0.0).rollout_s[0])
+
+    plain = rollout_s(None)
+    always = [rollout_s(Speculative(draft_tokens=3, accept_length=a)) for a in (1.0, 2.0, 3.0, 4.0)]
+    assert always == sorted(always, reverse=True) and always[0] >= plain and always[-1] < plain
+    tail = rollout_s(Speculative(draft_tokens=3, accept_length=3.0, max_batch=8))
+    assert always[2] < tail < plain
+    job = Job.from_dict({**base.to_dict(), "speculative": {"method": "sam", "draft_tokens": 3, "accept_length": 1.35, "max_batch": 8}})
+    assert job.speculative == Speculative(method="sam", draft_tokens=3, accept_length=1.35, max_batch=8)
+    with pytest.raises(Exception, match="accept_length"):
+        Job.from_dict({"speculative": {"draft_tokens": 3, "accept_length": 5}})

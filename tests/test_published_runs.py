@@ -115,3 +115,15 @@ def test_refit_reproduces_stored_knobs_and_out_of_sample_figures():
 def test_update_mfu_check_within_30_percent(row):
     """Not fitted: the update model's implied MFU against verl's reported actor MFU."""
     assert abs(row["ratio"] - 1) <= 0.30, row
+
+
+def test_the_sam_ablation_is_predicted_as_an_effect_on_its_base_run():
+    """The validation row (SAM speculative decoding, not in the fit) against the fitted run it varies:
+    the predicted effect on the rollout and the step within 0.03 of the published one (0.897 and
+    0.904)."""
+    from planner.cost.fit import load_runs, validation_effects
+
+    effects = validation_effects(load_runs(section="validation"))
+    assert {e["phase"] for e in effects} == {"rollout", "step"}
+    for e in effects:
+        assert abs(e["predicted"] - e["published"]) < 0.03, e

@@ -37,7 +37,7 @@ from planner.cost.knobs import KNOB_BOUNDS, PRIOR, Knobs, knobs_path
 from planner.errors import SpecError
 from planner.specs import Job
 
-__all__ = ["PublishedRun", "load_runs", "predict", "fit", "fit_all", "leave_one_out", "residual_table", "update_mfu_checks", "loo_summary", "step_validation", "PHASES"]
+__all__ = ["PublishedRun", "load_runs", "predict", "fit", "fit_all", "leave_one_out", "residual_table", "validation_effects", "update_mfu_checks", "loo_summary", "step_validation", "PHASES"]
 
 PHASES = ("rollout", "reference", "old_logprob", "update", "switch", "step")
 PRIOR_WEIGHT = 0.05
@@ -58,6 +58,7 @@ class PublishedRun:
     sources: list[str]
     assumed: dict[str, str]
     switch_in: str = "step"  # where the published times count the switch: one of SWITCH_IN
+    base: str | None = None  # a validation row: the fitted run it varies (its effect is the ratio of the two)
 
     @property
     def family(self) -> str:
@@ -68,7 +69,9 @@ def runs_path() -> Path:
     return Path(str(resources.files("planner._calibration"))) / "published_runs.yaml"
 
 
-def load_runs(path: str | Path | None = None) -> list[PublishedRun]:
+def load_runs(path: str | Path | None = None, section: str = "runs") -> list[PublishedRun]:
+    """The published runs the knobs are fitted to (`runs`), or the rows that only check them
+    (`validation`)."""
     from planner.errors import SpecError
     from planner.files import read_yaml
 
@@ -78,7 +81,7 @@ def load_runs(path: str | Path | None = None) -> list[PublishedRun]:
         raise SpecError(f"{where}: not a published-runs file (a 'runs:' list of runs; see calibration/published_runs.yaml)")
     required = ("id", "title", "model", "hardware", "devices", "job", "published")
     out = []
-    for n, r in enumerate(data["runs"]):
+    for n, r in enumerate(data.get(section) or []):
         missing = [k for k in required if not isinstance(r, dict) or k not in r]
         if missing:
             raise SpecError(f"{where}: run {n + 1} ({r.get('id', '?') if isinstance(r, dict) else r!r}) lacks {', '.join(missing)}")
@@ -94,6 +97,7 @@ def load_runs(path: str | Path | None = None) -> list[PublishedRun]:
                 sources=list(r.get("sources", [])),
                 assumed=dict(r.get("assumed", {})),
                 switch_in=_switch_in(r, where),
+                base=r.get("base"),
             )
         )
     return out
@@ -210,6 +214,26 @@ def fit(runs: list[PublishedRun], *, rounds: int = 6) -> tuple[dict[str, Knobs],
         step /= 2.0
     fitted = {f: _knobs_of(params, f) for f in families}
     return fitted, best
+
+
+def validation_effects(rows: list[PublishedRun], runs: list[PublishedRun] | None = None) -> list[dict[str, Any]]:
+    """Each validation row's effect against the fitted run it varies: its phase time over the base
+    run's, published and predicted (the stored knobs), where both publish the phase."""
+    from planner.cost.knobs import load_knobs
+
+    bases = {r.id: r for r in (runs if runs is not None else load_runs())}
+    out = []
+    for row in rows:
+        base = bases.get(row.base) if row.base else None
+        if base is None:
+            continue
+        knobs = load_knobs(row.family)
+        pred_row, pred_base = _predicted_phases(row, predict(row, knobs)), _predicted_phases(base, predict(base, knobs))
+        for phase in PHASES:
+            if phase in row.published and phase in base.published:
+                out.append({"run": row.id, "base": base.id, "phase": phase, "published": row.published[phase] / base.published[phase],
+                            "predicted": pred_row[phase] / pred_base[phase]})  # fmt: skip
+    return out
 
 
 def residual_table(runs: list[PublishedRun], knobs_by_family: dict[str, Knobs]) -> list[dict[str, Any]]:

@@ -960,34 +960,45 @@ class CostModel:
         surviving batch (concurrency x survival) and the bin's context, plus, when a DP rank has
         more sequences than the KV pool holds, (sequences - concurrency) x mean length /
         concurrency full-batch steps at the live context."""
-        L, prompt = self.lengths, self.job.prompt_tokens.mean
+        L, prompt, spec = self.lengths, self.job.prompt_tokens.mean, self.job.speculative
         # decode: sum over step bins of the step time at the live batch
         decode = np.zeros_like(r.tp)
         for steps, survival, mid in zip(L.bin_steps, L.survival, L.bin_mid):
-            decode = decode + steps * self._decode_step(r, step_fixed, kv.conc * survival, np.full_like(r.tp, prompt + mid))
+            batch, context = kv.conc * survival, np.full_like(r.tp, prompt + mid)
+            plain = steps * self._decode_step(r, step_fixed, batch, context)
+            if spec is not None:
+                # speculation where the rank's batch is at most max_batch: accept_length tokens a
+                # step, each step verifying draft_tokens + 1 tokens of every sequence
+                on = batch <= spec.max_batch if spec.max_batch else np.ones_like(batch, dtype=bool)
+                verify = steps / spec.accept_length * self._decode_step(r, step_fixed, batch, context, spec.draft_tokens + 1)
+                plain = np.where(on, verify, plain)
+            decode = decode + plain
         # more sequences than the KV pool holds: full-batch steps until the queue drains
         extra_steps = np.maximum(kv.n_rank - kv.conc, 0.0) * L.mean / kv.conc
         decode = decode + extra_steps * self._decode_step(r, step_fixed, kv.conc, np.full_like(r.tp, kv.live_ctx))
         return decode, extra_steps
 
-    def _decode_step(self, r: _RolloutGrid, step_fixed: np.ndarray, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
-        """One decode step at `batch` sequences per DP rank and `context` tokens: the roofline time
+    def _decode_step(self, r: _RolloutGrid, step_fixed: np.ndarray, batch: np.ndarray, context: np.ndarray, tokens: int = 1) -> np.ndarray:
+        """One decode step at `batch` sequences per DP rank and `context` tokens, `tokens` new tokens
+        per sequence (a speculative verification step: the drafts and the bonus): the roofline time
         (`_decode_roofline`) + the per-layer communication (`_decode_comm`) + the fixed cost
         (`_decode_step_fixed`) (docs/cost-model.md "Step time")."""
-        return self._decode_roofline(r, batch, context) + self._decode_comm(r, batch) + step_fixed
+        return self._decode_roofline(r, batch, context, tokens) + self._decode_comm(r, batch * tokens) + step_fixed
 
-    def _decode_roofline(self, r: _RolloutGrid, batch: np.ndarray, context: np.ndarray) -> np.ndarray:
+    def _decode_roofline(self, r: _RolloutGrid, batch: np.ndarray, context: np.ndarray, tokens: int = 1) -> np.ndarray:
         """max(bytes / (HBM bandwidth x decode_mbu), FLOPs / (rollout peak x logprob_mfu)) of one decode
         step (docs/cost-model.md "Step time"), with
-          bytes = non-expert weights + expert bytes x (1 - (1 - k/E)^(batch x DP)) + batch x KV read
-          FLOPs = batch x (matmul FLOPs per token + FLOPs per pair x attended keys) / TP"""
+          bytes = non-expert weights + expert bytes x (1 - (1 - k/E)^(tokens x batch x DP)) + batch x KV read
+          FLOPs = tokens x batch x (matmul FLOPs per token + FLOPs per pair x attended keys) / TP
+        with `tokens` new tokens per sequence (1; a speculative verification step's drafts + 1, which
+        read each sequence's KV once)."""
         arch, accel, kn = self.arch, self.accel, self.knobs
         peak = self.rollout_peak_flops()  # the engine's precision, whatever the training's
         k_over_e = arch.moe.top_k / arch.moe.num_experts
-        touched = 1.0 - (1.0 - k_over_e) ** (batch * r.dp)
+        touched = 1.0 - (1.0 - k_over_e) ** (tokens * batch * r.dp)
         span = self._span(context)
         nbytes = r.nonexpert_bytes + r.expert_bytes * touched + batch * r.kv_tok * span / arch.num_layers
-        flops = batch * (self.matmul_flops_per_token + self.attn_flops_per_pair * span) / r.tp
+        flops = tokens * batch * (self.matmul_flops_per_token + self.attn_flops_per_pair * span) / r.tp
         return np.maximum(nbytes / (accel.hbm_bytes_per_s * kn.decode_mbu), flops / (peak * kn.logprob_mfu))
 
     def _decode_comm(self, r: _RolloutGrid, batch: np.ndarray) -> np.ndarray:

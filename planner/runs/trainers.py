@@ -891,7 +891,7 @@ def _mindspeed_job(f: dict, n: Callable, lengths: Callable, notes: list[str]) ->
     if kw["recompute"] == "full" and f.get(f"{a}.recompute_num_layers") is not None:
         notes.append(f"recompute_granularity full with recompute_method {f.get(f'{a}.recompute_method')} and recompute_num_layers "
                      f"{f.get(f'{a}.recompute_num_layers')}: planner counts every layer as recomputed")  # fmt: skip
-    if f.get(f"{a}.stage") == "ray_dapo" and (f.get("rl_config.clip_higher_enable") or f.get("rl_config.overlong_buffer_enable")):
+    if stage == "ray_dapo" and (f.get("rl_config.clip_higher_enable") or f.get("rl_config.overlong_buffer_enable")):
         notes.append("DAPO's clip-higher and overlong buffer change the loss, not the cost: the job does not carry them")
     return kw, n("rl_config.actor_resource.num_npus")
 

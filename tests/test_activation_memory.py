@@ -152,3 +152,24 @@ def test_model_state_bytes_exact(family, precision):
     )
     predicted = cost_model(config, precision, "none").model_state_bytes()
     assert predicted == {"weights": weights, "grads": grads, "optimizer": moments}
+
+
+def test_megatron_routed_copy_keeps_what_its_core_version_saves():
+    """A routed copy under Megatron, from the tensor shapes (Qwen3-235B: h 4096, expert width 1536):
+    Megatron-Core 0.13+ weighs the copy by its probability in the SwiGLU (fp32 probability kept, fc2
+    output not); the older core under MindSpeed keeps the fc2 output for unpermute to weigh. The cost
+    model takes the first on GPUs and the second on Ascend."""
+    from planner.catalog import load_model
+    from planner.cost.activations import layer_activation_bytes
+
+    arch = load_model("qwen3-235b-a22b")
+    h, i, k = 4096, 1536, 8
+    new = layer_activation_bytes(arch, act_bytes=2, backend="megatron", recompute="none", probs="activation")
+    old = layer_activation_bytes(arch, act_bytes=2, backend="megatron", recompute="none", probs="unpermute")
+    assert new.routed_per_copy == 2 * (h + 3 * i) + 4 and old.routed_per_copy == 2 * (h + 3 * i + h)
+    assert (new.attention, new.moe_fixed) == (old.attention, old.moe_fixed)  # only the routed copies differ
+    with pytest.raises(ValueError, match="probs must be one of"):
+        layer_activation_bytes(arch, act_bytes=2, backend="megatron", recompute="none", probs="combine")
+    job = Job(trainer_backend="megatron")
+    assert CostModel(arch, load_accelerator("h100-sxm"), job).act_routed == k * new.routed_per_copy
+    assert CostModel(arch, load_accelerator("atlas-a3"), job).act_routed == k * old.routed_per_copy

@@ -9,8 +9,12 @@ pass. The coefficients differ with the kernels that run:
 memory"):
   fused RMSNorm keeps its input and the fp32 inverse RMS; a linear keeps its input; flash attention
   keeps q, k, v, its output and the fp32 log-sum-exp per head; fused SwiGLU keeps its input only;
-  a routed copy keeps the permuted input, the fc1 output (gate|up), the SwiGLU output and the fc2
-  output (unpermute weights it by the router probability); the router keeps fp32 logits and probs.
+  a routed copy keeps the permuted input, the fc1 output (gate|up) and the SwiGLU output, and where
+  the router probability weighs it: `probs="unpermute"` (Megatron-Core up to 0.12, the base of
+  MindSpeed-RL and of verl's MindSpeed on Ascend) the fc2 output, which unpermute keeps to weigh;
+  `probs="activation"` (Megatron-Core 0.13 and later, "memory-efficient token permutation", what
+  verl's and NeMo RL's GPU images run) the fp32 probability, which the weighted SwiGLU keeps, and
+  unpermute keeps nothing. The router keeps fp32 logits and probs.
 
 `transformers` (transformers' own modeling code, as verl's FSDP backend runs it): what autograd
 actually saves there, read op by op from the models (tests/test_activation_memory.py measures it
@@ -39,6 +43,7 @@ __all__ = ["LayerActivations", "layer_activation_bytes", "output_activation_byte
 
 FP32 = 4
 INDEX = 8  # int64 token indices
+PROBS = ("unpermute", "activation")  # where Megatron weighs a routed copy by its router probability
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,9 @@ def _swiglu_mlp(width: int, act: int, backend: str) -> float:
     return act * 3 * width  # fc1 out (gate|up, fused SwiGLU input), SwiGLU out (fc2 input)
 
 
-def layer_activation_bytes(arch: Architecture, *, act_bytes: int, backend: str, recompute: str) -> LayerActivations:
+def layer_activation_bytes(
+    arch: Architecture, *, act_bytes: int, backend: str, recompute: str, probs: str = "unpermute"
+) -> LayerActivations:
     h, moe = arch.hidden_size, arch.moe
     attention = _attention(arch, act_bytes, backend)
     post_norm = _rmsnorm(h, act_bytes, backend) + act_bytes * h  # post-attention norm, its output
@@ -123,7 +130,10 @@ def layer_activation_bytes(arch: Architecture, *, act_bytes: int, backend: str, 
         per_copy += weight_bytes + 3 * INDEX  # routing weight, three index tensors per copy
     else:
         router += FP32 * num_experts  # logits kept fp32 as well
-        per_copy = act_bytes * (h + 3 * moe.expert_intermediate + h)
+        if probs not in PROBS:
+            raise ValueError(f"probs must be one of {PROBS}, not {probs!r}")
+        per_copy = act_bytes * (h + 3 * moe.expert_intermediate)  # permuted input, fc1 out, SwiGLU out
+        per_copy += act_bytes * h if probs == "unpermute" else FP32  # fc2 output, or the copy's probability
     shared = 0.0
     if moe.shared_intermediate:
         shared = _swiglu_mlp(moe.shared_intermediate, act_bytes, backend)

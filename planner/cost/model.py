@@ -227,6 +227,12 @@ class _RolloutGrid(NamedTuple):
     inst_bw: np.ndarray
 
 
+# Where Megatron weighs a routed copy by its router probability, which sets what the copy keeps for
+# backward (planner.cost.activations): Megatron-Core 0.13 and later (verl's and NeMo RL's GPU images)
+# in the SwiGLU; the older Megatron-Core that MindSpeed builds on (MindSpeed-RL: core_r0.8.0) in unpermute
+ROUTED_PROBS = {"nvidia": "activation", "ascend": "unpermute"}
+
+
 class _KV(NamedTuple):
     budget: np.ndarray
     seq_max: np.ndarray  # KV bytes of one longest sequence
@@ -256,7 +262,8 @@ class CostModel:
         self._prefix = {f: np.concatenate([[0], np.cumsum([getattr(p, f) for p in lp])]).astype(float) for f in fields_}
         is_moe = np.array([i in arch.moe_layers for i in range(arch.num_layers)], dtype=float)
         self._prefix["moe"] = np.concatenate([[0], np.cumsum(is_moe)])
-        act = layer_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend, recompute=job.recompute)
+        probs = ROUTED_PROBS[self.accel.family]
+        act = layer_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend, recompute=job.recompute, probs=probs)
         self.act = act
         k = arch.moe.top_k
         # per token, per layer kind, at imbalance 1 (the routed part scales separately)
@@ -266,7 +273,7 @@ class CostModel:
         self.act_output = output_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend)
         # what one layer holds while it runs, whatever the update recomputes: forward-only passes,
         # and the MoE layer that recompute moe rebuilds in backward
-        whole = layer_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend, recompute="none")
+        whole = layer_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend, recompute="none", probs=probs)
         self.work_moe_layer = whole.attention + whole.moe_fixed
         self.work_moe_inside = whole.moe_fixed - act.moe_fixed  # rebuilt in backward under recompute moe
         self.work_routed = whole.routed_per_copy * k

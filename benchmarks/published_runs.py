@@ -15,7 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from planner.cost.fit import fit_all, load_runs, residual_table, update_mfu_checks, validation_effects
+from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN
+from planner.cost.fit import fit_all, load_runs, memory_headroom, residual_table, update_mfu_checks, validation_effects
 from planner.cost.knobs import knobs_path, load_knobs
 from planner.render import table
 from planner.summary import fmt_ratio, published_fit_rows, published_fit_summary, render_published_fit
@@ -65,6 +66,18 @@ def main() -> None:
     lines += ["", "Each row's effect against the fitted run it varies (its time over the base run's, published and predicted):", "",
               "| row | against | phase | published | predicted |", "|---|---|---|---:|---:|"]
     lines += [f"| {e['run']} | {e['base']} | {e['phase']} | {e['published']:.3f} | {e['predicted']:.3f} |" for e in effects]
+    headroom = memory_headroom(load_runs() + validation)
+    gib = 2.0**30
+    cells = [[h["run"], h["hardware"], h["devices"], f"{h['train_peak_bytes'] / gib:.1f}", f"{h['usable_bytes'] / gib:.1f}",
+              f"{h['train_free']:.1%}", "yes" if h["clears_default_margin"] else "NO", f"{h['rollout_bytes'] / gib:.1f}",
+              f"{h['host_bytes_per_node'] / gib:,.0f} / {h['host_limit_bytes_per_node'] / gib:,.0f}"] for h in headroom]  # fmt: skip
+    head = ["run", "hardware", "devices", "training peak GiB", "usable GiB", "free", f"clears {DEFAULT_MEMORY_MARGIN:.0%}",
+            "rollout GiB", "host GiB per node / limit"]  # fmt: skip
+    print()
+    print(table(head, cells))
+    lines += ["", f"## Memory headroom at each run's own layout (default margin {DEFAULT_MEMORY_MARGIN:.0%} of usable memory kept free in training)", "",
+              "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]  # fmt: skip
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in cells]
     OUT.write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT}")
 

@@ -127,3 +127,19 @@ def test_the_sam_ablation_is_predicted_as_an_effect_on_its_base_run():
     assert {e["phase"] for e in effects} == {"rollout", "step"}
     for e in effects:
         assert abs(e["predicted"] - e["published"]) < 0.03, e
+
+
+def test_every_published_run_clears_the_default_memory_margin_and_its_host_memory():
+    """The margin `cost`, `suggest` and `preflight` keep free must accept the runs that ran: each
+    fitted and validation run, at its own layout and device count, at the default."""
+    from planner.catalog import load_accelerator, load_model
+    from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN, evaluate
+    from planner.cost.fit import memory_headroom
+
+    runs = load_runs() + load_runs(section="validation")
+    rows = memory_headroom(runs)
+    assert [r["run"] for r in rows] == [r.id for r in runs]
+    for run, row in zip(runs, rows):
+        assert row["clears_default_margin"] == (row["train_free"] >= DEFAULT_MEMORY_MARGIN)
+        assert row["clears_default_margin"] and row["host_bytes_per_node"] <= row["host_limit_bytes_per_node"], row
+        assert evaluate(load_model(run.model), load_accelerator(run.hardware), run.job, run.devices).feasible, run.id

@@ -521,6 +521,18 @@ def test_variance_components_fall_back_to_anova_which_equals_reml_on_balanced_gr
     assert _anova_components(flat, np.repeat(np.arange(3), 4))[0] == 0.0
 
 
+def test_a_between_original_variance_on_the_boundary_is_exactly_zero():
+    """Group means planted equal: REML stops at the boundary, where the optimiser's last digits
+    differ between machines; the estimate is stored as 0, so a refit gives the same file anywhere."""
+    from planner.fidelity.learners import _variance_components
+
+    groups = np.repeat(np.arange(5), 8)
+    within = np.random.default_rng(1).normal(0.0, 0.3, 8)
+    y = np.tile(within - within.mean(), 5)  # every original's residuals alike: no spread between them
+    between, sd = _variance_components(y, groups)
+    assert between == 0.0 and sd == pytest.approx(np.std(y, ddof=1), rel=1e-3)  # REML with no groups: the sample SD
+
+
 @pytest.mark.slow
 def test_a_grid_run_a_recipe_at_a_time_fills_the_same_studies_and_merges(mini_grid, tmp_path):
     """`calibrate run --recipes`: the cheap static recipes first, the rest later. The workers measure only

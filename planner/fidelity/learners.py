@@ -29,6 +29,9 @@ def _folds(n: int, groups, random_state) -> np.ndarray:
     return np.random.default_rng(random_state).permutation(n) % min(5, n)
 
 
+BOUNDARY = 1e-4  # a between-original variance below this share of the within variance is zero (SD ratio 0.01)
+
+
 def _variance_components(residuals: np.ndarray, groups) -> tuple[float, float]:
     """(SD between groups, SD within) of `residuals` by a random-intercept model (statsmodels
     MixedLM, REML); NaN with fewer than 3 groups."""
@@ -44,7 +47,11 @@ def _variance_components(residuals: np.ndarray, groups) -> tuple[float, float]:
             fit = MixedLM(residuals, np.ones((len(residuals), 1)), groups=np.asarray(groups)).fit(reml=True)
         except np.linalg.LinAlgError:  # a singular information matrix (a degenerate subset of rows): the ANOVA estimate
             return _anova_components(np.asarray(residuals, dtype=float), np.asarray(groups))
-    between = max(float(np.asarray(fit.cov_re)[0, 0]), 0.0)
+    between = float(np.asarray(fit.cov_re)[0, 0])
+    # on the boundary the optimiser stops at a variance of 1e-10 or so, whose value differs from one
+    # machine's BLAS to another's: below BOUNDARY of the within variance it is zero
+    if between < BOUNDARY * fit.scale:
+        between = 0.0
     return float(np.sqrt(between)), float(np.sqrt(fit.scale))
 
 

@@ -218,6 +218,10 @@ _JOB_DOC = {
     "max_staleness": "with colocated: false, steps the rollout may run ahead of training (default 0: on-policy, the pools "
     "take turns; k >= 1: generation of step t + k overlaps training of step t, each batch trained k steps after the "
     "weights that generated it)",
+    "partial_rollout": "with max_staleness >= 1: the engine keeps generating across weight updates and for later steps "
+    "(NeMo RL's async GRPO with in_flight_weight_updates, verl's fully-async partial rollout): the weight sync overlaps "
+    "generation, and up to max_staleness + 1 steps' sequences decode at once (default false: whole batches, the "
+    "generation pool waiting for the weights)",
     "offload": "{params, grads, optimizer}: moved to host while another phase runs",
     "reference_model": "a frozen reference model for the KL term (one forward pass per step)",
     "skip_old_logprob": "on-policy: the old log-prob pass is skipped (equals the detached current)",
@@ -290,6 +294,7 @@ class Job:
     rollout_max_seqs: int | None = None
     rollout_devices: int | None = None
     max_staleness: int = 0
+    partial_rollout: bool = False
     speculative: Speculative | None = None
 
     def __post_init__(self) -> None:
@@ -329,6 +334,8 @@ class Job:
         if self.rollout_devices is not None:
             _int(self.rollout_devices, "rollout_devices")
         _int(self.max_staleness, "max_staleness", minimum=0)
+        if self.partial_rollout and not self.max_staleness:
+            raise SpecError("partial_rollout generates ahead of training: it needs colocated: false and max_staleness >= 1")
         if self.colocated and (self.rollout_devices is not None or self.max_staleness):
             raise SpecError(f"rollout_devices and max_staleness describe separate pools: set colocated: false with them "
                             f"(got rollout_devices {self.rollout_devices}, max_staleness {self.max_staleness})")  # fmt: skip
@@ -413,7 +420,7 @@ class Job:
                 kw[key] = None if value is None else TrainLayout.from_dict(value, at)
             elif key == "rollout_layout":
                 kw[key] = None if value is None else RolloutLayout.from_dict(value, at)
-            elif key in ("colocated", "reference_model", "skip_old_logprob", "distributed_optimizer", "optimizer_swap", "rollout_graphs"):
+            elif key in ("colocated", "reference_model", "skip_old_logprob", "distributed_optimizer", "optimizer_swap", "rollout_graphs", "partial_rollout"):
                 kw[key] = _bool(value, at)
             elif key in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "mini_batches"):
                 kw[key] = _int(value, at)

@@ -22,12 +22,14 @@ def setup():
     return Architecture.from_config(config, name=name), load_accelerator("h20")
 
 
-def simulate(generate: float, train: float, sync: float, staleness: int, steps: int = 400) -> tuple[float, float, float]:
+def simulate(generate: float, train: float, sync: float, staleness: int, steps: int = 400, partial: bool = False) -> tuple[float, float, float]:
     """Event times of the pipeline, step by step: batch i is generated with the weights of step
     i - staleness (so it waits for that sync), training step i waits for its batch and the previous
     sync, and a sync waits for the training step and for the rollout to finish the last batch it
-    may generate before new weights (i + staleness). Returns the steady-state step and each pool's
-    busy share over the last half."""
+    may generate before new weights (i + staleness). With partial rollout the engine never waits for
+    weights (they arrive in flight) and a sync waits for training alone; generation of batch i may
+    start once training has taken batch i - staleness - 1 off the queue. Returns the steady-state
+    step and each pool's busy share over the last half."""
     gen_done, train_done, sync_done = {}, {}, {}
 
     def weights_ready(i: int) -> float:  # the sync that delivers the weights batch i is generated with
@@ -38,8 +40,12 @@ def simulate(generate: float, train: float, sync: float, staleness: int, steps: 
         gen_done[i] = (gen_done.get(i - 1, 0.0) if i else 0.0) + generate
     for i in range(steps):
         train_done[i] = max(sync_done.get(i - 1, 0.0), gen_done[i]) + train
-        sync_done[i] = max(train_done[i], gen_done[i + staleness]) + sync
         nxt = i + staleness + 1
+        if partial:
+            sync_done[i] = train_done[i] + sync
+            gen_done[nxt] = max(gen_done[nxt - 1], train_done[i] - train) + generate
+            continue
+        sync_done[i] = max(train_done[i], gen_done[i + staleness]) + sync
         gen_done[nxt] = max(gen_done[nxt - 1], weights_ready(nxt)) + generate
     half = steps // 2
     period = (sync_done[steps - 1] - sync_done[half - 1]) / (steps - half)
@@ -94,6 +100,25 @@ def test_off_policy_pools_beat_on_policy_pools_and_nothing_is_offloaded(setup):
     from planner.arch.params import count_parameters
 
     assert sync["sent across the pools"] == pytest.approx(count_parameters(arch).total * 2 / accel.inter_node_bytes_per_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("staleness", [1, 4])
+def test_partial_rollout_hides_the_sync_behind_generation_and_pays_the_tail_once_for_the_queue(setup, staleness):
+    """With partial rollout (NeMo RL's in-flight weight updates, verl's fully-async) the step is the
+    slower of generation and training + sync, as the event simulation gives; one step's rollout is
+    the rollout of staleness + 1 steps' sequences over staleness + 1, never longer than a batch's own."""
+    arch, accel = setup
+    base = replace(JOB, colocated=False, max_staleness=staleness, rollout_devices=16)
+    whole, partial = evaluate(arch, accel, base, 32), evaluate(arch, accel, replace(base, partial_rollout=True), 32)
+    assert whole.feasible and partial.feasible
+    p = partial.phase_times_s
+    generate, train = p["rollout"] + p["reward"], p["reference"] + p["old_logprob"] + p["update"]
+    assert partial.step_time_s == pytest.approx(max(generate, train + p["weight_sync"]), rel=1e-12)
+    period, gen_busy, _ = simulate(generate, train, p["weight_sync"], staleness, partial=True)
+    assert period == pytest.approx(partial.step_time_s, rel=1e-9) and gen_busy == pytest.approx(partial.pools["rollout_busy"], rel=1e-9)
+    assert p["rollout"] <= whole.phase_times_s["rollout"] and partial.step_time_s <= whole.step_time_s
+    with pytest.raises(SpecError, match="partial_rollout generates ahead of training"):
+        replace(JOB, colocated=False, partial_rollout=True)
 
 
 def test_pool_settings_are_checked(setup):

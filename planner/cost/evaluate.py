@@ -266,7 +266,7 @@ class _Evaluator:
         ti, reasons = self._fit_train(tc, te, te.update_s + te.reference_s + te.old_logprob_s + te.values_s + te.switch_gather_s)
         if ti is None:
             return self._infeasible(devices, [where + r for r in reasons], len(tc) + len(rc), self._train_layout(tc, reasons.best))
-        re = m.rollout(rc, kept_train_bytes=0.0)
+        re = self._pool_rollout(rc)
         ri, reasons = self._fit_rollout(rc, re, 0.0)
         if ri is None:
             return self._infeasible(devices, [where + r for r in reasons], len(tc) + len(rc), self._train_layout(tc, ti), rc.layout(reasons.best))
@@ -274,15 +274,32 @@ class _Evaluator:
         phases["weight_sync"] = sync = m.pool_sync_seconds(te, ti, re, ri)
         generate = phases["rollout"] + phases["reward"]
         train = sum(phases[p] for p in ("reference", "old_logprob", "values", "update") if p in phases)
-        overlap = min(generate, train) if job.max_staleness else 0.0
+        # off-policy, generation of a later step overlaps training; with partial rollout the engine
+        # also keeps generating while the weights arrive, so the sync hides behind generation too
+        overlap = (min(generate, train + sync) if job.partial_rollout else min(generate, train)) if job.max_staleness else 0.0
         step = sum(phases.values()) - overlap
         pools = {"rollout_devices": rollout_devices, "train_devices": train_devices, "max_staleness": job.max_staleness,
                  "rollout_busy": generate / step, "train_busy": train / step, "weight_sync_s": sync, "policy_lag_steps": job.max_staleness,
+                 "partial_rollout": job.partial_rollout,
                  "bound_by": "rollout" if generate >= train else "training"}  # fmt: skip
         memory = self._memory(te, ti, re, ri, None)
         result = self._result(devices, tc, te, ti, rc, re, ri, phases, memory, overlap=overlap, pools=pools)
         result.notes.insert(0, self._pools_note(pools))
         return result
+
+    def _pool_rollout(self, rc):
+        """The rollout pool's time per step. With partial rollout the engine takes the sequences of up
+        to max_staleness + 1 steps at once (the queue runs ahead of training), so one step's share is
+        that larger batch's rollout over max_staleness + 1: its long tail is paid once for all of them,
+        and the KV pool and max_num_seqs still bound what decodes at once."""
+        job = self.job
+        if not job.partial_rollout:
+            return self.model.rollout(rc, kept_train_bytes=0.0)
+        ahead = job.max_staleness + 1
+        streamed = CostModel(self.arch, self.accel, dataclasses.replace(job, prompts_per_step=job.prompts_per_step * ahead), self.model.knobs)
+        re = streamed.rollout(rc, kept_train_bytes=0.0)
+        return dataclasses.replace(re, prefill_s=re.prefill_s / ahead, decode_s=re.decode_s / ahead, rollout_s=re.rollout_s / ahead,
+                                   sequences_per_rank=re.sequences_per_rank / ahead)  # fmt: skip
 
     def _pools_note(self, p: dict[str, Any]) -> str:
         unit = self.accel.device_unit
@@ -291,8 +308,10 @@ class _Evaluator:
                 f"{p['train_busy']:.0%} of the step")  # fmt: skip
         if not p["max_staleness"]:
             return head + "; on-policy (max_staleness 0): the pools take turns, each idle while the other works"
+        partial = (f"; partial rollout: the engine keeps generating through the sync, up to {p['max_staleness'] + 1} steps' sequences "
+                   f"at once" if p["partial_rollout"] else "")  # fmt: skip
         return (head + f"; generation of step t + {p['max_staleness']} overlaps training of step t (bound by the {p['bound_by']} pool), "
-                f"so each batch is trained {p['policy_lag_steps']} step(s) after the weights that generated it")  # fmt: skip
+                f"so each batch is trained {p['policy_lag_steps']} step(s) after the weights that generated it" + partial)  # fmt: skip
 
     def _no_layouts(self, tc, train_devices: int, rc, rollout_devices: int) -> list[str]:
         unit, arch = self.accel.device_unit, self.arch

@@ -332,6 +332,30 @@ def test_job_from_nemo_rl_follows_its_defaults_inheritance(config, expect, tmp_p
     assert result.exit_code == 0 and json.loads(result.stdout)["feasible"], result.output[-400:]
 
 
+NEMO_V06 = Path(__file__).parent / "data" / "nemo-rl-r0.6.0" / "examples" / "configs" / "recipes" / "llm" / "performance"
+
+
+@pytest.mark.parametrize("recipe, expect", [
+    ("grpo-qwen3-30ba3b-4n8g-async-1off", dict(cards=32, pools=(16, 1), train=(1, 2, 8), rollout_tp=2, precision=("bf16", "bf16"), micro=4096)),
+    ("grpo-qwen3-30ba3b-24n8g-async-8off", dict(cards=192, pools=(64, 8), train=(1, 1, 8), rollout_tp=2, precision=("bf16", "bf16"), micro=4096)),
+    ("grpo-qwen3-235b-32n8g-async-1off", dict(cards=256, pools=(128, 1), train=(4, 8, 16), rollout_tp=8, precision=("bf16", "bf16"), micro=8192)),
+    ("grpo-deepseek-v3-64n8g-fp8-async-1off", dict(cards=512, pools=(256, 1), train=(1, 16, 16), rollout_tp=16, precision=("fp8", "fp8"),
+                                                   micro=1536)),
+])  # fmt: skip
+def test_nemo_rl_v06_off_policy_and_fp8_recipes_read_as_the_tables_ran_them(recipe, expect):
+    """NeMo RL r0.6.0's own performance recipes: separate pools and the trajectory age (async GRPO),
+    FP8 in training (fp8_cfg) and generation (vllm_cfg.precision), sequence packing's micro-batch
+    (max_total_sequence_length x train_micro_batch_size), and the old log-prob pass NeMo RL's GRPO step
+    always runs (prev_logprobs); values read off the files by hand."""
+    from planner.runs.trainers import job_from
+
+    job, cards, notes = job_from("nemo-rl", NEMO_V06 / f"{recipe}.yaml")
+    lay = job.train_layout
+    got = dict(cards=cards, pools=(job.rollout_devices, job.max_staleness), train=(lay.tp, lay.pp, lay.ep), rollout_tp=job.rollout_layout.tp,
+               precision=(job.precision, job.rollout_precision), micro=job.micro_batch_tokens)  # fmt: skip
+    assert got == expect and not job.colocated and not job.skip_old_logprob and job.partial_rollout  # in_flight_weight_updates: true
+
+
 def test_nemo_rl_inheritance_override_marker_and_a_missing_parent(tmp_path):
     from planner.runs.trainers import _inherited
 

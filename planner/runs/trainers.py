@@ -748,6 +748,19 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
                                            etp=f.get(f"{mega}.expert_tensor_parallel_size")),
                   rollout_layout=_nemo_rollout(n("policy.generation.vllm_cfg.tensor_parallel_size"),
                                                int(f.get("policy.generation.vllm_cfg.expert_parallel_size", 1))))  # fmt: skip
+        # sequence packing (dynamic batching alike): each training micro-batch packs up to
+        # max_total_sequence_length x train_micro_batch_size tokens (its train_mb_tokens)
+        if f.get("policy.sequence_packing.enabled") or f.get("policy.dynamic_batching.enabled"):
+            kw["micro_batch_tokens"] = total * n("policy.train_micro_batch_size")
+        # NeMo RL's GRPO step computes the policy's log-probs before training, whatever the number of
+        # updates (nemo_rl/algorithms/grpo.py: train_data["prev_logprobs"] = policy.get_logprobs(...))
+        kw["skip_old_logprob"] = False
+        # FP8: Megatron's fp8_cfg for training, vLLM's precision for generation
+        if f.get(f"{mega}.fp8_cfg.enabled"):
+            kw["precision"] = "fp8"
+            notes.append(f"{mega}.fp8_cfg.enabled: training in FP8 ({f.get(f'{mega}.fp8_cfg.fp8_recipe', 'its recipe')} scaling)")
+        if f.get("policy.generation.vllm_cfg.precision") == "fp8":
+            kw["rollout_precision"] = "fp8"
         if f.get("policy.generation.vllm_cfg.enforce_eager") is not None:
             kw["rollout_graphs"] = not f["policy.generation.vllm_cfg.enforce_eager"]
         if f.get("policy.generation.vllm_kwargs.max_num_seqs") is not None:
@@ -791,11 +804,11 @@ def _nemo_pools(f: dict, n: Callable, cards: int, notes: list[str]) -> dict[str,
     key = "policy.generation.colocated.resources"
     rollout = n(f"{key}.gpus_per_node") if n("cluster.num_nodes") == 1 else n(f"{key}.num_nodes") * n("cluster.gpus_per_node")
     staleness = int(f.get("grpo.async_grpo.max_trajectory_age_steps") or 1) if f.get("grpo.async_grpo.enabled") else 0
+    partial = bool(staleness and f.get("grpo.async_grpo.in_flight_weight_updates"))
     notes.append(f"separate pools: {rollout} generation and {cards - rollout} training GPUs"
                  + (f", async GRPO {staleness} step(s) ahead" if staleness else ", synchronous (on-policy)")
-                 + ("; in-flight weight updates (generation keeps running through a sync) are not modelled"
-                    if f.get("grpo.async_grpo.in_flight_weight_updates") and staleness else ""))  # fmt: skip
-    return {"colocated": False, "rollout_devices": rollout, "max_staleness": staleness}
+                 + ("; in-flight weight updates: generation keeps running through a sync (partial_rollout)" if partial else ""))  # fmt: skip
+    return {"colocated": False, "rollout_devices": rollout, "max_staleness": staleness, "partial_rollout": partial}
 
 
 def _nemo_rollout(tp: int, ep: int):

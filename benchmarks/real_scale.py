@@ -92,6 +92,8 @@ def main() -> None:
     from planner.rl.probe import probe_pair
 
     grid = Grid()
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()

@@ -273,6 +273,28 @@ def test_the_235b_script_fits_its_32_h20_as_it_ran_and_the_current_one_is_named_
     assert result.exit_code == 0 and json.loads(result.stdout)["feasible"]
 
 
+def test_verls_fully_async_script_reads_as_separate_pools_with_partial_rollout(tmp_path):
+    """verl's fully-async launch script (train_batch_size 0: the trainer's step is one parameter sync)
+    with the fully-async trainer's own shipped defaults over the main trainer's: 12 rollout nodes and
+    4 training nodes, staleness_threshold 0.5 read as one step ahead, partial rollout on."""
+    from planner.runs.trainers import job_from, verl_defaults
+
+    if verl_defaults() is None:
+        pytest.skip("verl is not installed: the defaults come from the verl package's shipped config")
+
+    script = VERL_SCRIPTS / "grpo_30b_a3b_base_math_megatron_96_32.sh"
+    job, cards, notes = job_from("verl", script)
+    lay = job.train_layout
+    assert (job.prompts_per_step, job.samples_per_prompt, job.mini_batches, cards) == (4 * 128, 16, 4, 128)
+    assert (job.colocated, job.rollout_devices, job.max_staleness, job.partial_rollout) == (False, 96, 1, True)
+    assert (lay.tp, lay.cp, lay.ep, job.rollout_layout.tp) == (2, 2, 8, 4)
+    assert any("one parameter sync" in n for n in notes) and any("staleness_threshold 0.5" in n for n in notes)
+    out = tmp_path / "job.yaml"
+    assert run_cli("job", "--from", "verl", script, "-o", out).exit_code == 0
+    result = run_cli("cost", "qwen3-30b-a3b", "--hardware", "h20", "--cards", cards, "--job", out, "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["pools"]["partial_rollout"], result.output[-400:]
+
+
 def test_the_shell_reader_expands_what_a_shell_would_and_runs_nothing():
     from planner.runs.shell import script_overrides
 

@@ -578,9 +578,10 @@ def _yaml_value(text: str) -> Any:
         return text
 
 
-def verl_defaults() -> tuple[dict[str, Any], str] | None:
+def verl_defaults(fully_async: bool = False) -> tuple[dict[str, Any], str] | None:
     """(every key of verl's Megatron trainer config with its shipped default, verl's version) from the
-    installed verl package (its composed `_generated_ppo_megatron_trainer.yaml`), or None."""
+    installed verl package (its composed `_generated_ppo_megatron_trainer.yaml`; `fully_async`: with
+    the fully-async trainer's own config over it, as its Hydra defaults list puts it), or None."""
     import importlib.util
     from importlib.metadata import PackageNotFoundError, version
 
@@ -594,7 +595,15 @@ def verl_defaults() -> tuple[dict[str, Any], str] | None:
         v = version("verl")
     except PackageNotFoundError:
         v = "?"
-    return flatten(yaml.safe_load(path.read_text())), v
+    flat = flatten(yaml.safe_load(path.read_text()))
+    if fully_async:
+        extra = path.parents[2] / "experimental" / "fully_async_policy" / "config" / "fully_async_ppo_megatron_trainer.yaml"
+        if not extra.is_file():
+            raise SpecError(f"the script runs verl's fully-async trainer, which verl {v} does not ship ({extra} is missing)")
+        own = yaml.safe_load(extra.read_text())
+        own.pop("hydra", None), own.pop("defaults", None)
+        flat.update(flatten(own))
+    return flat, v
 
 
 _SELECT = re.compile(r"^\$\{oc\.select:([\w.]+)(?:,(.*))?\}$")
@@ -647,8 +656,9 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
              "set them from your data"]  # fmt: skip
     f = _read_flat(path, notes)
     raw_keys = set(f)
+    fully_async = trainer == "verl" and any(k.startswith("async_training.") or k.startswith("rollout.nnodes") for k in raw_keys)
     if trainer == "verl":  # what the script leaves out is verl's own default, from the config verl ships
-        shipped = verl_defaults()
+        shipped = verl_defaults(fully_async=fully_async)
         if shipped is not None:
             defaults, verl_version = shipped
             taken = [k for k in _REQUIRED["verl"] + _VERL_DEFAULTED if k not in f and defaults.get(k) is not None]
@@ -678,6 +688,11 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
     if trainer == "verl":
         mega, actor = "actor_rollout_ref.actor.megatron", "actor_rollout_ref.actor"
         prompts = n("data.train_batch_size")
+        if fully_async:  # its step is one parameter sync: trigger_parameter_sync_step x require_batches mini-batches
+            syncs = n("async_training.trigger_parameter_sync_step") * n("async_training.require_batches")
+            prompts = syncs * n(f"{actor}.ppo_mini_batch_size")
+            notes.append(f"verl's fully-async trainer: a step is one parameter sync, {syncs} mini-batches of "
+                         f"{n(f'{actor}.ppo_mini_batch_size')} prompts (async_training.trigger_parameter_sync_step x require_batches)")
         if prompts < n(f"{actor}.ppo_mini_batch_size"):
             raise SpecError(f"{path}: data.train_batch_size {prompts} is smaller than actor.ppo_mini_batch_size {n(f'{actor}.ppo_mini_batch_size')}"
                             f"{' (verl' + chr(39) + 's default)' if f'{actor}.ppo_mini_batch_size' not in raw_keys else ''}: verl needs at "
@@ -717,6 +732,9 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
             notes.append(f"the rollout runs in {rollout_dtype}, the actor in {f.get(f'{mega}.dtype', 'bfloat16')}: the job's precision is the "
                          "actor's, and the rollout's own precision is a rollout-mismatch knob, not a cost")  # fmt: skip
         cards = n("trainer.n_gpus_per_node") * n("trainer.nnodes")
+        if fully_async:
+            kw.update(_verl_async_pools(f, n, cards, notes))
+            cards += kw["rollout_devices"]
         # verl recomputes the old log-probs unless bypass mode takes the rollout's (verl >= 0.7)
         kw["skip_old_logprob"] = bool(f.get("algorithm.rollout_correction.bypass_mode", False))
         stages = _stage_layers(*(f.get(f"{mega}.override_transformer_config.num_layers_in_{s}_pipeline_stage") for s in ("first", "last")),
@@ -784,6 +802,20 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         notes.append(f"bypass mode with {updates} optimizer steps per RL step: the cost model keeps the old log-prob pass for off-policy updates")
         kw["skip_old_logprob"] = False
     return Job(**kw), cards, notes
+
+
+def _verl_async_pools(f: dict, n: Callable, train_devices: int, notes: list[str]) -> dict[str, Any]:
+    """verl's fully-async trainer as separate pools: the rollouter on rollout.nnodes x
+    rollout.n_gpus_per_node, the trainer on trainer.nnodes x n_gpus_per_node. Its staleness_threshold
+    is a share of one sync's samples the rollouter may run ahead; planner counts whole steps, so any
+    share above 0 is one step, more than 1 its ceiling."""
+    rollout = n("rollout.nnodes") * n("rollout.n_gpus_per_node")
+    threshold = n("async_training.staleness_threshold", float)
+    staleness = max(1, math.ceil(threshold))
+    partial = bool(f.get("async_training.partial_rollout"))
+    notes.append(f"separate pools: {rollout} rollout and {train_devices} training GPUs; staleness_threshold {threshold:g} read as "
+                 f"{staleness} step(s) ahead" + ("; partial rollout (generation resumes across a sync)" if partial else ""))  # fmt: skip
+    return {"colocated": False, "rollout_devices": rollout, "max_staleness": staleness, "partial_rollout": partial}
 
 
 def _nemo_recompute(f: dict, mega: str) -> str:

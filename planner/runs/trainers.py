@@ -808,11 +808,11 @@ def _verl_async_pools(f: dict, n: Callable, train_devices: int, notes: list[str]
     """verl's fully-async trainer as separate pools: the rollouter on rollout.nnodes x
     rollout.n_gpus_per_node, the trainer on trainer.nnodes x n_gpus_per_node. Its staleness_threshold
     is a share of one sync's samples the rollouter may run ahead; planner counts whole steps, so any
-    share above 0 is one step, more than 1 its ceiling."""
+    share above 0 is one step, more than 1 its ceiling (0: on-policy, the pools taking turns)."""
     rollout = n("rollout.nnodes") * n("rollout.n_gpus_per_node")
     threshold = n("async_training.staleness_threshold", float)
-    staleness = max(1, math.ceil(threshold))
-    partial = bool(f.get("async_training.partial_rollout"))
+    staleness = max(1, math.ceil(threshold)) if threshold > 0 else 0
+    partial = bool(f.get("async_training.partial_rollout")) and staleness > 0
     notes.append(f"separate pools: {rollout} rollout and {train_devices} training GPUs; staleness_threshold {threshold:g} read as "
                  f"{staleness} step(s) ahead" + ("; partial rollout (generation resumes across a sync)" if partial else ""))  # fmt: skip
     return {"colocated": False, "rollout_devices": rollout, "max_staleness": staleness, "partial_rollout": partial}

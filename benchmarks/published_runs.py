@@ -69,7 +69,7 @@ def main() -> None:
     headroom = memory_headroom(load_runs() + validation)
     gib = 2.0**30
     cells = [[h["run"], h["hardware"], h["devices"], f"{h['train_peak_bytes'] / gib:.1f}", f"{h['usable_bytes'] / gib:.1f}",
-              f"{h['train_free']:.1%}", "yes" if h["clears_default_margin"] else "NO", f"{h['rollout_bytes'] / gib:.1f}",
+              f"{h['train_free']:.1%}", "yes" if h["train_free"] >= DEFAULT_MEMORY_MARGIN else "NO", f"{h['rollout_bytes'] / gib:.1f}",
               f"{h['host_bytes_per_node'] / gib:,.0f} / {h['host_limit_bytes_per_node'] / gib:,.0f}"] for h in headroom]  # fmt: skip
     head = ["run", "hardware", "devices", "training peak GiB", "usable GiB", "free", f"clears {DEFAULT_MEMORY_MARGIN:.0%}",
             "rollout GiB", "host GiB per node / limit"]  # fmt: skip

@@ -12,6 +12,7 @@ pools' pipeline (CostResult.overlap_s, CostResult.pools).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,7 +282,7 @@ class _Evaluator:
         pools = {"rollout_devices": rollout_devices, "train_devices": train_devices, "max_staleness": job.max_staleness,
                  "rollout_busy": generate / step, "train_busy": train / step, "weight_sync_s": sync, "policy_lag_steps": job.max_staleness,
                  "partial_rollout": job.partial_rollout,
-                 "bound_by": "rollout" if generate >= train else "training"}  # fmt: skip
+                 "bound_by": "rollout" if generate >= train + (sync if job.partial_rollout else 0.0) else "training"}  # fmt: skip
         memory = self._memory(te, ti, re, ri, None)
         result = self._result(devices, tc, te, ti, rc, re, ri, phases, memory, overlap=overlap, pools=pools)
         result.notes.insert(0, self._pools_note(pools))
@@ -292,14 +293,19 @@ class _Evaluator:
         to max_staleness + 1 steps at once (the queue runs ahead of training), so one step's share is
         that larger batch's rollout over max_staleness + 1: its long tail is paid once for all of them,
         and the KV pool and max_num_seqs still bound what decodes at once."""
-        job = self.job
-        if not job.partial_rollout:
+        if not self.job.partial_rollout:
             return self.model.rollout(rc, kept_train_bytes=0.0)
-        ahead = job.max_staleness + 1
-        streamed = CostModel(self.arch, self.accel, dataclasses.replace(job, prompts_per_step=job.prompts_per_step * ahead), self.model.knobs)
-        re = streamed.rollout(rc, kept_train_bytes=0.0)
+        ahead = self.job.max_staleness + 1
+        re = self._queue_model.rollout(rc, kept_train_bytes=0.0)  # the queue's counts per rank, one step's share of its time
         return dataclasses.replace(re, prefill_s=re.prefill_s / ahead, decode_s=re.decode_s / ahead, rollout_s=re.rollout_s / ahead,
-                                   sequences_per_rank=re.sequences_per_rank / ahead)  # fmt: skip
+                                   decode_overhead_s=re.decode_overhead_s / ahead)  # fmt: skip
+
+    @functools.cached_property
+    def _queue_model(self) -> CostModel:
+        """The cost model of the partial rollout's queue: max_staleness + 1 steps' prompts at once."""
+        job = self.job
+        return CostModel(self.arch, self.accel, dataclasses.replace(job, prompts_per_step=job.prompts_per_step * (job.max_staleness + 1)),
+                         self.model.knobs)  # fmt: skip
 
     def _pools_note(self, p: dict[str, Any]) -> str:
         unit = self.accel.device_unit

@@ -238,10 +238,9 @@ def validation_effects(rows: list[PublishedRun], runs: list[PublishedRun] | None
 
 def memory_headroom(runs: list[PublishedRun]) -> list[dict[str, Any]]:
     """How far each published run, at its own layout and device count, clears the memory checks:
-    the training phases' peak against usable device memory (the share left free, which the default
-    margin must not exceed for the run to be accepted), the rollout's engine share, and host memory
-    per node against its limit."""
-    from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN
+    the training phases' peak against usable device memory (the share left free, which must be at
+    least the margin for the run to be accepted), the rollout's engine share, and host memory per
+    node against its limit."""
     from planner.cost.knobs import load_knobs
 
     rows = []
@@ -252,7 +251,7 @@ def memory_headroom(runs: list[PublishedRun]) -> list[dict[str, Any]]:
         usable = result.usable_bytes_per_device
         rows.append({
             "run": run.id, "hardware": run.hardware, "devices": run.devices, "train_peak_bytes": train, "usable_bytes": usable,
-            "train_free": 1.0 - train / usable, "clears_default_margin": train <= (1.0 - DEFAULT_MEMORY_MARGIN) * usable,
+            "train_free": 1.0 - train / usable,
             "rollout_bytes": memory["rollout"]["total"], "host_bytes_per_node": result.host_memory_bytes_per_node,
             "host_limit_bytes_per_node": result.host_memory_limit_bytes_per_node,
         })  # fmt: skip

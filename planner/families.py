@@ -67,7 +67,8 @@ def small_config(config: Mapping[str, Any], backbone: Mapping[str, Any]) -> dict
     out[family.expert_intermediate_key] = width
     if family.dense_intermediate_key != family.expert_intermediate_key:
         out[family.dense_intermediate_key] = int(backbone["intermediate_size"])
-    if family.shared == "sized" and arch.moe.shared_intermediate:  # the shared expert's width relative to a routed one's
+    sized = family.shared == "sized" or (family.shared == "single" and family.shared_size_key != family.expert_intermediate_key)
+    if sized and arch.moe.shared_intermediate:  # the shared expert's width relative to a routed one's
         out[family.shared_size_key] = int(round(width * arch.moe.shared_intermediate / arch.moe.expert_intermediate))
     if int(out.get("first_k_dense_replace") or 0) > 0:
         out["first_k_dense_replace"] = 1
@@ -78,9 +79,26 @@ def small_config(config: Mapping[str, Any], backbone: Mapping[str, Any]) -> dict
             out[key] = out[key][:layers]
     if out.get("moe_layers") is not None:
         out["moe_layers"] = None
+    if family.mixer_rule != "attention":
+        out.update(_small_hybrid(family.mixer_rule, layers, backbone["linear"]))
+        for key in ("hybrid_override_pattern", "full_attention_interval"):
+            out.pop(key, None)
     if "num_nextn_predict_layers" in out:
         out["num_nextn_predict_layers"] = 0
     return out
+
+
+def _small_hybrid(rule: str, layers: int, linear: Mapping[str, int]) -> dict[str, Any]:
+    """A hybrid's layer pattern and linear-layer shape at the backbone's size: one attention layer
+    in three, the last of each three (Qwen3-Next); or `layers` Nemotron-H mixer + MLP pairs, Mamba-2
+    blocks but for one attention block in the last pair."""
+    if rule == "layer_types":
+        types = ["full_attention" if (i + 1) % 3 == 0 else "linear_attention" for i in range(layers)]
+        return {"layer_types": types, "linear_num_value_heads": linear["heads"], "linear_num_key_heads": linear["key_heads"],
+                "linear_key_head_dim": linear["head_dim"], "linear_value_head_dim": linear["head_dim"]}  # fmt: skip
+    blocks = [b for i in range(layers) for b in ("full_attention" if i == layers - 1 else "linear_attention", "moe")]
+    return {"layers_block_type": blocks, "num_hidden_layers": len(blocks), "mamba_num_heads": linear["heads"],
+            "n_groups": linear["key_heads"], "mamba_head_dim": linear["head_dim"], "ssm_state_size": linear["state"]}  # fmt: skip
 
 
 def scaled_backbone(hidden: int, layers: int) -> dict[str, Any]:

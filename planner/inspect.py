@@ -32,6 +32,7 @@ def _arch_facts(arch: Architecture) -> dict[str, Any]:
         "num_kv_heads": a.num_kv_heads,
         "head_dim": a.head_dim,
         "qk_norm": a.qk_norm,
+        "output_gate": a.output_gate,
         "biases": {"q": a.q_bias, "kv": a.kv_bias, "o": a.o_bias},
     }
     if a.kind == "mla":
@@ -71,6 +72,18 @@ def _arch_facts(arch: Architecture) -> dict[str, Any]:
             "routing": m.routing_type(),
         },
         "mtp_layers": arch.mtp_layers,
+        "num_attention_layers": len(arch.attention_layers),
+        "linear_mixer": None if arch.linear is None else {
+            "kind": arch.linear.kind,
+            "num_layers": arch.num_linear_layers,
+            "num_heads": arch.linear.num_heads,
+            "head_dim": arch.linear.head_dim,
+            "num_key_heads": arch.linear.num_key_heads,
+            "key_head_dim": arch.linear.key_head_dim,
+            "conv_kernel": arch.linear.conv_kernel,
+            "state_elements_per_layer": arch.linear.state_elements,
+        },
+        "mlp_free_layers": len(arch.ffn_free_layers),
     }
 
 
@@ -100,12 +113,26 @@ def render_description(info: dict[str, Any]) -> str:
         if a["qk_norm"] != "none":
             attn += f", q/k norm ({a['qk_norm']})"
     shared = f"shared width {moe['shared_intermediate_size']}" if moe["shared_intermediate_size"] else "no shared expert"
+    if a.get("output_gate"):
+        attn += ", gated output"
+    lin = m.get("linear_mixer")
+    hybrid = []
+    if lin:
+        kind = {"gdn": "gated DeltaNet", "mamba2": "Mamba-2"}[lin["kind"]]
+        keys = "k heads" if lin["kind"] == "gdn" else "groups, state"
+        hybrid = [
+            f"  mixers     {m['num_attention_layers']} attention, {lin['num_layers']} {kind}"
+            f"{', ' + str(m['mlp_free_layers']) + ' without an MLP' if m['mlp_free_layers'] else ''}",
+            f"  linear     {lin['num_heads']} heads x {lin['head_dim']}, {lin['num_key_heads']} {keys} {lin['key_head_dim']}, "
+            f"conv {lin['conv_kernel']}; {lin['state_elements_per_layer']:,} state elements per sequence and layer",
+        ]
     lines = [
         f"{m['name']}  ({m['model_type']}, {m['hf_class']})",
         f"  layers     {m['num_layers']} ({m['num_moe_layers']} MoE, {m['num_dense_layers']} dense)"
         f"{', +' + str(m['mtp_layers']) + ' MTP' if m['mtp_layers'] else ''}",
         f"  hidden     {m['hidden_size']}, vocab {m['vocab_size']:,}, embeddings {'tied' if m['tie_embeddings'] else 'untied'}",
         f"  attention  {attn}",
+        *hybrid,
         f"  experts    {moe['num_experts']} routed per MoE layer ({moe['experts_key']}), top-{moe['top_k']}, "
         f"width {moe['expert_intermediate_size']}, {shared}",
         f"  routing    {moe['routing']}{', router fp32' if moe['router_fp32'] else ''}",

@@ -14,6 +14,15 @@ Layer rules (`moe_layer_rule`):
                       ignores moe_layer_freq)
   moe_layers          explicit list moe_layers, else range(step-1, L, interleave_moe_layer_step) (llama4)
   start_end_interval  (i+1) % moe_layer_interval == 0 and start <= i <= end, end -1 = last (ernie4_5_moe)
+  block_types         one block per layer, typed by layers_block_type (or the legacy
+                      hybrid_override_pattern, M E * -): the "moe" blocks are MoE (nemotron_h)
+
+Token mixers (`mixer_rule`), for the hybrid families:
+  attention    every layer attends (every family but the two below)
+  layer_types  layer_types names full_attention or linear_attention per layer (else every
+               full_attention_interval-th layer attends); linear layers are gated DeltaNet (qwen3_next)
+  block_types  a layer is one block: full_attention, linear_attention (Mamba-2), moe or mlp, with one
+               norm in front; only the mixer blocks mix tokens, only moe/mlp blocks have an MLP (nemotron_h)
 
 Query/key norms (`qk_norm`): none; head (RMSNorm over head_dim, qwen3/glm4 with use_qk_norm);
 full (RMSNorm over all q heads and over all kv heads, olmoe); l2 (parameter-free, llama4).
@@ -78,6 +87,10 @@ class Family:
     lm_head_bias_key: str | None = None
     mtp_key: str | None = None  # num_nextn_predict_layers
     window_rule: str = "none"  # none | sliding_all | layer_types | chunked
+    mixer_rule: str = "attention"  # attention | layer_types | block_types
+    linear_mixer: str = "none"  # none | gdn (gated DeltaNet) | mamba2: the linear layers' kind
+    attention_output_gate: bool = False  # q_proj also emits a sigmoid gate on the output (qwen3_next)
+    gated_mlp: bool = True  # SwiGLU gate/up/down; False: up/down only (nemotron_h, relu2)
     aliases: Mapping[str, str] = field(default_factory=dict)  # other config.json key -> the key read here
     defaults: Mapping[str, object] = field(default_factory=dict)
 
@@ -307,6 +320,81 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
                     "intermediate_size_mlp": 16384,
                     "use_qk_norm": True,
                     "attention_chunk_size": 8192,
+                },
+            ),
+            Family(
+                model_type="qwen3_next",
+                aliases={"num_local_experts": "num_experts"},
+                hf_class="Qwen3NextForCausalLM",
+                experts_key="num_experts",
+                qkv_bias_key="attention_bias",
+                o_bias_key="attention_bias",
+                qk_norm="head",
+                moe_layer_rule="sparse_step",
+                shared="sized",
+                shared_size_key="shared_expert_intermediate_size",
+                shared_gate=True,
+                mixer_rule="layer_types",
+                linear_mixer="gdn",
+                attention_output_gate=True,
+                defaults={
+                    **_GQA_DEFAULTS,
+                    "head_dim": 256,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [],
+                    "num_experts": 512,
+                    "num_experts_per_tok": 10,
+                    "moe_intermediate_size": 512,
+                    "shared_expert_intermediate_size": 512,
+                    "norm_topk_prob": True,
+                    "full_attention_interval": 4,
+                    "linear_conv_kernel_dim": 4,
+                    "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128,
+                    "linear_num_key_heads": 16,
+                    "linear_num_value_heads": 32,
+                },
+            ),
+            Family(
+                model_type="nemotron_h",
+                aliases={"num_local_experts": "n_routed_experts", "mamba_n_groups": "n_groups",
+                         "mamba_d_conv": "conv_kernel", "mamba_conv_bias": "use_conv_bias",
+                         "mamba_chunk_size": "chunk_size"},
+                hf_class="NemotronHForCausalLM",
+                experts_key="n_routed_experts",
+                moe_layer_rule="block_types",
+                expert_intermediate_key="moe_intermediate_size",
+                mlp_bias_key="mlp_bias",
+                shared="single",
+                shared_size_key="moe_shared_expert_intermediate_size",
+                router_fp32=True,
+                correction_bias="buffer",
+                scoring="sigmoid",
+                grouped=True,
+                mixer_rule="block_types",
+                linear_mixer="mamba2",
+                gated_mlp=False,
+                defaults={
+                    **_GQA_DEFAULTS,
+                    "head_dim": 128,
+                    "mlp_bias": False,
+                    "use_bias": False,
+                    "n_routed_experts": 8,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 7688,
+                    "moe_shared_expert_intermediate_size": 7688,
+                    "norm_topk_prob": True,
+                    "routed_scaling_factor": 1.0,
+                    "n_group": 1,
+                    "topk_group": 1,
+                    "ssm_state_size": 128,
+                    "mamba_num_heads": 128,
+                    "mamba_head_dim": 64,
+                    "n_groups": 8,
+                    "conv_kernel": 4,
+                    "use_conv_bias": True,
+                    "chunk_size": 128,
+                    "mamba_ssm_cache_dtype": "float32",
                 },
             ),
             Family(

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from planner.arch.families import FAMILIES, TEXT_CONFIG_WRAPPERS, Family, supported_model_types
 from planner.errors import ConfigError
 
-__all__ = ["Attention", "MoE", "Architecture", "LayerWindow", "config_with_experts"]
+__all__ = ["Attention", "LinearMixer", "MoE", "Architecture", "LayerWindow", "config_with_experts"]
 
 # ("sliding", w): each token sees the w most recent positions; ("chunked", w): positions of its own
 # w-token chunk (Llama-4 local attention).
@@ -33,6 +33,7 @@ class Attention:
     o_bias: bool = False
     qk_norm: str = "none"
     sinks: bool = False
+    output_gate: bool = False  # q_proj emits q and a per-head-dim sigmoid gate on the output
     # MLA only
     q_lora_rank: int = 0  # 0: no q low-rank (q_proj straight from hidden)
     kv_lora_rank: int = 0
@@ -45,6 +46,11 @@ class Attention:
         return self.num_heads * self.head_dim
 
     @property
+    def q_proj_width(self) -> int:
+        """Output width of q_proj: the queries, and the output gate where the family has one."""
+        return self.q_width * (2 if self.output_gate else 1)
+
+    @property
     def kv_width(self) -> int:
         """Width of K (and of V for GQA) after projection, as attention consumes it."""
         return self.num_kv_heads * self.head_dim
@@ -52,6 +58,64 @@ class Attention:
     @property
     def v_dim(self) -> int:
         return self.v_head_dim if self.kind == "mla" else self.head_dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearMixer:
+    """The linear-time token mixer of a hybrid family's non-attention layers.
+
+    gdn (gated DeltaNet, Qwen3-Next): `num_heads` value heads of `head_dim`, `num_key_heads` query/key
+    heads of `key_head_dim`; per head a key_head_dim x head_dim state. mamba2 (Nemotron-H):
+    `num_heads` heads of `head_dim` channels, `num_key_heads` groups of B/C projections of width
+    `key_head_dim` (the SSM state size); per head a head_dim x state-size state. Both run a causal
+    depthwise convolution of `conv_kernel` taps over their `conv_dim` input channels first.
+    """
+
+    kind: str  # gdn | mamba2
+    num_heads: int
+    head_dim: int
+    num_key_heads: int
+    key_head_dim: int
+    conv_kernel: int
+    conv_bias: bool = False
+    proj_bias: bool = False
+    state_bytes: int = 2  # bytes per recurrent-state element as the inference engine keeps it
+    chunk: int = 64  # tokens per chunk of the chunked scan that training runs
+
+    @property
+    def scan_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the chunked scan beyond the projections (gated DeltaNet's
+        chunked delta rule, Mamba-2's SSD): per head, the causal product inside a chunk,
+        2 x chunk x (key + value width), and reading and updating the state carried between
+        chunks, 4 x key width x value width."""
+        return self.num_heads * (2.0 * self.chunk * (self.key_head_dim + self.head_dim) + 4.0 * self.key_head_dim * self.head_dim)
+
+    @property
+    def inner(self) -> int:
+        """Width of the mixer's output before out_proj (values of all heads)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        if self.kind == "gdn":
+            return 2 * self.num_key_heads * self.key_head_dim + self.inner  # q, k, v
+        return self.inner + 2 * self.num_key_heads * self.key_head_dim  # x, B, C
+
+    @property
+    def in_proj_width(self) -> int:
+        if self.kind == "gdn":  # q, k, v, the output gate z; then beta and alpha per value head
+            return 2 * self.num_key_heads * self.key_head_dim + 2 * self.inner + 2 * self.num_heads
+        return self.inner + self.conv_dim + self.num_heads  # the gate z, x|B|C, dt per head
+
+    @property
+    def state_elements(self) -> int:
+        """Recurrent-state elements per sequence and layer (the SSM or delta-rule state)."""
+        return self.num_heads * self.head_dim * self.key_head_dim
+
+    @property
+    def conv_state_elements(self) -> int:
+        """Elements of the convolution's rolling window per sequence and layer."""
+        return self.conv_dim * (self.conv_kernel - 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +182,17 @@ class Architecture:
     layer_windows: tuple[LayerWindow | None, ...]  # per layer; None: full causal attention
     original_num_experts: int
     dtype: str
+    # hybrid families: the token mixer of each layer (attention | linear | none), the linear one's
+    # shape, the layers that have no MLP at all (Nemotron-H's mixer blocks), norms per layer
+    layer_mixers: tuple[str, ...] = ()
+    linear: LinearMixer | None = None
+    ffn_free_layers: tuple[int, ...] = ()
+    norms_per_layer: int = 2
+    gated_mlp: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.layer_mixers:
+            object.__setattr__(self, "layer_mixers", ("attention",) * self.num_layers)
 
     # ---- derived facts ----------------------------------------------------------------------
     @property
@@ -126,7 +201,24 @@ class Architecture:
 
     @property
     def num_dense_layers(self) -> int:
-        return self.num_layers - len(self.moe_layers)
+        return self.num_layers - len(self.moe_layers) - len(self.ffn_free_layers)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        skip = set(self.moe_layers) | set(self.ffn_free_layers)
+        return tuple(i for i in range(self.num_layers) if i not in skip)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, m in enumerate(self.layer_mixers) if m == "attention")
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(m == "linear" for m in self.layer_mixers)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.linear is not None
 
     @property
     def is_pruned(self) -> bool:
@@ -247,7 +339,8 @@ class _Reader:
     def build(self) -> Architecture:
         f = self.family
         hidden = self.int_("hidden_size", minimum=1)
-        num_layers = self.int_("num_hidden_layers", minimum=1)
+        block_types = self._block_types() if f.mixer_rule == "block_types" else None
+        num_layers = len(block_types) if block_types is not None else self.int_("num_hidden_layers", minimum=1)
         heads = self.int_("num_attention_heads", minimum=1)
         vocab = self.int_("vocab_size", minimum=1)
         attention = self._attention(hidden, heads)
@@ -255,7 +348,10 @@ class _Reader:
         top_k = self.int_(f.top_k_key, minimum=1)
         if top_k > num_experts:
             raise ConfigError(f"{self.label}: {f.top_k_key}={top_k} exceeds {f.experts_key}={num_experts}")
-        moe_layers = self._moe_layers(num_layers)
+        moe_layers = self._moe_layers(num_layers, block_types)
+        mixers, ffn_free = self._mixers(num_layers, block_types)
+        if f.mixer_rule == "block_types" and self.config.get("moe_latent_size") is not None:
+            raise ConfigError(f"{self.label}: moe_latent_size (latent MoE projections) is not modelled yet")
         expert_intermediate = self.int_(f.expert_intermediate_key, minimum=1)
         moe = MoE(
             num_experts=num_experts,
@@ -276,10 +372,11 @@ class _Reader:
         )
         if moe.grouped and num_experts % moe.n_group:
             raise ConfigError(f"{self.label}: {f.experts_key}={num_experts} not divisible by n_group={moe.n_group}")
-        dense_needed = len(moe_layers) < num_layers
+        dense_needed = len(moe_layers) + len(ffn_free) < num_layers
         dense_intermediate = self.int_(f.dense_intermediate_key, minimum=1) if dense_needed else int(
             self.get(f.dense_intermediate_key, 0) or 0
         )
+        dtype = str(self.config.get("torch_dtype") or self.config.get("dtype") or "bfloat16")
         tie = self.config.get(
             "tie_word_embeddings", self.outer.get("tie_word_embeddings", f.defaults.get("tie_word_embeddings", False))
         )
@@ -301,7 +398,12 @@ class _Reader:
             mtp_layers=self.int_(f.mtp_key, 0) if f.mtp_key else 0,
             layer_windows=self._windows(num_layers),
             original_num_experts=num_experts,
-            dtype=str(self.config.get("torch_dtype") or self.config.get("dtype") or "bfloat16"),
+            dtype=dtype,
+            layer_mixers=mixers,
+            linear=self._linear(dtype) if "linear" in mixers else None,
+            ffn_free_layers=ffn_free,
+            norms_per_layer=1 if block_types is not None else 2,
+            gated_mlp=f.gated_mlp,
         )
 
     def _attention(self, hidden: int, heads: int) -> Attention:
@@ -347,10 +449,80 @@ class _Reader:
             o_bias=self.flag(f.o_bias_key),
             qk_norm=qk_norm,
             sinks=f.attention_sinks,
+            output_gate=f.attention_output_gate,
         )
 
-    def _moe_layers(self, num_layers: int) -> tuple[int, ...]:
+    _BLOCK_CODES = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+    _BLOCK_TYPES = ("linear_attention", "full_attention", "moe", "mlp")
+
+    def _block_types(self) -> list[str]:
+        """Nemotron-H's one block per layer: layers_block_type (transformers 5 saves it under its
+        attribute name layer_types too), else the published files' hybrid_override_pattern."""
+        types = self.config.get("layers_block_type", self.config.get("layer_types"))
+        if types is None:
+            pattern = self.config.get("hybrid_override_pattern")
+            if not isinstance(pattern, str) or not pattern:
+                raise ConfigError(f"{self.label}: config.json ({self.family.model_type}) needs layers_block_type "
+                                  "or hybrid_override_pattern")
+            bad = sorted(set(pattern) - set(self._BLOCK_CODES))
+            if bad:
+                raise ConfigError(f"{self.label}: hybrid_override_pattern has unknown block codes {bad}; "
+                                  f"known: {', '.join(f'{k}={v}' for k, v in self._BLOCK_CODES.items())}")
+            types = [self._BLOCK_CODES[c] for c in pattern]
+        bad = sorted({str(t) for t in types} - set(self._BLOCK_TYPES))
+        if bad:
+            raise ConfigError(f"{self.label}: layers_block_type has unknown types {bad}; known: {', '.join(self._BLOCK_TYPES)}")
+        return [str(t) for t in types]
+
+    def _mixers(self, num_layers: int, block_types: list[str] | None) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Each layer's token mixer (attention | linear | none) and the layers without an MLP."""
+        rule = self.family.mixer_rule
+        if rule == "attention":
+            return ("attention",) * num_layers, ()
+        if rule == "block_types":
+            kinds = {"full_attention": "attention", "linear_attention": "linear", "moe": "none", "mlp": "none"}
+            mixers = tuple(kinds[t] for t in block_types)
+            return mixers, tuple(i for i, m in enumerate(mixers) if m != "none")
+        types = self.config.get("layer_types")
+        if types is None:
+            interval = self.int_("full_attention_interval", minimum=1)
+            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+        if len(types) < num_layers or any(t not in ("full_attention", "linear_attention") for t in types[:num_layers]):
+            raise ConfigError(f"{self.label}: layer_types must name full_attention or linear_attention for each of "
+                              f"the {num_layers} layers, got {types!r}")
+        return tuple("attention" if t == "full_attention" else "linear" for t in types[:num_layers]), ()
+
+    def _linear(self, dtype: str) -> LinearMixer:
+        f = self.family
+        cache = str(self.get("mamba_ssm_cache_dtype", dtype))
+        state_bytes = 4 if cache in ("float32", "fp32") else 2
+        if f.linear_mixer == "gdn":
+            return LinearMixer(
+                kind="gdn",
+                num_heads=self.int_("linear_num_value_heads", minimum=1),
+                head_dim=self.int_("linear_value_head_dim", minimum=1),
+                num_key_heads=self.int_("linear_num_key_heads", minimum=1),
+                key_head_dim=self.int_("linear_key_head_dim", minimum=1),
+                conv_kernel=self.int_("linear_conv_kernel_dim", minimum=1),
+                state_bytes=state_bytes,
+            )
+        return LinearMixer(
+            kind="mamba2",
+            num_heads=self.int_("mamba_num_heads", minimum=1),
+            head_dim=self.int_("mamba_head_dim", minimum=1),
+            num_key_heads=self.int_("n_groups", minimum=1),
+            key_head_dim=self.int_("ssm_state_size", minimum=1),
+            conv_kernel=self.int_("conv_kernel", minimum=1),
+            chunk=self.int_("chunk_size", minimum=1),
+            conv_bias=self.flag("use_conv_bias"),
+            proj_bias=self.flag("use_bias"),
+            state_bytes=state_bytes,
+        )
+
+    def _moe_layers(self, num_layers: int, block_types: list[str] | None = None) -> tuple[int, ...]:
         rule = self.family.moe_layer_rule
+        if rule == "block_types":
+            return tuple(i for i, t in enumerate(block_types) if t == "moe")
         if rule == "all":
             return tuple(range(num_layers))
         if rule == "sparse_step":

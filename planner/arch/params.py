@@ -18,12 +18,12 @@ from dataclasses import dataclass, fields
 
 from planner.arch.model import Architecture
 
-__all__ = ["LayerParams", "ParamBreakdown", "layer_params", "count_parameters", "expert_params"]
+__all__ = ["LayerParams", "ParamBreakdown", "layer_params", "count_parameters", "expert_params", "linear_mixer_params"]
 
 
 @dataclass(frozen=True)
 class LayerParams:
-    attention_sharded: int  # q / o projections (GQA); q_b, kv_b, o (MLA); sinks
+    attention_sharded: int  # q / o projections (GQA); q_b, kv_b, o (MLA); sinks; a linear mixer
     attention_kv: int  # k and v projections (GQA only)
     attention_replicated: int  # MLA q_a / kv_a projections and latent norms; q/k norms
     norms: int  # input and post-attention norms
@@ -87,22 +87,38 @@ class ParamBreakdown:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def expert_params(arch: Architecture) -> int:
-    """Parameters of one routed expert (gate, up, down projections and their biases)."""
-    h, inter = arch.hidden_size, arch.moe.expert_intermediate
-    n = 3 * h * inter
-    if arch.moe.expert_bias:
-        n += 2 * inter + h
+def _projections(arch: Architecture, inter: int, bias: bool) -> int:
+    """An MLP of width `inter`: gate, up, down (SwiGLU), or up and down where the family's MLPs
+    are not gated (Nemotron-H's squared ReLU)."""
+    into = 2 if arch.gated_mlp else 1
+    n = (into + 1) * arch.hidden_size * inter
+    if bias:
+        n += into * inter + arch.hidden_size
     return n
 
 
+def expert_params(arch: Architecture) -> int:
+    """Parameters of one routed expert (its projections and their biases)."""
+    return _projections(arch, arch.moe.expert_intermediate, arch.moe.expert_bias)
+
+
 def _mlp(arch: Architecture, inter: int) -> int:
-    """A gated (SwiGLU) MLP of width `inter`: gate, up, down projections."""
-    if inter == 0:
-        return 0
-    n = 3 * arch.hidden_size * inter
-    if arch.mlp_bias:
-        n += 2 * inter + arch.hidden_size
+    """A dense or shared MLP of width `inter`."""
+    return _projections(arch, inter, arch.mlp_bias) if inter else 0
+
+
+def linear_mixer_params(arch: Architecture) -> int:
+    """Parameters of one linear-attention layer's mixer (gated DeltaNet or Mamba-2): in_proj, the
+    depthwise convolution, per-head decay and step terms, the gated norm, out_proj."""
+    m, h = arch.linear, arch.hidden_size
+    n = h * m.in_proj_width + m.conv_dim * m.conv_kernel + m.inner * h
+    if m.kind == "gdn":
+        return n + 2 * m.num_heads + m.head_dim  # dt_bias, A_log; RMSNorm over a head's values
+    n += 3 * m.num_heads + m.inner  # dt_bias, A_log, D; the gated RMSNorm over all heads
+    if m.conv_bias:
+        n += m.conv_dim
+    if m.proj_bias:
+        n += m.in_proj_width + h
     return n
 
 
@@ -124,7 +140,7 @@ def _attention(arch: Architecture) -> tuple[int, int, int]:
         sharded += a.num_heads * a.v_head_dim * h + (h if a.o_bias else 0)  # o
         return sharded, 0, replicated
     q, kv = a.q_width, a.kv_width
-    sharded = h * q + q * h + (q if a.q_bias else 0) + (h if a.o_bias else 0)
+    sharded = h * a.q_proj_width + q * h + (a.q_proj_width if a.q_bias else 0) + (h if a.o_bias else 0)
     if a.sinks:
         sharded += a.num_heads
     kv_part = 2 * h * kv + (2 * kv if a.kv_bias else 0)
@@ -139,9 +155,15 @@ def _attention(arch: Architecture) -> tuple[int, int, int]:
 def layer_params(arch: Architecture, index: int) -> LayerParams:
     """Parameters of decoder layer `index` (0-based), split by how parallelism shards them."""
     h, moe = arch.hidden_size, arch.moe
-    sharded, kv_part, replicated = _attention(arch)
+    mixer = arch.layer_mixers[index]
+    if mixer == "attention":
+        sharded, kv_part, replicated = _attention(arch)
+    else:  # a linear mixer's heads split by TP like attention's; a layer without one has none
+        sharded, kv_part, replicated = (linear_mixer_params(arch) if mixer == "linear" else 0), 0, 0
     norm_width = 2 if arch.norm == "layernorm" else 1
-    if index in arch.moe_layers:
+    if index in arch.ffn_free_layers:
+        router = shared = routed = dense = 0
+    elif index in arch.moe_layers:
         router = moe.num_experts * h + (moe.num_experts if moe.router_bias else 0)
         if moe.correction_bias == "param":
             router += moe.num_experts
@@ -154,7 +176,7 @@ def layer_params(arch: Architecture, index: int) -> LayerParams:
         attention_sharded=sharded,
         attention_kv=kv_part,
         attention_replicated=replicated,
-        norms=2 * h * norm_width,
+        norms=arch.norms_per_layer * h * norm_width,
         router=router,
         routed_experts=routed,
         shared_experts=shared,

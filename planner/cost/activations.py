@@ -52,11 +52,27 @@ class LayerActivations:
     keeps (the layer input). `routed_per_copy` is the part of `moe` that scales with tokens on the
     busiest expert rank (k copies per token times the imbalance factor)."""
 
-    attention: float
+    attention: float  # the attention block with its input norm, and the post-attention norm
     moe_fixed: float  # router and shared-expert part of an MoE layer (per token)
     routed_per_copy: float  # per routed copy of a token
     dense: float  # MLP of a dense layer
     layer_input: float
+    linear: float = 0.0  # a hybrid's linear-mixer block with its input norm, and the post-mixer norm
+    post_norm: float = 0.0  # the norm in front of the MLP (and its output): part of attention/linear
+
+    def per_layer(self, arch: Architecture) -> list[float]:
+        """Saved bytes per token of each decoder layer without its routed copies: the token mixer
+        with its norms, and the router and shared expert of an MoE layer or the dense MLP. A
+        Nemotron-H block holds a mixer or an MLP, each behind one norm."""
+        mixer = {"attention": self.attention, "linear": self.linear, "none": self.post_norm}
+        free, moe = set(arch.ffn_free_layers), set(arch.moe_layers)
+        out = []
+        for i, kind in enumerate(arch.layer_mixers):
+            if i in free:
+                out.append(mixer[kind] - self.post_norm)
+            else:
+                out.append(mixer[kind] + (self.moe_fixed if i in moe else self.dense))
+        return out
 
 
 def _rmsnorm(width: int, act: int, backend: str) -> float:
@@ -103,8 +119,24 @@ def _attention(arch: Architecture, act: int, backend: str) -> float:
     return total
 
 
-def _swiglu_mlp(width: int, act: int, backend: str) -> float:
-    """A gated MLP's saved bytes per token beyond its (shared) input."""
+def _linear_mixer(arch: Architecture, act: int, backend: str) -> float:
+    """A gated DeltaNet or Mamba-2 block, analytically (not measured: the fused kernels run on
+    accelerators only): its input norm and normalised output, the in_proj output (the convolution's
+    input and the gates), the convolution's output before and after SiLU, fp32 decay and step per
+    head, the fp32 state at each chunk boundary that the chunked scan keeps for backward, and the
+    gated norm of the mixer's output with its normalised result (out_proj's input)."""
+    m, h = arch.linear, arch.hidden_size
+    total = _rmsnorm(h, act, backend) + act * h
+    total += act * m.in_proj_width + 2 * act * m.conv_dim + 2 * FP32 * m.num_heads
+    total += FP32 * m.state_elements / m.chunk
+    total += act * m.inner + _rmsnorm(m.inner, act, backend) + act * m.inner
+    return total
+
+
+def _mlp_saved(arch: Architecture, width: int, act: int, backend: str) -> float:
+    """A dense or shared MLP's saved bytes per token beyond its (shared) input."""
+    if not arch.gated_mlp:  # up out (activation input), activation out (down input)
+        return act * 2 * width
     if backend == "transformers":
         return act * 4 * width  # gate out (SiLU input), SiLU out, up out, product (down input)
     return act * 3 * width  # fc1 out (gate|up, fused SwiGLU input), SwiGLU out (fc2 input)
@@ -126,24 +158,26 @@ def layer_activation_bytes(
         if moe.router_fp32 and act_bytes != FP32:
             router += FP32 * h  # fp32 copy of the router input
             weight_bytes = FP32  # gate values stay fp32 into the expert combine
-        per_copy = act_bytes * (h + 2 * moe.expert_intermediate + moe.expert_intermediate + moe.expert_intermediate + h)
+        per_copy = act_bytes * (h + (4 if arch.gated_mlp else 2) * moe.expert_intermediate + h)
         per_copy += weight_bytes + 3 * INDEX  # routing weight, three index tensors per copy
     else:
         router += FP32 * num_experts  # logits kept fp32 as well
         if probs not in PROBS:
             raise ValueError(f"probs must be one of {PROBS}, not {probs!r}")
-        per_copy = act_bytes * (h + 3 * moe.expert_intermediate)  # permuted input, fc1 out, SwiGLU out
+        per_copy = act_bytes * (h + (3 if arch.gated_mlp else 2) * moe.expert_intermediate)  # permuted input, fc1 out, activation out
         per_copy += act_bytes * h if probs == "unpermute" else FP32  # fc2 output, or the copy's probability
     shared = 0.0
     if moe.shared_intermediate:
-        shared = _swiglu_mlp(moe.shared_intermediate, act_bytes, backend)
+        shared = _mlp_saved(arch, moe.shared_intermediate, act_bytes, backend)
         if moe.shared_gate:
             shared += act_bytes * (1 + h)  # sigmoid gate value and the shared output it scales
-    dense = _swiglu_mlp(arch.dense_intermediate, act_bytes, backend) if arch.dense_intermediate else 0.0
+    dense = _mlp_saved(arch, arch.dense_intermediate, act_bytes, backend) if arch.dense_intermediate else 0.0
+    linear = _linear_mixer(arch, act_bytes, backend) if arch.linear is not None else 0.0
 
     if recompute == "selective" or (recompute == "moe" and backend == "megatron"):
         # recompute norms and the routed SwiGLU: drop the normalised outputs and the SwiGLU output
         attention -= act_bytes * h
+        linear -= act_bytes * h if linear else 0.0
         post_norm -= act_bytes * h
         per_copy -= act_bytes * moe.expert_intermediate
     if recompute == "moe":
@@ -157,6 +191,8 @@ def layer_activation_bytes(
         routed_per_copy=per_copy,
         dense=dense,
         layer_input=act_bytes * h,
+        linear=linear + post_norm if linear else 0.0,
+        post_norm=post_norm,
     )
 
 

@@ -539,6 +539,13 @@ class _Evaluator:
                 "device's experts per step, so rollout is more weight-bandwidth-bound than the original at equal batch; "
                 "routing imbalance of the pruned router differs from the original's"
             )
+        if arch.linear is not None:
+            kind = {"gdn": "gated DeltaNet", "mamba2": "Mamba-2"}[arch.linear.kind]
+            notes.append(
+                f"hybrid: {arch.num_linear_layers} {kind} layers of {arch.num_layers} hold no KV cache but a fixed state per "
+                "sequence; their scan FLOPs and saved activations are analytic, and no published run of a hybrid model is in "
+                "the efficiency fit, so its step time is an extrapolation"
+            )
         if self.accel.devices_per_card > 1:
             notes.append(
                 f"{self.accel.id}: counts are in {self.accel.device_unit}s as torch_npu sees them; "

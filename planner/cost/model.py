@@ -222,7 +222,8 @@ class _RolloutGrid(NamedTuple):
     weights: np.ndarray  # inference weight bytes per device
     expert_bytes: np.ndarray  # routed-expert bytes per device
     nonexpert_bytes: np.ndarray
-    kv_tok: np.ndarray  # KV bytes per token of context, all layers
+    kv_tok: np.ndarray  # KV bytes per token of context, all attention layers
+    state_seq: np.ndarray  # a hybrid's linear-layer state bytes per sequence (0 otherwise)
     tp_bw: np.ndarray
     inst_bw: np.ndarray
 
@@ -266,18 +267,19 @@ class CostModel:
         act = layer_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend, recompute=job.recompute, probs=probs)
         self.act = act
         k = arch.moe.top_k
-        # per token, per layer kind, at imbalance 1 (the routed part scales separately)
-        self.act_moe_layer = act.attention + act.moe_fixed
+        # per token and layer at imbalance 1, without the routed copies (which scale separately):
+        # summed per stage through the prefix sums, and the largest MoE and other layer
+        fixed = act.per_layer(arch)
+        self._prefix["act_fixed"] = np.concatenate([[0], np.cumsum(fixed)])
+        self.act_moe_layer, self.act_dense_layer = self._largest(fixed, is_moe)
         self.act_routed = act.routed_per_copy * k  # per token at imbalance 1
-        self.act_dense_layer = act.attention + act.dense
         self.act_output = output_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend)
         # what one layer holds while it runs, whatever the update recomputes: forward-only passes,
         # and the MoE layer that recompute moe rebuilds in backward
         whole = layer_activation_bytes(arch, act_bytes=job.activation_bytes, backend=job.trainer_backend, recompute="none", probs=probs)
-        self.work_moe_layer = whole.attention + whole.moe_fixed
+        self.work_moe_layer, self.work_dense_layer = self._largest(whole.per_layer(arch), is_moe)
         self.work_moe_inside = whole.moe_fixed - act.moe_fixed  # rebuilt in backward under recompute moe
         self.work_routed = whole.routed_per_copy * k
-        self.work_dense_layer = whole.attention + whole.dense
         c = self.counts
         self.embedding_params = c.embeddings
         self.head_params = c.lm_head
@@ -290,6 +292,16 @@ class CostModel:
         # expert (fc1 = gate and up, fc2); about ten per layer for attention, norms, router and the
         # dense or shared MLP; embedding, final norm and head
         self.weight_tensors = 2.0 * arch.num_moe_layers * arch.moe.num_experts + 10.0 * arch.num_layers + 3.0
+        # attention layers (the KV cache, ring attention) and a hybrid's linear layers (their state)
+        self.n_attention = len(arch.attention_layers)
+        self.n_linear = arch.num_linear_layers
+
+    @staticmethod
+    def _largest(per_layer: list[float], is_moe: np.ndarray) -> tuple[float, float]:
+        """The largest per-layer value among MoE layers and among the others (0 where none)."""
+        values = np.asarray(per_layer, dtype=float)
+        moe, other = values[is_moe > 0], values[is_moe == 0]
+        return (float(moe.max()) if moe.size else 0.0), (float(other.max()) if other.size else 0.0)
 
     def _flops(self) -> None:
         arch, job, L = self.arch, self.job, self.lengths
@@ -299,12 +311,15 @@ class CostModel:
         # A tied output head still multiplies: count it once for the lookup-free embedding.
         tied_head = arch.vocab_size * arch.hidden_size if arch.tie_embeddings else 0
         self.matmul_flops_per_token = 2.0 * (self.counts.active - self.counts.embeddings + tied_head)
+        if arch.linear is not None:  # a hybrid's linear layers: the chunked scan, linear in length
+            self.matmul_flops_per_token += arch.num_linear_layers * arch.linear.scan_flops_per_token
         self.expert_flops_per_token = 2.0 * arch.num_moe_layers * arch.moe.top_k * self.expert_params
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim if a.kind == "mla" else a.head_dim
         # QK^T and AV per query and attended key: 2*heads*(d_qk + d_v) FLOPs
         self.attn_flops_per_pair = 2.0 * a.num_heads * (qk + a.v_dim)
         groups: dict = {}
-        for w in arch.layer_windows:
+        for i in arch.attention_layers:
+            w = arch.layer_windows[i]
             groups[w] = groups.get(w, 0) + 1
         self._groups = list(groups.items())  # distinct attention windows, layers using each
         prompt = job.prompt_tokens.mean
@@ -534,7 +549,7 @@ class CostModel:
         per device"; planner.cost.activations per token and layer)."""
         o = g.owner
         in_flight = np.minimum(g.ppf - g.stage, mb.m[o])
-        return self._stage_activation(mb.t_dev[o], g.sums["moe"], g.sums["layers"], mb.ep_imb[o], in_flight, g.is_last)
+        return self._stage_activation(mb.t_dev[o], g.sums, mb.ep_imb[o], in_flight, g.is_last)
 
     def _phase_memory(self, g: _Grid, st: _States, mb: _Micro, act: np.ndarray) -> _PhaseMemory:
         """Device bytes of the training phases, per stage, and their peaks over each candidate's
@@ -697,9 +712,10 @@ class CostModel:
           update    = epochs x per pass x (2 + recomputed forward under full recompute)"""
         arch, job = self.arch, self.job
         tp = g.tp
-        # TP (sequence-parallel) all-gather / reduce-scatter: 4 per layer per forward pass
+        # TP (sequence-parallel) all-gather / reduce-scatter: 2 per block (mixer, MLP) per forward
+        # pass, 4 per layer; a Nemotron-H layer is one block
         tp_bytes = job.micro_tokens / g.cp * arch.hidden_size * job.activation_bytes * (tp - 1) / tp
-        tp_pass = mb.micro_all * g.layers_stage * 4 * tp_bytes / self.accel.link_bytes_per_s(tp)
+        tp_pass = mb.micro_all * g.layers_stage * 2 * arch.norms_per_layer * tp_bytes / self.accel.link_bytes_per_s(tp)
         return _PassComm(per_pass=tp_pass, update=job.ppo_epochs * tp_pass * (2.0 + rc.tp))
 
     def _cp_comm(self, g: _Grid, mb: _Micro, rc: _Recompute) -> _PassComm:
@@ -716,7 +732,8 @@ class CostModel:
         cp, tp = g.cp, g.tp
         kv_width = att.kv_width + att.num_kv_heads * att.v_dim
         cp_bytes = job.micro_tokens / cp * kv_width / tp * job.activation_bytes * (cp - 1)
-        per_pass = np.where(cp > 1, mb.micro_all * g.layers_stage * cp_bytes / self.accel.link_bytes_per_s(tp * cp), 0.0)
+        attending = g.layers_stage * self.n_attention / arch.num_layers  # a hybrid's attention layers only
+        per_pass = np.where(cp > 1, mb.micro_all * attending * cp_bytes / self.accel.link_bytes_per_s(tp * cp), 0.0)
         return _PassComm(per_pass=per_pass, update=job.ppo_epochs * per_pass * (3.0 + rc.tp))
 
     def _dp_sync(self, g: _Grid, st: _States, peak_idx: np.ndarray) -> np.ndarray:
@@ -775,18 +792,20 @@ class CostModel:
         gather = self.counts.total * BF16_BYTES / self.accel.link_bytes_per_s(gather_span) + self.weight_tensors * kn.switch_tensor_s
         return gather if self.job.weight_sync == "gather" else np.zeros(g.n)
 
-    def _stage_activation(self, tokens, n_moe, n_layers, imbalance, in_flight, is_last, transient=True):
+    def _stage_activation(self, tokens, sums, imbalance, in_flight, is_last, transient=True):
         """Activation bytes a pipeline stage holds at its peak: `in_flight` micro-batches of
         `tokens` tokens per device saved for backward (layer inputs only under full recompute),
         plus one layer (under recompute moe: one MoE layer's inside) rebuilt in backward (`transient`), plus the output
-        head's saved tensors on the last stage."""
+        head's saved tensors on the last stage. `sums`: the stage's layers, MoE layers and
+        per-layer saved bytes (`act_fixed`, routed copies apart)."""
+        n_moe = sums["moe"]
         routed = self.act_routed * imbalance
         if self.job.recompute == "full":
-            saved = n_layers * self.act.layer_input
+            saved = sums["layers"] * self.act.layer_input
             biggest = np.where(n_moe > 0, self.act_moe_layer + routed, self.act_dense_layer)
             held = tokens * (in_flight * saved + (biggest if transient else 0.0))
         else:
-            per_mb = n_moe * (self.act_moe_layer + routed) + (n_layers - n_moe) * self.act_dense_layer
+            per_mb = sums["act_fixed"] + n_moe * routed
             held = tokens * in_flight * per_mb
             if self.job.recompute == "moe" and transient:  # one MoE layer rebuilt in backward
                 held = held + tokens * np.where(n_moe > 0, self.work_moe_inside + self.work_routed * imbalance, 0.0)
@@ -813,7 +832,8 @@ class CostModel:
         """Bytes one forward pass over `tokens` tokens saves for backward on a single device (no
         parallelism, one micro-batch, balanced routing): what saved_tensors_hooks measure."""
         arch = self.arch
-        return float(self._stage_activation(tokens, arch.num_moe_layers, arch.num_layers, 1.0, 1.0, 1.0, transient=False))
+        whole = {f: self._prefix[f][-1] for f in ("moe", "act_fixed")} | {"layers": float(arch.num_layers)}
+        return float(self._stage_activation(tokens, whole, 1.0, 1.0, 1.0, transient=False))
 
     def model_state_bytes(self) -> dict[str, float]:
         """Weights, gradients and optimizer state of the whole model on one device (no sharding)."""
@@ -861,7 +881,8 @@ class CostModel:
         return FP8_BYTES if self.job.rollout_precision == "fp8" else BF16_BYTES
 
     def kv_bytes_per_token(self, cand: RolloutCandidates) -> np.ndarray:
-        """KV-cache bytes one token of context costs on one device (bf16 cache)."""
+        """KV-cache bytes one token of context costs on one device (bf16 cache), over the attention
+        layers (all of them but a hybrid's linear ones)."""
         a = self.arch.attention
         tp = cand.tp.astype(float)
         if a.kind == "mla":  # latent + rope key per layer, replicated on every TP rank (vLLM MLA)
@@ -869,14 +890,24 @@ class CostModel:
         else:
             local_heads = np.maximum(1.0, np.ceil(a.num_kv_heads / tp))
             per_layer = 2.0 * local_heads * a.head_dim * BF16_BYTES  # K and V
-        return per_layer * self.arch.num_layers
+        return per_layer * self.n_attention
+
+    def state_bytes_per_sequence(self, cand: RolloutCandidates) -> np.ndarray:
+        """A hybrid's fixed cache per sequence on one device: each linear layer's recurrent state
+        (in the engine's state precision) and its convolution window (bf16), heads split over TP."""
+        m = self.arch.linear
+        if m is None:
+            return np.zeros(len(cand.tp))
+        per_layer = m.state_elements * m.state_bytes + m.conv_state_elements * BF16_BYTES
+        return self.n_linear * per_layer / cand.tp.astype(float)
 
     def kv_sequence_bytes(self, cand: RolloutCandidates, context: float) -> np.ndarray:
-        """KV bytes of one sequence of `context` tokens on one device (windowed layers capped)."""
+        """Cache bytes of one sequence of `context` tokens on one device: the KV cache (windowed
+        layers capped) and a hybrid's fixed linear-layer state."""
         kept = 0.0
         for w, layers in self._groups:
             kept += layers * (context if w is None else min(context, w[1]))
-        return self.kv_bytes_per_token(cand) * kept / self.arch.num_layers
+        return self.kv_bytes_per_token(cand) * kept / max(self.n_attention, 1) + self.state_bytes_per_sequence(cand)
 
     def rollout(self, cand: RolloutCandidates, kept_train_bytes: np.ndarray | float = 0.0) -> RolloutEval:
         """Memory and time of the rollout for each candidate engine layout, with `kept_train_bytes`
@@ -918,7 +949,7 @@ class CostModel:
         return _RolloutGrid(
             tp=tp, inst=inst, dp=cand.dp.astype(float), expert_parallel=cand.ep > 1,
             weights=weights, expert_bytes=expert_bytes_dev, nonexpert_bytes=weights - expert_bytes_dev,
-            kv_tok=self.kv_bytes_per_token(cand), tp_bw=self.accel.link_bytes_per_s(tp), inst_bw=self.accel.link_bytes_per_s(inst),
+            kv_tok=self.kv_bytes_per_token(cand), state_seq=self.state_bytes_per_sequence(cand), tp_bw=self.accel.link_bytes_per_s(tp), inst_bw=self.accel.link_bytes_per_s(inst),
         )
 
     def _rollout_workspace(self, r: _RolloutGrid) -> np.ndarray:
@@ -1004,7 +1035,8 @@ class CostModel:
         k_over_e = arch.moe.top_k / arch.moe.num_experts
         touched = 1.0 - (1.0 - k_over_e) ** (tokens * batch * r.dp)
         span = self._span(context)
-        nbytes = r.nonexpert_bytes + r.expert_bytes * touched + batch * r.kv_tok * span / arch.num_layers
+        # each sequence reads its KV over the attended keys, and reads and writes a hybrid's state
+        nbytes = r.nonexpert_bytes + r.expert_bytes * touched + batch * (r.kv_tok * span / max(self.n_attention, 1) + 2.0 * r.state_seq)
         flops = tokens * batch * (self.matmul_flops_per_token + self.attn_flops_per_pair * span) / r.tp
         return np.maximum(nbytes / (accel.hbm_bytes_per_s * kn.decode_mbu), flops / (peak * kn.logprob_mfu))
 
@@ -1025,7 +1057,7 @@ class CostModel:
             2.0 * batch / tp * arch.moe.top_k * h * BF16_BYTES * (inst - 1) / inst / r.inst_bw,  # dispatch and combine
             2.0 * batch * r.dp * h * BF16_BYTES * (inst - 1) / inst / r.inst_bw,  # ring all-reduce
         )
-        return arch.num_layers * attn_comm + arch.num_moe_layers * moe_comm
+        return (arch.num_layers - arch.layer_mixers.count("none")) * attn_comm + arch.num_moe_layers * moe_comm
 
     def _decode_step_fixed(self, r: _RolloutGrid) -> np.ndarray:
         """The fixed cost of one decode step (docs/cost-model.md "Step time"): decode_step_overhead_s

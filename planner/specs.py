@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 
 from planner.errors import SpecError
+from planner.trainer_versions import TRAINERS, Release, release
 
 __all__ = ["Job", "TrainLayout", "RolloutLayout", "Offload", "Lengths", "load_job", "check_keys", "RECOMPUTE_MODES"]
 
@@ -224,7 +225,13 @@ _JOB_DOC = {
     "generation pool waiting for the weights)",
     "offload": "{params, grads, optimizer}: moved to host while another phase runs",
     "reference_model": "a frozen reference model for the KL term (one forward pass per step)",
-    "skip_old_logprob": "on-policy: the old log-prob pass is skipped (equals the detached current)",
+    "skip_old_logprob": "on-policy: the old log-prob pass is skipped (equals the detached current); with `trainer` "
+    "named and this key absent, that trainer's own default (verl, NeMo RL: the pass runs; MindSpeed-RL 2.0+: skipped "
+    "when the step is one optimizer step)",
+    "trainer": "verl | nemo-rl | mindspeed-rl: the trainer that runs the job; with trainer_version, the passes the job "
+    "asks for are checked against what that release can do (planner/trainer_versions.py)",
+    "trainer_version": "the trainer's release, e.g. 0.6.1: verl skips the old log-prob pass from 0.6.1 (bypass_mode), "
+    "NeMo RL from 0.7 (force_on_policy_ratio) and its reference pass from 0.6",
     "train_layout": "{tp, pp, ep, cp[, etp][, pipeline_layers: [layers per stage]]}; searched when absent",
     "rollout_layout": "{tp, dp, ep}; searched when absent",
     "ppo_epochs": "passes over the batch in the update (default 1)",
@@ -296,6 +303,8 @@ class Job:
     max_staleness: int = 0
     partial_rollout: bool = False
     speculative: Speculative | None = None
+    trainer: str | None = None
+    trainer_version: str | None = None
 
     def __post_init__(self) -> None:
         _choice(self.algorithm, ("grpo", "ppo", "dapo"), "algorithm")
@@ -347,6 +356,32 @@ class Job:
                 f"skip_old_logprob: true needs one optimizer step per RL step (on-policy), but ppo_epochs * "
                 f"mini_batches = {self.ppo_epochs} * {self.mini_batches} = {updates}; set skip_old_logprob: false"
             )
+        self._check_release()
+
+    def _check_release(self) -> None:
+        """The passes the job asks for against what its trainer's release can do."""
+        if self.trainer is None:
+            if self.trainer_version is not None:
+                raise SpecError(f"trainer_version {self.trainer_version} needs trainer (one of {', '.join(TRAINERS)})")
+            return
+        _choice(self.trainer, TRAINERS, "trainer")
+        r = self.release
+        if r is None:
+            return
+        if self.skip_old_logprob and r.old_logprob_skip is None:
+            raise SpecError(f"skip_old_logprob: true, but {r.label} always runs the old log-prob pass "
+                            f"({_SKIP_FROM[r.trainer]}); set skip_old_logprob: false or a later trainer_version")  # fmt: skip
+        if not self.reference_model and r.reference_skip is None:
+            raise SpecError(f"reference_model: false, but {r.label} always computes the reference log-probs "
+                            "(grpo.skip_reference_policy_logprobs_calculation came in NeMo RL 0.6); set reference_model: true "
+                            "or a later trainer_version")  # fmt: skip
+
+    @property
+    def release(self) -> Release | None:
+        """The trainer release the job names (trainer and trainer_version), else None."""
+        if self.trainer is None or self.trainer_version is None:
+            return None
+        return release(self.trainer, str(self.trainer_version))
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -430,8 +465,12 @@ class Job:
                 kw[key] = None if value is None else _int(value, at)
             elif key in ("rollout_memory_utilization", "expert_imbalance", "reward_s", "rollout_oversampling", "optimizer_offload_fraction"):
                 kw[key] = _num(value, at)
+            elif key in ("trainer", "trainer_version"):
+                kw[key] = None if value is None else str(value)
             else:
                 kw[key] = value
+        if kw.get("trainer") and "skip_old_logprob" not in kw:  # the trainer's own default
+            kw["skip_old_logprob"] = _skips_by_default(kw, where)
         try:
             return cls(**kw)
         except SpecError as exc:
@@ -455,6 +494,25 @@ class Job:
     @staticmethod
     def documentation() -> dict[str, str]:
         return dict(_JOB_DOC)
+
+
+# where each trainer's skip of the old log-prob pass came in (planner/trainer_versions.py has the sources)
+_SKIP_FROM = {"verl": "bypass_mode came in verl 0.6.1", "nemo-rl": "force_on_policy_ratio skips it from NeMo RL 0.7",
+              "mindspeed-rl": "its automatic on-policy skip came in MindSpeed-RL 2.0"}
+
+
+def _skips_by_default(kw: Mapping[str, Any], where: str) -> bool:
+    """Whether the named trainer skips the old log-prob pass without being asked: MindSpeed-RL (2.0 and
+    later, or no version named) when the step is one optimizer step; verl and NeMo RL never."""
+    if kw["trainer"] != "mindspeed-rl":
+        return False
+    if kw.get("trainer_version") is not None:
+        try:
+            if release("mindspeed-rl", kw["trainer_version"]).old_logprob_skip_default != "on-policy":
+                return False
+        except SpecError as exc:
+            raise SpecError(f"{where}: {exc}") from None
+    return int(kw.get("ppo_epochs", 1)) * int(kw.get("mini_batches", 1)) == 1
 
 
 def load_job(path: str | Path | None) -> Job:

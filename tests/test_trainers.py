@@ -221,6 +221,9 @@ def test_job_from_reads_verls_own_launch_scripts(script, expect, model, hardware
     assert got == expect
     assert job.train_layout.cp == 1 and job.rollout_layout.dp == 1 and job.ppo_epochs == 1  # verl's defaults, named in a note
     assert not job.skip_old_logprob  # verl recomputes the old log-probs unless bypass mode is on
+    from importlib.metadata import version
+
+    assert (job.trainer, job.trainer_version) == ("verl", version("verl"))  # the passes follow the installed release
     # verl's vLLM cap of 256 sequences a rank, where it can bind (a step of fewer sequences is not capped)
     assert job.rollout_max_seqs == (256 if expect["prompts"] * expect["samples"] > 256 else None) and any("shipped defaults" in n for n in notes)
     if model:  # the cost model takes the job at the script's own device count

@@ -657,6 +657,7 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
     f = _read_flat(path, notes)
     raw_keys = set(f)
     fully_async = trainer == "verl" and any(k.startswith("async_training.") or k.startswith("rollout.nnodes") for k in raw_keys)
+    shipped = None
     if trainer == "verl":  # what the script leaves out is verl's own default, from the config verl ships
         shipped = verl_defaults(fully_async=fully_async)
         if shipped is not None:
@@ -735,7 +736,7 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         if fully_async:
             kw.update(_verl_async_pools(f, n, cards, notes))
             cards += kw["rollout_devices"]
-        # verl recomputes the old log-probs unless bypass mode takes the rollout's (verl >= 0.7)
+        # verl recomputes the old log-probs unless bypass mode takes the rollout's (verl >= 0.6.1)
         kw["skip_old_logprob"] = bool(f.get("algorithm.rollout_correction.bypass_mode", False))
         stages = _stage_layers(*(f.get(f"{mega}.override_transformer_config.num_layers_in_{s}_pipeline_stage") for s in ("first", "last")),
                                kw["train_layout"].pp, f.get("actor_rollout_ref.model.path"), notes)  # fmt: skip
@@ -795,6 +796,9 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         cards = n("cluster.gpus_per_node") * n("cluster.num_nodes")
         if f.get("policy.generation.colocated.enabled") is False:
             kw.update(_nemo_pools(f, n, cards, notes))
+    kw["trainer"] = trainer
+    if trainer == "verl" and shipped is not None:  # the installed verl's release: its passes follow it
+        kw["trainer_version"] = verl_version
     updates = kw.get("ppo_epochs", 1) * kw["mini_batches"]
     if "skip_old_logprob" not in kw:
         kw["skip_old_logprob"] = updates == 1

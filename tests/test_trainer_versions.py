@@ -1,0 +1,88 @@
+"""Trainer releases: the passes a job asks for against what the named release can do, and each
+trainer's own default for the old log-prob pass (facts from the trainers' code at their tags,
+planner/trainer_versions.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.errors import SpecError
+from planner.specs import Job
+from planner.trainer_versions import release
+
+
+@pytest.mark.parametrize(
+    "trainer, version, old_skip, ref_skip, offload",
+    [
+        ("verl", "0.2", False, True, False),
+        ("verl", "0.6.0", False, True, False),  # 0.6.0's on-policy shortcut changes the loss, not the pass
+        ("verl", "0.6.1", True, True, False),  # bypass_mode
+        ("verl", "v0.9.1", True, True, False),
+        ("nemo-rl", "0.4.0", False, False, True),  # optimizer to host and back around the log-prob pass
+        ("nemo-rl", "0.5.0", False, False, False),
+        ("nemo-rl", "0.6.0", False, True, False),  # skip_reference_policy_logprobs_calculation
+        ("nemo-rl", "0.7.0", True, True, False),  # force_on_policy_ratio skips the pass
+        ("mindspeed-rl", "1.0", False, True, False),
+        ("mindspeed-rl", "2.1.0", True, True, False),
+    ],
+)
+def test_release_facts(trainer, version, old_skip, ref_skip, offload):
+    r = release(trainer, version)
+    assert (r.old_logprob_skip is not None, r.reference_skip is not None, r.logprob_optimizer_offload) == (old_skip, ref_skip, offload)
+
+
+def test_a_job_cannot_skip_what_its_release_always_runs():
+    with pytest.raises(SpecError, match=r"verl 0\.6\.0 always runs the old log-prob pass \(bypass_mode came in verl 0\.6\.1\)"):
+        Job.from_dict({"trainer": "verl", "trainer_version": "0.6.0", "skip_old_logprob": True})
+    with pytest.raises(SpecError, match=r"nemo-rl 0\.6\.0 always runs the old log-prob pass"):
+        Job.from_dict({"trainer": "nemo-rl", "trainer_version": "0.6.0", "skip_old_logprob": True})
+    with pytest.raises(SpecError, match=r"nemo-rl 0\.5\.0 always computes the reference log-probs"):
+        Job.from_dict({"trainer": "nemo-rl", "trainer_version": "0.5.0", "reference_model": False, "skip_old_logprob": False})
+    assert Job.from_dict({"trainer": "verl", "trainer_version": "0.6.1", "skip_old_logprob": True}).skip_old_logprob
+    assert not Job.from_dict({"trainer": "nemo-rl", "trainer_version": "0.6.0", "reference_model": False}).reference_model
+
+
+def test_each_trainers_default_for_the_old_logprob_pass():
+    """Without skip_old_logprob in the job, the named trainer's default: verl and NeMo RL run the pass;
+    MindSpeed-RL 2.0 and later skips it by itself when the step is one optimizer step."""
+    assert Job().skip_old_logprob  # no trainer named: the on-policy shortcut, as before
+    assert not Job.from_dict({"trainer": "verl"}).skip_old_logprob
+    assert not Job.from_dict({"trainer": "nemo-rl", "trainer_version": "0.7.0"}).skip_old_logprob
+    assert Job.from_dict({"trainer": "mindspeed-rl"}).skip_old_logprob
+    assert not Job.from_dict({"trainer": "mindspeed-rl", "mini_batches": 2}).skip_old_logprob
+    assert not Job.from_dict({"trainer": "mindspeed-rl", "trainer_version": "1.0"}).skip_old_logprob
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"trainer_version": "0.6.1"}, "trainer_version 0.6.1 needs trainer"),
+        ({"trainer": "openrlhf"}, "trainer: 'openrlhf' is not one of verl, nemo-rl, mindspeed-rl"),
+        ({"trainer": "verl", "trainer_version": "latest"}, "trainer_version 'latest': expected a release number"),
+    ],
+)
+def test_bad_trainer_fields_name_the_problem(data, message):
+    with pytest.raises(SpecError, match=message):
+        Job.from_dict(data)
+
+
+def test_the_step_follows_the_release(tmp_path):
+    """The same job on verl 0.6.0 and 0.6.1 with bypass mode: the old log-prob pass is timed on the
+    first and gone on the second; the output says which and why."""
+    import json
+
+    from click.testing import CliRunner
+
+    from planner.cli import main
+
+    def step(job: str):
+        path = tmp_path / "job.yaml"
+        path.write_text(job)
+        out = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--cards", "16", "--job", str(path), "--json"])
+        assert out.exit_code == 0, out.output
+        return json.loads(out.stdout)
+
+    old = step("trainer: verl\ntrainer_version: 0.6.0\n")
+    new = step("trainer: verl\ntrainer_version: 0.6.1\nskip_old_logprob: true\n")
+    assert old["phase_times_s"]["old_logprob"] > 0 and new["phase_times_s"]["old_logprob"] == 0
+    assert "verl 0.6.0 runs the old log-prob pass; this release cannot skip it" in old["notes"]

@@ -44,12 +44,7 @@ def predict_peak(arch: Architecture, config) -> dict[str, float]:
     act = 4  # fp32 masters: see the module docstring for autocast
     layer = layer_activation_bytes(arch, act_bytes=act, backend="transformers", recompute="none")
     per_token = output_activation_bytes(arch, act_bytes=act, backend="transformers", logits=False)
-    for i in range(arch.num_layers):
-        per_token += layer.attention
-        if i in arch.moe_layers:
-            per_token += layer.moe_fixed + layer.routed_per_copy * arch.moe.top_k
-        else:
-            per_token += layer.dense
+    per_token += sum(layer.per_layer(arch)) + arch.num_moe_layers * layer.routed_per_copy * arch.moe.top_k
     sequences = config.prompts * config.group / config.mini_batches
     tokens = sequences * (config.prompt_len + config.new_tokens)
     vocab = 2 * 4.0 * arch.vocab_size * sequences * config.new_tokens  # log_softmax output and its exp, fp32, response tokens

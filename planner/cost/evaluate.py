@@ -541,9 +541,12 @@ class _Evaluator:
             )
         r = self.job.release
         if r is not None:
-            passes = "skips the old log-prob pass" if self.job.skip_old_logprob else "runs the old log-prob pass"
-            notes.append(f"{r.label} {passes}" + (f" (skipped with {r.old_logprob_skip})" if r.old_logprob_skip and not self.job.skip_old_logprob
-                                                  else "" if r.old_logprob_skip else "; this release cannot skip it"))  # fmt: skip
+            if self.job.skip_old_logprob:
+                notes.append(f"{r.label} skips the old log-prob pass")
+            elif r.old_logprob_skip is None:
+                notes.append(f"{r.label} runs the old log-prob pass; this release cannot skip it")
+            else:
+                notes.append(f"{r.label} runs the old log-prob pass (skipped with {r.old_logprob_skip})")
             if r.logprob_optimizer_offload:
                 notes.append(f"{r.label} also moves the optimizer state to the host and back around the log-prob pass each step "
                              "(its prep timers took 10-13 s a step on Qwen3-235B/30B until NeMo RL PR #1404 removed the move in 0.5); not in this step time")  # fmt: skip

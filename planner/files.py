@@ -4,6 +4,7 @@ and what is wrong with it (SpecError: exit code 2)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -57,21 +58,28 @@ def new_output(path: str | Path, force: bool) -> Path:
     return p
 
 
+def _part(p: Path) -> Path:
+    """The temporary name a write goes to before its rename: one per process, so that two runs
+    writing the same file (two calibrate runs sharing a work directory) never write into each
+    other's half-written file."""
+    return p.with_name(f"{p.name}.{os.getpid()}.part")
+
+
 def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write `text` to PATH.part, then rename it over `path`: readers never see half a file."""
+    """Write `text` to PATH.PID.part, then rename it over `path`: readers never see half a file."""
     p = Path(path)
-    tmp = p.with_name(p.name + ".part")
+    tmp = _part(p)
     tmp.write_text(text)
     tmp.replace(p)
     return p
 
 
 def write_csv_atomic(path: str | Path, fieldnames: list[str], rows) -> Path:
-    """Rows (mappings) as CSV with a header, streamed to PATH.part and renamed over `path`."""
+    """Rows (mappings) as CSV with a header, streamed to PATH.PID.part and renamed over `path`."""
     import csv
 
     p = Path(path)
-    tmp = p.with_name(p.name + ".part")
+    tmp = _part(p)
     with open(tmp, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fieldnames)
         writer.writeheader()

@@ -276,9 +276,11 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
     workdir.mkdir(parents=True, exist_ok=True)
     settings = grid.model_settings()
     stamp = workdir / "grid.json"
-    if stamp.is_file() and json.loads(stamp.read_text()) != settings:
-        raise SpecError(f"{workdir} holds models made for other grid settings ({stamp}); pass another --workdir")
-    stamp.write_text(json.dumps(settings, indent=1))
+    if stamp.is_file():
+        if json.loads(stamp.read_text()) != settings:
+            raise SpecError(f"{workdir} holds models made for other grid settings ({stamp}); pass another --workdir")
+    else:  # atomic: another run sharing this work directory may be reading it now
+        write_text_atomic(stamp, json.dumps(settings, indent=1))
     records: dict[str, dict] = {}
     for family in grid.families:
         experts = grid.experts(family)

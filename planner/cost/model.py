@@ -999,18 +999,19 @@ class CostModel:
         more sequences than the KV pool holds, (sequences - concurrency) x mean length /
         concurrency full-batch steps at the live context."""
         L, prompt, spec = self.lengths, self.job.prompt_tokens.mean, self.job.speculative
-        # decode: sum over step bins of the step time at the live batch
-        decode = np.zeros_like(r.tp)
-        for steps, survival, mid in zip(L.bin_steps, L.survival, L.bin_mid):
-            batch, context = kv.conc * survival, np.full_like(r.tp, prompt + mid)
-            plain = steps * self._decode_step(r, step_fixed, batch, context)
-            if spec is not None:
-                # speculation where the rank's batch is at most max_batch: accept_length tokens a
-                # step, each step verifying draft_tokens + 1 tokens of every sequence
-                on = batch <= spec.max_batch if spec.max_batch else np.ones_like(batch, dtype=bool)
-                verify = steps / spec.accept_length * self._decode_step(r, step_fixed, batch, context, spec.draft_tokens + 1)
-                plain = np.where(on, verify, plain)
-            decode = decode + plain
+        # decode: sum over step bins of the step time at the live batch, all bins at once (rows: bins,
+        # columns: candidates)
+        steps = np.asarray(L.bin_steps, dtype=float)[:, None]
+        batch = kv.conc[None, :] * np.asarray(L.survival, dtype=float)[:, None]
+        context = np.broadcast_to(prompt + np.asarray(L.bin_mid, dtype=float)[:, None], batch.shape)
+        per_bin = steps * self._decode_step(r, step_fixed, batch, context)
+        if spec is not None:
+            # speculation where the rank's batch is at most max_batch: accept_length tokens a step,
+            # each step verifying draft_tokens + 1 tokens of every sequence
+            on = batch <= spec.max_batch if spec.max_batch else np.ones_like(batch, dtype=bool)
+            verify = steps / spec.accept_length * self._decode_step(r, step_fixed, batch, context, spec.draft_tokens + 1)
+            per_bin = np.where(on, verify, per_bin)
+        decode = per_bin.sum(axis=0)
         # more sequences than the KV pool holds: full-batch steps until the queue drains
         extra_steps = np.maximum(kv.n_rank - kv.conc, 0.0) * L.mean / kv.conc
         decode = decode + extra_steps * self._decode_step(r, step_fixed, kv.conc, np.full_like(r.tp, kv.live_ctx))

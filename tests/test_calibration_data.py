@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -150,9 +149,11 @@ def test_calibrate_add_updates_the_dataset_and_a_refit_changes_predictions(rl_mo
                        "--set", "prompts=4", "--set", "new_tokens=8", "-o", out).exit_code == 0  # fmt: skip
         assert run_cli("rl", "margin", target, "--recipe", "rollout-mismatch", "--seeds", "0,1", "--iters", "3", "-o", out).exit_code == 0
 
+    # the three small families' rows (the added pair is of one of them): each fit cross-validates, and
+    # the whole committed dataset would cost this test a minute more for the same assertions
     dataset = tmp_path / "dataset.csv"
-    shutil.copy(DATASET, dataset)
-    shutil.copy(DATASET.with_suffix(".json"), dataset.with_suffix(".json"))
+    small = [r for r in read_dataset(DATASET) if r["family"] in ("qwen3_moe", "mixtral", "deepseek_v3")]
+    write_dataset(small, dataset, json.loads(DATASET.with_suffix(".json").read_text()))
     n = len(read_dataset(dataset))
     assert run_cli("calibrate", "fit", "--dataset", dataset, "-o", tmp_path / "before.json").exit_code == 0
     added = run_cli("calibrate", "add", "--original", tmp_path / "a", "--proxy", tmp_path / "b", "--plan", tmp_path / "plan.yaml",

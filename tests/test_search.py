@@ -128,8 +128,7 @@ def test_an_interrupted_stored_study_resumes_to_the_uninterrupted_result(tmp_pat
 
     reference = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr[-2000:]
-    for n, (signum, at) in enumerate([(signal.SIGINT, 20), (signal.SIGINT, 70), (signal.SIGTERM, 40), (signal.SIGTERM, 60),
-                                      (signal.SIGKILL, 50)]):  # fmt: skip
+    for n, (signum, at) in enumerate([(signal.SIGINT, 20), (signal.SIGTERM, 60), (signal.SIGKILL, 50)]):
         stored = args + ["--storage", f"sqlite:///{tmp_path / f'study{n}.db'}"]  # shows progress; the same study with --json
         # a shell's background job starts with Ctrl-C ignored, and Python keeps an ignored SIGINT: restore it
         proc = subprocess.Popen(stored, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -235,10 +234,10 @@ def test_an_hours_budget_finds_what_a_device_budget_finds_and_a_larger_budget_is
     """The space is enumerated where it is small: `--budget 59npu-h` finds the plan `--budget 8npu`
     finds (2.93 NPU-h a step, 58.6 for 20 steps), where 300 NSGA-II trials once missed it."""
     by_devices = suggest(Request(budget="8npu")).best
-    hours = {b: suggest(Request(budget=b)) for b in ("59npu-h", "80npu-h", "200npu-h")}
+    hours = {b: suggest(Request(budget=b)) for b in ("59npu-h", "200npu-h")}
     assert all(s.enumerated and s.trials == s.space_points for s in hours.values())
     assert hours["59npu-h"].best.hours == pytest.approx(by_devices.hours, rel=1e-12)
-    best = [hours[b].best.hours for b in ("59npu-h", "80npu-h", "200npu-h")]
+    best = [hours[b].best.hours for b in ("59npu-h", "200npu-h")]
     assert best == sorted(best, reverse=True)  # more budget: never a dearer answer
 
 

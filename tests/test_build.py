@@ -20,7 +20,7 @@ from planner.errors import CheckpointError, PlanError, SpecError  # noqa: E402
 from planner.plan import Plan, load_plan  # noqa: E402
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
-            "llama4_text", "ernie4_5_moe", "phimoe", "qwen3_next"]  # fmt: skip
+            "llama4_text", "ernie4_5_moe", "phimoe", "qwen3_next", "nemotron_h"]  # fmt: skip
 
 
 def even_plan(ckpt: Checkpoint, k: int, **kw) -> Plan:

@@ -22,6 +22,24 @@ def test_every_catalog_model_has_a_family_of_its_routing_shape(model):
     assert arch.hidden_size == 64 and arch.num_layers == 3 * (2 if arch.norms_per_layer == 1 else 1) and arch.vocab_size == 256
 
 
+@pytest.mark.parametrize("model", sorted(catalog_models()))
+def test_every_catalog_models_family_has_a_grid_file_with_legal_counts(model):
+    """The grid that calibrates a catalog model's family is shipped, loads, and asks only for expert
+    counts the family's checkpoint can be cut to (from top_k to half the experts)."""
+    from pathlib import Path
+
+    from planner.fidelity.grid import Grid
+
+    family = family_of_shape(routing_shape(load_model(model)))
+    grids = [Grid.load(p) for p in sorted((Path(__file__).parents[1] / "calibration" / "grids").glob("*.yaml"))]
+    mine = [g for g in grids if family in g.families]
+    assert mine, f"{model}: no grid file under calibration/grids lists its family {family}"
+    arch = family_architecture(family)
+    for grid in mine:
+        counts = grid.experts(family)
+        assert counts and all(c in arch.legal_expert_counts() and arch.moe.top_k <= c <= arch.original_num_experts // 2 for c in counts), counts
+
+
 def test_shapes_name_what_pruning_touches():
     shapes = {m: routing_shape(load_model(m)) for m in catalog_models()}
     assert shapes["qwen3-30b-a3b"] == shapes["qwen3-235b-a22b"]  # one shape, one family

@@ -134,15 +134,36 @@ def test_qwen3_next_layer_types_must_cover_every_layer():
         Architecture.from_config({**config, "layer_types": ["full_attention"] * 10})
 
 
-def test_checkpoint_surgery_refuses_nemotron_h_by_name(tmp_path):
-    """Nemotron-H stores its layers under backbone. and its experts without a gate projection: the
-    builder does not cut such checkpoints yet, and says so rather than writing a broken proxy."""
+def test_nemotron_h_checkpoints_are_read_under_backbone_and_cut_without_a_gate_projection(tmp_path):
+    """Nemotron-H stores its layers under backbone. (transformers holds them as model.) and its
+    experts with up and down projections only: the reader finds its MoE blocks, router and correction
+    bias there, the statistics pass runs transformers' model over them layer by layer, and a plan
+    built from those statistics keeps exactly its experts (the round trip against transformers' own
+    loader is in test_build)."""
     pytest.importorskip("torch")
     from checkpoints import save_tiny
+    from safetensors import safe_open
 
-    from planner.checkpoint import Checkpoint
+    from planner.checkpoint import Checkpoint, build
     from planner.families import family_config
+    from planner.stats.compute import compute_stats, plan_from_stats
 
-    source = save_tiny(tmp_path / "nano", family_config("nemotron_h-e128"), sharded=False)
-    with pytest.raises(ConfigError, match="checkpoint surgery does not know family 'nemotron_h'"):
-        Checkpoint(source)
+    config = family_config("nemotron_h-e128")
+    source = save_tiny(tmp_path / "nano", config, sharded=False)
+    ckpt = Checkpoint(source)
+    assert ckpt.layer_prefix == "backbone.layers"
+    moe = [i for i, kind in enumerate(config["layers_block_type"]) if kind == "moe"]
+    assert sorted(ckpt.moe_layers) == moe
+    layer = ckpt.moe_layers[moe[0]]
+    assert layer.correction_bias is not None and set(layer.experts[0]) == {"up_proj.weight", "down_proj.weight"}
+    stats = compute_stats(ckpt, experts=[32], methods=("agglomerative",), calib_tokens=256, seq_len=64)
+    plan = plan_from_stats(stats, 32, "agglomerative", model=str(source))
+    build(ckpt, plan, tmp_path / "proxy", verify="always")
+    proxy = Checkpoint(tmp_path / "proxy")
+    assert proxy.arch.original_num_experts == 32
+    with safe_open(tmp_path / "proxy" / "model.safetensors", "np") as out, safe_open(source / "model.safetensors", "np") as src:
+        for i in moe:
+            kept = sorted(plan.layers[i])  # renumbered in ascending order
+            prefix = f"backbone.layers.{i}.mixer"
+            assert np.array_equal(out.get_tensor(f"{prefix}.gate.weight"), src.get_tensor(f"{prefix}.gate.weight")[np.array(kept)])
+            assert np.array_equal(out.get_tensor(f"{prefix}.experts.0.up_proj.weight"), src.get_tensor(f"{prefix}.experts.{kept[0]}.up_proj.weight"))

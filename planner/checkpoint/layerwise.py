@@ -86,11 +86,12 @@ class LayerwiseModel:
 
     # ---- weights ------------------------------------------------------------------------------
     def _disk_name(self, mem_key: str) -> str:
-        prefix = self.ckpt.layer_prefix  # e.g. "model.layers" or "language_model.model.layers"
-        outer = prefix[: -len("model.layers")]
+        prefix = self.ckpt.layer_prefix  # e.g. "model.layers", "language_model.model.layers", "backbone.layers"
+        root = self.names.get("root", "model")
+        outer = prefix[: -len(f"{root}.layers")]
         m = re.match(r"^model\.layers\.(\d+)\.(.+)$", mem_key)
         if not m:
-            return outer + mem_key
+            return outer + (root + mem_key[len("model") :] if mem_key.startswith("model.") else mem_key)
         layer, rest = m.group(1), m.group(2)
         memory = self.names["memory"]
         block = f"{self.mem_moe}."
@@ -115,17 +116,19 @@ class LayerwiseModel:
             self._transform(target)
             return
         per_expert = self.names.get("per_expert")
-        m = re.match(r"^model\.layers\.(\d+)\..*\.experts\.(gate_up_proj|down_proj)$", mem_key)
-        if not (per_expert and m):
+        fused = {name: role for role, name in self.names["memory"].get("experts", {"gate_up": "gate_up_proj", "down": "down_proj"}).items()}
+        m = re.match(r"^model\.layers\.(\d+)\..*\.experts\.(\w+)$", mem_key)
+        if not (per_expert and m and m.group(2) in fused):
             raise CheckpointError(f"{self.ckpt.path}: no tensor on disk for {mem_key} (looked for {disk})")
         experts = self.ckpt.moe_layers[int(m.group(1))].experts
-        for e in sorted(experts):  # transformers 5 holds per-expert checkpoints fused: (E, 2I, h), (E, h, I)
-            if m.group(2) == "gate_up_proj":
+        role = fused[m.group(2)]
+        for e in sorted(experts):  # transformers 5 holds per-expert checkpoints fused: (E, 2I, h) or (E, I, h), (E, h, I)
+            if role == "gate_up":
                 gate, up = experts[e][per_expert["gate"]], experts[e][per_expert["up"]]
                 self._read_into(gate, target[e, : gate.shape[0]])
                 self._read_into(up, target[e, gate.shape[0] :])
             else:
-                self._read_into(experts[e][per_expert["down"]], target[e])
+                self._read_into(experts[e][per_expert[role]], target[e])
         self._transform(target)
 
     def _read_into(self, info, target) -> None:
@@ -211,7 +214,7 @@ class LayerwiseModel:
         finally:
             self.decoder.layers = layers
         if self.config.tie_word_embeddings:
-            self.model.lm_head.weight = self.decoder.embed_tokens.weight
+            self.model.lm_head.weight = self.model.get_input_embeddings().weight
 
     def _in_slab(self, module) -> None:
         """Place `module`'s parameters and buffers in one reused block of memory: a decoder layer
@@ -288,6 +291,12 @@ class LayerwiseModel:
     def forward(self, ids) -> "object":
         with self.torch.no_grad():
             return self.model(input_ids=ids, use_cache=False).logits
+
+    @property
+    def final_norm(self):
+        """The decoder's norm after its last layer (Nemotron-H names it norm_f)."""
+        norm = getattr(self.decoder, "norm", None)
+        return norm if norm is not None else self.decoder.norm_f
 
     def hidden(self, ids) -> "object":
         """The decoder's output (after the final norm), without the head: a pass that needs the

@@ -174,12 +174,11 @@ class Checkpoint:
 
     # ---- structure --------------------------------------------------------------------------
     def _layer_prefix(self) -> str:
+        root, embed = self.names.get("root", "model"), self.names.get("embed", "embed_tokens")
         for prefix in ["", *self.names.get("prefixes", [])]:
-            if f"{prefix}model.embed_tokens.weight" in self.tensors or any(
-                n.startswith(f"{prefix}model.layers.") for n in self.tensors
-            ):
-                return f"{prefix}model.layers"
-        raise CheckpointError(f"{self.path}: no tensor under model.layers; is this a {self.arch.model_type} checkpoint?")
+            if f"{prefix}{root}.{embed}.weight" in self.tensors or any(n.startswith(f"{prefix}{root}.layers.") for n in self.tensors):
+                return f"{prefix}{root}.layers"
+        raise CheckpointError(f"{self.path}: no tensor under {root}.layers; is this a {self.arch.model_type} checkpoint?")
 
     def _find_moe_layers(self) -> dict[int, MoELayer]:
         arch, names = self.arch, self.names
@@ -218,7 +217,7 @@ class Checkpoint:
     def _check_against_config(self) -> None:
         arch = self.arch
         e, h, inter = arch.original_num_experts, arch.hidden_size, arch.moe.expert_intermediate
-        embed = self.tensors.get(self.layer_prefix.replace("layers", "embed_tokens") + ".weight")
+        embed = self.tensors.get(self.layer_prefix[: -len("layers")] + self.names.get("embed", "embed_tokens") + ".weight")
         if embed is not None and embed.shape != (arch.vocab_size, h):
             raise CheckpointError(
                 f"{self.path}: embed_tokens has shape {list(embed.shape)}, config.json says [{arch.vocab_size}, {h}]"
@@ -241,7 +240,7 @@ class Checkpoint:
                         f"{where}: holds {len(ids)} experts (ids {ids[0]}..{ids[-1]}), config.json says {e}"
                     )
                 roles = self.names["per_expert"]
-                expected = {roles["gate"]: (inter, h), roles["up"]: (inter, h), roles["down"]: (h, inter)}
+                expected = {roles[r]: (inter, h) for r in ("gate", "up") if r in roles} | {roles["down"]: (h, inter)}
                 for eid, tensors in layer.experts.items():
                     for suffix, shape in expected.items():
                         got = tensors.get(suffix)

@@ -64,9 +64,12 @@ def expert_similarity(model) -> dict[str, float]:
     sims = []
     for module in model.modules():
         experts = getattr(module, "experts", None)
-        if experts is None or not hasattr(experts, "gate_up_proj"):
+        # the fused gate and up projections, or (experts without a gate, Nemotron-H) the up projection
+        first = getattr(experts, "gate_up_proj", None)
+        first = getattr(experts, "up_proj", None) if first is None else first
+        if getattr(first, "ndim", 0) != 3:  # (experts, out, in)
             continue
-        flat = np.concatenate([experts.gate_up_proj.detach().reshape(experts.gate_up_proj.shape[0], -1).numpy(),
+        flat = np.concatenate([first.detach().reshape(first.shape[0], -1).numpy(),
                                experts.down_proj.detach().reshape(experts.down_proj.shape[0], -1).numpy()], axis=1)  # fmt: skip
         unit = flat / np.linalg.norm(flat, axis=1, keepdims=True)
         cos = unit @ unit.T

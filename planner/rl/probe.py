@@ -72,7 +72,7 @@ class Probe:
         from planner.rl.grpo import _round_mantissa
 
         torch, lw = self.torch, self.lw
-        held = list(lw.decoder.embed_tokens.parameters()) + list(lw.decoder.norm.parameters()) + list(lw.model.lm_head.parameters())
+        held = list(lw.model.get_input_embeddings().parameters()) + list(lw.final_norm.parameters()) + list(lw.model.lm_head.parameters())
         outside = list({id(t): t for t in held if t.dim() > 1}.values())  # a tied head is the embedding
         if bits is None:
             return torch.log_softmax(lw.forward(ids.to(self.device.name)).float(), dim=-1)
@@ -126,12 +126,12 @@ class Probe:
 
         # the head: final norm, lm_head, the loss (its parameters are loaded for the whole run)
         h = last["h"].detach().requires_grad_(True)
-        head = [p for p in list(lw.decoder.norm.parameters()) + list(lw.model.lm_head.parameters())]
+        head = [p for p in list(lw.final_norm.parameters()) + list(lw.model.lm_head.parameters())]
         for p in head:
             p.requires_grad_(True)
             p.grad = None
         with self.device.autocast(torch.float16):
-            logits = lw.model.lm_head(lw.decoder.norm(h))
+            logits = lw.model.lm_head(lw.final_norm(h))
             logp = torch.log_softmax(logits.float()[:, :-1], dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
             loss = -(batch.advantages.to(logp.device).unsqueeze(-1) * logp).mean()
         (loss * scale).backward()

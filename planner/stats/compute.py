@@ -215,7 +215,7 @@ def _calibration_pass(ckpt: Checkpoint, ids: np.ndarray, progress, seed: int = 0
         trace.final = args[0].reshape(-1, args[0].shape[-1])[at].float().clone()
 
     handles = [getattr(runner.decoder.layers[i], runner.mem_moe).register_forward_pre_hook(wrapper(i)) for i in trunk]
-    handles.append(runner.decoder.norm.register_forward_pre_hook(final))
+    handles.append(runner.final_norm.register_forward_pre_hook(final))
     try:
         with runner.moe(collect):
             runner.hidden(torch.from_numpy(ids))  # the head runs only at the KL positions (the plan pass)
@@ -387,7 +387,7 @@ def _head_kl(runner, final, proxies: list) -> list[float]:
     positions at once."""
     import torch
 
-    head, norm = runner.model.lm_head, runner.decoder.norm  # the causal LMs here apply nothing after the head
+    head, norm = runner.model.lm_head, runner.final_norm  # the causal LMs here apply nothing after the head
     with torch.no_grad():
         z0 = head(norm(final.to(runner.dtype))).float()
         p = torch.softmax(z0, -1)

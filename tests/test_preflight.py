@@ -21,9 +21,11 @@ def run_cli(*args):
 
 @pytest.fixture(scope="module")
 def suggested(tmp_path_factory) -> Path:
-    """A plan from `planner suggest --budget 8npu` (deferred: no checkpoint; with its deployment)."""
+    """A plan from `planner suggest --budget 8npu` at the production job (deferred: no checkpoint; with
+    its deployment): the checks below are of the request against it; a smaller reproduction job is
+    test_reproduction's and the reproduction check's own cases below."""
     out = tmp_path_factory.mktemp("pf") / "plan.yaml"
-    assert run_cli("suggest", "--budget", "8npu", "--fault", "rollout-mismatch", "-o", out).exit_code == 0
+    assert run_cli("suggest", "--budget", "8npu", "--fault", "rollout-mismatch", "--job-bounds", "batch=1,length=1", "-o", out).exit_code == 0
     return out
 
 
@@ -87,7 +89,7 @@ BAD = {
     "fidelity": (lambda p: (base_request(fault={"type": "grad-overflow", "settings": dict(GOOD_SETTINGS)}), p),
                  "fp16 loss-scale overflow but the job trains in bf16"),
     "reproduction": (lambda p: (base_request(job={"prompts_per_step": 32, "samples_per_prompt": 16}), p),
-                     "smaller than the fidelity data support: prompts at 0.0625 of the production value (prompts per step: no calibration rows"),
+                     "smaller than the fidelity data support: prompts at 0.0625 of the production value"),
     "fault factors": (lambda p: (base_request(fault={"type": "rollout-mismatch", "settings": {**GOOD_SETTINGS, "precision": "fp16",
                                                                                             "router_dtype": "fp16"}}), p),
                       "precision fp16 (job: bf16)"),

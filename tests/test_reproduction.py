@@ -189,7 +189,10 @@ def test_a_supported_job_dimension_is_searched(tmp_path):
     data = json.loads(default_estimator_path().read_text())
     levels = [{"share": 0.5, "rows": 20, "originals": 5, "delta_mean": 0.1, "delta_interval": [-0.1, 0.3], "ok": True},
               {"share": 0.25, "rows": 20, "originals": 5, "delta_mean": -0.2, "delta_interval": [-0.4, 0.0], "ok": True}]
-    data["recipes"]["rollout-mismatch"]["job"]["qwen3_moe-e128"]["length"] = {"ok": True, "min_share": 0.25, "rows": 40, "levels": levels}
+    support = data["recipes"]["rollout-mismatch"]["job"]["qwen3_moe-e128"]
+    support["length"] = {"ok": True, "min_share": 0.25, "rows": 40, "levels": levels}
+    for dim in ("prompts", "samples"):  # the length alone, whatever the shipped data support
+        support[dim] = {"ok": False, "rows": 0, "reason": "held at the production value for this test"}
     planted = tmp_path / "fidelity.json"
     planted.write_text(json.dumps(data))
     out = run_cli("suggest", "--budget", "8npu", "--estimator", planted, "--json")
@@ -211,8 +214,9 @@ def test_a_supported_job_dimension_is_searched(tmp_path):
     assert m["smaller_job"] > 1.5
     assert m["fewer_devices"] * m["smaller_job"] * m["step_time"] == pytest.approx(best["reduction"]["accelerator_hours"], rel=1e-9)
     assert "job searched: 3 reproduction jobs (length shrunk within batch down to 1/16, response cap down to 1/4)" in got["job_search"]["text"]
-    default = json.loads(run_cli("suggest", "--budget", "8npu", "--json").stdout)["plans"][0]
-    assert best["reduction"]["accelerator_hours"] > default["reduction"]["accelerator_hours"]
+    production = json.loads(run_cli("suggest", "--budget", "8npu", "--job-bounds", "batch=1,length=1", "--json").stdout)["plans"][0]
+    assert production["job"]["divisors"] == {"prompts": 1, "samples": 1, "length": 1}
+    assert best["reduction"]["accelerator_hours"] > production["reduction"]["accelerator_hours"]
 
 
 def test_a_job_dimension_is_supported_down_to_the_share_that_keeps_the_label():

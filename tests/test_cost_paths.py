@@ -93,7 +93,8 @@ def test_a_baseline_whose_devices_do_not_hold_the_proxies_job(tmp_path):
     ran.write_text("response_tokens: {mean: 400, max: 1024}\nrecompute: none\n")
     long = tmp_path / "long.yaml"
     long.write_text("response_tokens: {mean: 65536, max: 131072}\n")
-    result = run_cli("suggest", "--budget", "16npu", "--job", long, "--baseline-cards", "16", "--baseline-job", ran, "--json")
+    held = ("--job-bounds", "batch=1,length=1")  # the proxies at the long job itself
+    result = run_cli("suggest", "--budget", "16npu", "--job", long, "--baseline-cards", "16", "--baseline-job", ran, *held, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["plans"]
@@ -101,7 +102,7 @@ def test_a_baseline_whose_devices_do_not_hold_the_proxies_job(tmp_path):
         m, r = plan["reduction"]["by_mechanism"], plan["reduction"]
         assert m["smaller_job"] is None
         assert m["layout"] == 1.0 and m["fewer_devices"] * m["step_time"] == pytest.approx(r["accelerator_hours"], rel=1e-9)
-    text = run_cli("suggest", "--budget", "16npu", "--job", long, "--baseline-cards", "16", "--baseline-job", ran).output
+    text = run_cli("suggest", "--budget", "16npu", "--job", long, "--baseline-cards", "16", "--baseline-job", ran, *held).output
     assert "this plan's job does not fit the baseline's npus" in text
 
 

@@ -14,7 +14,10 @@ from planner.catalog import load_accelerator
 from planner.cli import main
 from planner.errors import SpecError
 from planner.search.budget import parse_budget
+from planner.search.reproduction import JobBounds
 from planner.search.suggest import Option, Request, Suggester, proposable, reduction, suggest
+
+PRODUCTION = JobBounds(batch=1, length=1)  # the reproduction job held at the production job
 
 
 def run_cli(*args):
@@ -178,7 +181,7 @@ def test_plan_file_round_trips_into_preflight_and_build(tmp_path):
 
 def test_progress_reaches_the_end_when_the_space_is_smaller_than_the_trials():
     calls = []
-    request = Request(budget="8npu")
+    request = Request(budget="8npu", job_bounds=PRODUCTION)  # the production job: a space smaller than 300
     space = Suggester(request).space_size()
     assert space < request.trials  # the brute-force sampler covers it and stops early
     suggest(request, progress=lambda done, total: calls.append((done, total)))
@@ -224,7 +227,7 @@ def test_reductions_against_the_baseline_the_user_names(tmp_path):
         assert r["accelerator_hours"] == pytest.approx(data["original"]["accelerator_hours_per_step"] / plan["accelerator_hours_per_step"])
     text = run_cli("suggest", "--budget", "8npu", "--baseline-cards", "64", "--baseline-job", prod).output
     assert "baseline: the original as you ran it" in text and "(fewer npus) x" in text and "(smaller job)" in text
-    default = json.loads(run_cli("suggest", "--budget", "8npu", "--json").stdout)
+    default = json.loads(run_cli("suggest", "--budget", "8npu", "--job-bounds", "batch=1,length=1", "--json").stdout)
     assert default["original"]["baseline"] == "default" and default["plans"][0]["reduction"]["by_mechanism"]["smaller_job"] == 1.0
     bad = run_cli("suggest", "--budget", "8npu", "--baseline-cards", "3")
     assert bad.exit_code == 2 and "--baseline-cards 3: the original does not fit there" in bad.output
@@ -233,8 +236,8 @@ def test_reductions_against_the_baseline_the_user_names(tmp_path):
 def test_an_hours_budget_finds_what_a_device_budget_finds_and_a_larger_budget_is_never_worse():
     """The space is enumerated where it is small: `--budget 59npu-h` finds the plan `--budget 8npu`
     finds (2.93 NPU-h a step, 58.6 for 20 steps), where 300 NSGA-II trials once missed it."""
-    by_devices = suggest(Request(budget="8npu")).best
-    hours = {b: suggest(Request(budget=b)) for b in ("59npu-h", "200npu-h")}
+    by_devices = suggest(Request(budget="8npu", job_bounds=PRODUCTION)).best
+    hours = {b: suggest(Request(budget=b, job_bounds=PRODUCTION)) for b in ("59npu-h", "200npu-h")}
     assert all(s.enumerated and s.trials == s.space_points for s in hours.values())
     assert hours["59npu-h"].best.hours == pytest.approx(by_devices.hours, rel=1e-12)
     best = [hours[b].best.hours for b in ("59npu-h", "200npu-h")]
@@ -283,7 +286,7 @@ def test_a_plan_dearer_than_the_original_in_every_measure_is_not_proposed():
     """Qwen3-30B-A3B on up to 16 H100s: the original fits on 8, so a proxy on 16 GPUs that also
     costs more hours is no saving. Such points exist in the space; none is ranked, and every ranked
     plan needs fewer GPUs than the original's minimum or fewer hours than its cheapest."""
-    request = Request(model="qwen3-30b-a3b", hardware="h100-sxm", budget="16gpu")
+    request = Request(model="qwen3-30b-a3b", hardware="h100-sxm", budget="16gpu", job_bounds=PRODUCTION)
     result = suggest(request)
     base = result.baseline
     dearer = [o for o in result.options if o.experts != base.minimum.original_experts and o.fits and o.within_budget

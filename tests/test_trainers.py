@@ -25,9 +25,10 @@ def run_cli(*args):
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
-    """A plan from `planner suggest -o` (4 devices on one node) and the same on 16 devices (two nodes)."""
+    """A plan from `planner suggest -o` (4 devices on one node) and the same on 16 devices (two nodes),
+    at the production job (512 prompts x 16; the exports' batch figures below are its)."""
     root = tmp_path_factory.mktemp("export")
-    assert run_cli("suggest", "--budget", "8npu", "-o", root / "plan.yaml").exit_code == 0
+    assert run_cli("suggest", "--budget", "8npu", "--job-bounds", "batch=1,length=1", "-o", root / "plan.yaml").exit_code == 0
     data = yaml.safe_load((root / "plan.yaml").read_text())
     # pinned to one node of 4, whatever layout the cost model prefers today: experts whole over the TP
     # ranks (MindSpeed-RL's moe_tp_extend_ep) and a rollout without DP (NeMo RL's vLLM config has none)

@@ -369,10 +369,10 @@ def test_input_that_is_not_utf8_text_or_not_integers_is_a_usage_error(tmp_path):
 
 
 def test_calibrate_report_and_fit_run_from_any_folder(tmp_path, monkeypatch):
-    """The shipped dataset is found through the package, not the working folder."""
+    """The shipped dataset is found through the package, not the working folder (report and fit
+    resolve it by the same function; the fit, which reads it and writes, is run here, the report's
+    figures on the same dataset are test_calibration_data's)."""
     monkeypatch.chdir(tmp_path)
-    report = CliRunner().invoke(main, ["calibrate", "report", "--json"])
-    assert report.exit_code == 0 and json.loads(report.stdout)["rows"] > 0, report.output[-300:]
     fit = CliRunner().invoke(main, ["calibrate", "fit", "-o", str(tmp_path / "est.json")])
     assert fit.exit_code == 0 and (tmp_path / "est.json").is_file(), fit.output[-300:]
     missing = CliRunner().invoke(main, ["calibrate", "report", "--dataset", "nope.csv"])

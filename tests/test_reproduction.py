@@ -214,8 +214,10 @@ def test_a_supported_job_dimension_is_searched(tmp_path):
     assert m["smaller_job"] > 1.5
     assert m["fewer_devices"] * m["smaller_job"] * m["step_time"] == pytest.approx(best["reduction"]["accelerator_hours"], rel=1e-9)
     assert "job searched: 3 reproduction jobs (length shrunk within batch down to 1/16, response cap down to 1/4)" in got["job_search"]["text"]
-    production = json.loads(run_cli("suggest", "--budget", "8npu", "--job-bounds", "batch=1,length=1", "--json").stdout)["plans"][0]
+    held = json.loads(run_cli("suggest", "--budget", "8npu", "--job-bounds", "batch=1,length=1", "--json").stdout)
+    production, production_text = held["plans"][0], held["job_search"]["text"]
     assert production["job"]["divisors"] == {"prompts": 1, "samples": 1, "length": 1}
+    assert production_text.startswith("job: the production job (512 x 16, response <= 3072") and "held there by --job-bounds" in production_text
     assert best["reduction"]["accelerator_hours"] > production["reduction"]["accelerator_hours"]
 
 

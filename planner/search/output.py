@@ -147,8 +147,10 @@ def job_search_text(s: Suggestion) -> str:
     """Which job dimensions the search shrank, and why each other one stays at the production value."""
     req = s.request
     free = [dim for dim, v in s.job_support.items() if v.get("ok")]
-    head = (f"job searched: {len(s.job_scales)} reproduction jobs ({', '.join(free)} shrunk within {req.job_bounds.describe()})" if free
-            else f"job: the production job ({JobScale().describe(req.job)})")  # fmt: skip
+    if free and len(s.job_scales) > 1:
+        head = f"job searched: {len(s.job_scales)} reproduction jobs ({', '.join(free)} shrunk within {req.job_bounds.describe()})"
+    else:
+        head = f"job: the production job ({JobScale().describe(req.job)})" + (", held there by --job-bounds" if free else "")
     why: dict[str, list[str]] = {}  # dimensions held for the same reason, named together
     for v in s.job_support.values():
         if not v.get("ok"):

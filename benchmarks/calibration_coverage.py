@@ -39,7 +39,7 @@ def line(model: str, fault: str, s) -> dict:
     p = f.get("p_reproduced")
     interval = f.get("interval")
     shown = None if p is None else f"{p:.2f}" + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
-    family = f.get("family") if isinstance(f.get("family"), str) else (f.get("family") or {}).get("name")
+    family = (f.get("family") or {}).get("name")
     return {"model": model, "fault": fault, "status": f["status"], "K": b.experts, "family": family, "p": shown,
             "basis": f.get("basis"), "reason": f.get("reason") or ""}
 

@@ -288,6 +288,32 @@ def mini_grid(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_two_runs_prepare_one_work_directory_at_once(tmp_path):
+    """Two processes preparing the same fresh work directory (two `calibrate run` workers started
+    together): each original is made by one of them while the other makes another or waits, both
+    finish, and both return the same records."""
+    from planner.fidelity.grid import Grid
+
+    grid = Grid(families=("qwen3_moe",), originals=2, recipes=("fp16-overflow",), kept_fractions=(0.5,), methods=("agglomerative",),
+                random_draws=0, calib_tokens=128, dense_steps=5, moe_steps=5)  # fmt: skip
+    path = tmp_path / "grid.yaml"
+    path.write_text(grid.to_yaml())
+    code = ("import json, sys; from pathlib import Path; from planner.fidelity.grid import Grid, prepare; "
+            "records = prepare(Grid.load(sys.argv[1]), Path(sys.argv[2]), progress=lambda b: print('ready', b, flush=True)); "
+            "print(json.dumps(sorted(records)))")  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = [subprocess.Popen([sys.executable, "-c", code, str(path), str(tmp_path / "work")], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+    outputs = [r.communicate(timeout=600)[0] for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], outputs
+    assert outputs[0].splitlines()[-1] == outputs[1].splitlines()[-1]
+    keys = json.loads(outputs[0].splitlines()[-1])
+    assert [k.split("/")[0] for k in keys] == ["qwen3_moe-s0"] * 2 + ["qwen3_moe-s1"] * 2  # an original and its proxy each
+    for seed in (0, 1):
+        assert json.loads((tmp_path / "work" / "models" / f"qwen3_moe-s{seed}" / "original" / "make_report.json").read_text())["family"] == "qwen3_moe"
+
+
+@pytest.mark.slow
 def test_two_workers_share_one_sqlite_study(mini_grid, tmp_path):
     from planner.fidelity.calibrate import export
     from planner.fidelity.grid import Grid, run_workers

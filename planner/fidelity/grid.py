@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -265,14 +266,87 @@ def study_name(grid: Grid, recipe_name: str, phase: str, original: str) -> str:
     return f"calibration-{grid.key()}-{recipe_name}-v{recipe(recipe_name).version}-{original}-{phase}"
 
 
-def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
-    """Make the originals and every proxy (idempotent); return model records by id (ORIGINAL/MODEL,
-    ORIGINAL = FAMILY-sSEED)."""
+@contextmanager
+def _folder_lock(root: Path, *, blocking: bool):
+    """An exclusive lock on ROOT/.lock (made with ROOT); yields whether it is held (never False when
+    blocking)."""
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _prepare_original(grid: Grid, family: str, seed: int, root: Path) -> dict[str, dict]:
+    """One original of `family` under ROOT, its statistics, every proxy of the grid and the controls
+    (each made only where missing); their model records by id."""
     from planner.checkpoint import Checkpoint, build
     from planner.rl.models import ModelRecipe, make_model
     from planner.stats.compute import compute_stats, plan_from_stats
     from planner.stats.store import STATISTICS_VERSION, load_stats, plan_key, plan_statistics, save_stats
 
+    experts = grid.experts(family)
+    records: dict[str, dict] = {}
+    base = f"{family}-s{seed}"
+    original = root / "original"
+    if not (original / "config.json").is_file():
+        make_model(family, original, ModelRecipe(dense_steps=grid.dense_steps, moe_steps=grid.moe_steps, seed=seed))
+    ckpt = Checkpoint(original)
+    top_k = ckpt.arch.moe.top_k
+    records[f"{base}/original"] = {"family": family, "original": base, "seed": seed, "model": "original", "path": str(original),
+                                   "experts": ckpt.arch.original_num_experts, "top_k": top_k, "method": "original",
+                                   "statistics": {}}  # fmt: skip
+    stats_path = root / "stats.json"
+    old = read_json(stats_path, "stats file") if stats_path.is_file() else None
+    if old is None or old.get("statistics_version", 1) != STATISTICS_VERSION:
+        stats = compute_stats(ckpt, experts=experts, methods=tuple(grid.methods), calib_tokens=grid.calib_tokens, seq_len=64)
+        for draw in range(grid.random_draws):
+            extra = compute_stats(ckpt, experts=experts, methods=("random",), calib_tokens=grid.calib_tokens,
+                                  seq_len=64, seed=draw)  # fmt: skip
+            for key, plan in extra["plans"].items():
+                stats["plans"][f"{key}-{draw}"] = {**plan, "seed": draw}
+        if old is not None:  # statistics of another version: the proxies built (and measured) must stay the same
+            moved = [key for key, plan in old["plans"].items() if stats["plans"].get(key, {}).get("kept") != plan["kept"]]
+            if moved:
+                raise SpecError(f"{stats_path}: recomputing the statistics (version {old.get('statistics_version', 1)} -> "
+                                f"{STATISTICS_VERSION}) keeps other experts for {moved[:3]}; the proxies measured there "
+                                "belong to the old choice: pass another --workdir")  # fmt: skip
+        save_stats(stats, stats_path, force=True)
+    stats = load_stats(stats_path, fingerprint=ckpt.fingerprint())
+    for key, plan in stats["plans"].items():
+        k, method = int(key.split("/")[0][2:]), key.split("/", 1)[1]
+        model = f"K{k}-{method}"
+        path = root / model
+        if not (path / "expert_map.json").is_file():
+            kind = method.rsplit("-", 1)[0] if method.startswith("random-") else method
+            stored = {**stats, "seed": int(plan.get("seed", 0)), "plans": {plan_key(k, kind): plan}}
+            p = plan_from_stats(stored, k, kind, model=str(original), seed=int(plan.get("seed", 0)))
+            build(ckpt, p, path, verify="never", force=True)
+        records[f"{base}/{model}"] = {"family": family, "original": base, "seed": seed, "model": model, "path": str(path),
+                                      "experts": k, "top_k": top_k, "method": method, "statistics": plan_statistics(stats, key)}  # fmt: skip
+    for control in grid.controls:
+        for k in experts:
+            source, model = records[f"{base}/K{k}-agglomerative"], f"K{k}-{control}"
+            path = root / model
+            if not (path / "expert_map.json").is_file():
+                mis_slice(Path(source["path"]), path)
+            # the statistics are the clustered plan's, as a reader of the plan would see them: the
+            # control is wrong where no statistic looks
+            records[f"{base}/{model}"] = {**source, "model": model, "path": str(path), "method": control}
+    return records
+
+
+def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
+    """Make the originals and every proxy (idempotent); return model records by id (ORIGINAL/MODEL,
+    ORIGINAL = FAMILY-sSEED)."""
     workdir.mkdir(parents=True, exist_ok=True)
     settings = grid.model_settings()
     stamp = workdir / "grid.json"
@@ -281,59 +355,24 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
             raise SpecError(f"{workdir} holds models made for other grid settings ({stamp}); pass another --workdir")
     else:  # atomic: another run sharing this work directory may be reading it now
         write_text_atomic(stamp, json.dumps(settings, indent=1))
-    records: dict[str, dict] = {}
-    for family in grid.families:
-        experts = grid.experts(family)
-        for seed in grid.seeds():
+    # one original at a time per process, under a lock in its folder: a second run sharing the work
+    # directory prepares another original meanwhile, and waits only for those the first one holds
+    bases = [f"{family}-s{seed}" for family in grid.families for seed in grid.seeds()]
+    by_base: dict[str, dict[str, dict]] = {}
+    pending = [(family, seed) for family in grid.families for seed in grid.seeds()]
+    for blocking in (False, True):
+        waiting = []
+        for family, seed in pending:
             base = f"{family}-s{seed}"
-            root = workdir / "models" / base
-            original = root / "original"
-            if not (original / "config.json").is_file():
-                make_model(family, original, ModelRecipe(dense_steps=grid.dense_steps, moe_steps=grid.moe_steps, seed=seed))
-            ckpt = Checkpoint(original)
-            top_k = ckpt.arch.moe.top_k
-            records[f"{base}/original"] = {"family": family, "original": base, "seed": seed, "model": "original", "path": str(original),
-                                           "experts": ckpt.arch.original_num_experts, "top_k": top_k, "method": "original",
-                                           "statistics": {}}  # fmt: skip
-            stats_path = root / "stats.json"
-            old = read_json(stats_path, "stats file") if stats_path.is_file() else None
-            if old is None or old.get("statistics_version", 1) != STATISTICS_VERSION:
-                stats = compute_stats(ckpt, experts=experts, methods=tuple(grid.methods), calib_tokens=grid.calib_tokens, seq_len=64)
-                for draw in range(grid.random_draws):
-                    extra = compute_stats(ckpt, experts=experts, methods=("random",), calib_tokens=grid.calib_tokens,
-                                          seq_len=64, seed=draw)  # fmt: skip
-                    for key, plan in extra["plans"].items():
-                        stats["plans"][f"{key}-{draw}"] = {**plan, "seed": draw}
-                if old is not None:  # statistics of another version: the proxies built (and measured) must stay the same
-                    moved = [key for key, plan in old["plans"].items() if stats["plans"].get(key, {}).get("kept") != plan["kept"]]
-                    if moved:
-                        raise SpecError(f"{stats_path}: recomputing the statistics (version {old.get('statistics_version', 1)} -> "
-                                        f"{STATISTICS_VERSION}) keeps other experts for {moved[:3]}; the proxies measured there "
-                                        "belong to the old choice: pass another --workdir")  # fmt: skip
-                save_stats(stats, stats_path, force=True)
-            stats = load_stats(stats_path, fingerprint=ckpt.fingerprint())
-            for key, plan in stats["plans"].items():
-                k, method = int(key.split("/")[0][2:]), key.split("/", 1)[1]
-                model = f"K{k}-{method}"
-                path = root / model
-                if not (path / "expert_map.json").is_file():
-                    kind = method.rsplit("-", 1)[0] if method.startswith("random-") else method
-                    stored = {**stats, "seed": int(plan.get("seed", 0)), "plans": {plan_key(k, kind): plan}}
-                    p = plan_from_stats(stored, k, kind, model=str(original), seed=int(plan.get("seed", 0)))
-                    build(ckpt, p, path, verify="never", force=True)
-                records[f"{base}/{model}"] = {"family": family, "original": base, "seed": seed, "model": model, "path": str(path),
-                                              "experts": k, "top_k": top_k, "method": method, "statistics": plan_statistics(stats, key)}  # fmt: skip
-            for control in grid.controls:
-                for k in experts:
-                    source, model = records[f"{base}/K{k}-agglomerative"], f"K{k}-{control}"
-                    path = root / model
-                    if not (path / "expert_map.json").is_file():
-                        mis_slice(Path(source["path"]), path)
-                    # the statistics are the clustered plan's, as a reader of the plan would see them: the
-                    # control is wrong where no statistic looks
-                    records[f"{base}/{model}"] = {**source, "model": model, "path": str(path), "method": control}
+            with _folder_lock(workdir / "models" / base, blocking=blocking) as held:
+                if not held:
+                    waiting.append((family, seed))
+                    continue
+                by_base[base] = _prepare_original(grid, family, seed, workdir / "models" / base)
             if progress:
                 progress(base)
+        pending = waiting
+    records = {key: record for base in bases for key, record in by_base[base].items()}
     write_text_atomic(workdir / "models.json", json.dumps(records, indent=1))
     return records
 

@@ -11,7 +11,7 @@ from planner.arch import Architecture
 from planner.catalog import load_accelerator, load_model_config
 from planner.cost.evaluate import evaluate
 from planner.errors import SpecError
-from planner.specs import Job
+from planner.specs import Job, Lengths
 
 JOB = Job(prompts_per_step=64, samples_per_prompt=16)
 
@@ -161,3 +161,34 @@ def test_suggest_keeps_a_separate_pool_job_on_pools_and_searches_pools_for_a_col
     assert refused.exit_code == 2 and "the export writes colocated configs only" in refused.output
     space = Suggester(Request(model="qwen3-30b-a3b", hardware="h20", budget="32gpu")).space()
     assert POOLS in space["offload"] and "all" in space["offload"]
+
+
+def test_suggest_proposes_separate_pools_where_they_beat_every_colocated_setting_and_says_so(tmp_path):
+    """Short responses on H100 (the rollout a small share of the step, the colocated switch a large
+    one): the cheapest proxy runs on separate on-policy pools, and the plan says by how much they beat
+    the best colocated setting of the same proxy on the same devices, checked here against the cost
+    model's own colocated points."""
+    import json
+
+    from click.testing import CliRunner
+
+    from planner.cli import main
+    from planner.search.suggest import OFFLOADS, POOLS
+
+    job = tmp_path / "job.yaml"
+    job.write_text("prompts_per_step: 128\nsamples_per_prompt: 16\nresponse_tokens: {mean: 300, max: 480}\n")
+    result = CliRunner().invoke(main, ["suggest", "--hardware", "h100-sxm", "--budget", "16gpu", "--job", str(job), "--job-bounds", "batch=1,length=1",
+                                       "--json"], catch_exceptions=False)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    plans = json.loads(result.stdout)["plans"]
+    best = plans[0]
+    assert best["offload"] == POOLS and best["layout"]["rollout"] is not None
+    name, config = load_model_config("qwen3-30b-a3b")
+    arch = Architecture.from_config(config, name=name).with_experts(best["experts"])
+    base = replace(Job(prompts_per_step=128, samples_per_prompt=16), response_tokens=Lengths(mean=300, max=480), recompute=best["recompute"])
+    colocated = [c.step_time_s for o in OFFLOADS.values() if (c := evaluate(arch, load_accelerator("h100-sxm"), replace(base, offload=o),
+                                                                            best["num_cards"])).feasible]  # fmt: skip
+    assert colocated and best["step_time_s"] < min(colocated)
+    assert f"{best['step_time_s']:,.0f} s a step against {min(colocated):,.0f} s colocated" in best["placement"]
+    assert "faster by" in best["placement"]
+    assert all((p["placement"] is not None) == (p["offload"] == POOLS) for p in plans)

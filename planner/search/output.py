@@ -41,7 +41,7 @@ def _row(o: Option, baseline, job) -> list[Any]:
         o.method if o.experts != c.original_experts else "-",
         c.num_devices,
         f"{c.train_layout.describe()} / {c.rollout_layout.describe()}",
-        f"{o.recompute}, offload {o.offload}",
+        f"{o.recompute}, pools {c.pools['rollout_devices']}+{c.pools['train_devices']}" if c.pools else f"{o.recompute}, offload {o.offload}",
         f"{gib(peak, suffix=False)} ({gib(c.usable_bytes_per_device - peak, suffix=False)})",
         o.scale.describe(job) if not o.scale.production else "production",
         f"{c.step_time_s:,.0f}",
@@ -122,6 +122,8 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
             lines.append("knob: " + f["knob_translation"]["text"])
         lines.extend(reproduction_lines(s, best))
         lines.append("kept for the fault: " + "; ".join(s.factors))
+        if best.placement:
+            lines.append("placement: " + best.placement)
         lines.extend(f"note: {n}" for n in best.cost.notes)
     else:
         lines.append("")

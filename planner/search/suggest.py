@@ -137,6 +137,7 @@ class Option:
     budget_note: str = ""
     scale: JobScale = JobScale()  # the reproduction's job against the production job
     onset: Onset | None = None  # when the fault shows, and the steps the reproduction runs
+    placement: str = ""  # a colocated job's plan on separate pools: against the best colocated setting on its devices
 
     @property
     def fits(self) -> bool:
@@ -204,6 +205,7 @@ class Option:
             "within_budget": self.within_budget,
             "reasons": self.cost.reasons,
             "notes": self.cost.notes,
+            "placement": self.placement or None,
         }
 
 
@@ -470,7 +472,25 @@ class Suggester:
             total = cost.device_hours_per_step * when.steps
             if total > self.budget.device_hours:
                 within, note = False, f"{total:,.1f} > {self.budget.device_hours:g} {self.accel.device_unit}-hours for {when.steps} steps"
-        return Option(experts, method, recompute, offload, cost, self.fidelity(experts, method, scale), within, note, JobScale.from_key(scale), when)
+        placement = self.placement(experts, devices, recompute, scale) if offload == POOLS and self.request.job.colocated and cost.feasible else ""
+        return Option(experts, method, recompute, offload, cost, self.fidelity(experts, method, scale), within, note, JobScale.from_key(scale), when,
+                      placement)  # fmt: skip
+
+    def placement(self, experts: int, devices: int, recompute: str, scale: str) -> str:
+        """A colocated job's point on separate on-policy pools against the best colocated setting
+        (every offload) of the same proxy, recompute and job on the same devices."""
+        pools, unit = self.cost(experts, devices, recompute, POOLS, scale), self.accel.device_unit
+        p = pools.pools
+        head = (f"separate pools, on-policy ({p['rollout_devices']} rollout + {p['train_devices']} training {unit}s taking turns, "
+                f"weights sent across in {p['weight_sync_s']:,.1f} s)")  # fmt: skip
+        fitting = [(c.step_time_s, name) for name in OFFLOADS if (c := self.cost(experts, devices, recompute, name, scale)).feasible]
+        if not fitting:
+            return f"{head}: colocated does not fit on these {devices} {unit}s at any offload setting"
+        step, name = min(fitting)
+        faster = pools.step_time_s < step
+        return (f"{head}: {pools.step_time_s:,.0f} s a step against {step:,.0f} s colocated (offload {name}, the best colocated setting on "
+                f"the same {devices} {unit}s): {'faster' if faster else 'slower'} by {max(step, pools.step_time_s) / min(step, pools.step_time_s):.2f}x"
+                + (", since no engine sleeps or wakes and nothing moves to the host" if faster else ""))  # fmt: skip
 
     def space(self) -> dict[str, list]:
         """The search's dimensions and their values."""

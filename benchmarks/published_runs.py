@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN
-from planner.cost.fit import fit_all, load_runs, memory_headroom, residual_table, update_mfu_checks, validation_effects
+from planner.cost.fit import fit_all, load_runs, memory_headroom, residual_table, update_mfu_checks, validation_effects, weight_sync_checks
 from planner.cost.knobs import knobs_path, load_knobs
 from planner.render import table
 from planner.summary import fmt_ratio, published_fit_rows, published_fit_summary, render_published_fit
@@ -52,6 +52,13 @@ def main() -> None:
                 [[c["check"], c["devices"], c["published_mfu"], c["predicted_mfu"], c["ratio"]] for c in checks]))
     lines += ["", "## Actor-update MFU (a check, not fitted)", "", "| check | GPUs | published | predicted | ratio |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {c['check']} | {c['devices']} | {c['published_mfu']} | {c['predicted_mfu']} | {c['ratio']} |" for c in checks]
+    syncs = weight_sync_checks()
+    print()
+    print(table(["check (not fitted)", "at the layouts of", "published sync s", "predicted s", "ratio"],
+                [[c["check"], c["run"], c["published_s"], c["predicted_s"], c["ratio"]] for c in syncs]))
+    lines += ["", "## Weight sync between separate pools (a check, not fitted)", "", "| check | at the layouts of | published s | predicted s | ratio |",
+              "|---|---|---:|---:|---:|"]  # fmt: skip
+    lines += [f"| {c['check']} | {c['run']} | {c['published_s']} | {c['predicted_s']} | {c['ratio']} |" for c in syncs]
     validation = load_runs(section="validation")
     rows = residual_table(validation, {run.family: load_knobs(run.family) for run in validation})
     print()

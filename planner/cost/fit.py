@@ -37,7 +37,7 @@ from planner.cost.knobs import KNOB_BOUNDS, PRIOR, Knobs, knobs_path
 from planner.errors import SpecError
 from planner.specs import Job
 
-__all__ = ["PublishedRun", "load_runs", "predict", "fit", "fit_all", "leave_one_out", "residual_table", "validation_effects", "update_mfu_checks", "loo_summary", "step_validation", "PHASES"]
+__all__ = ["PublishedRun", "load_runs", "predict", "fit", "fit_all", "leave_one_out", "residual_table", "validation_effects", "update_mfu_checks", "weight_sync_checks", "loo_summary", "step_validation", "PHASES"]
 
 PHASES = ("rollout", "reference", "old_logprob", "update", "switch", "step")
 PRIOR_WEIGHT = 0.05
@@ -121,6 +121,25 @@ def update_mfu_checks(path: str | Path | None = None) -> list[dict[str, Any]]:
             predicted = model.update_model_flops() / (update_s * devices * model.train_peak_flops())
             rows.append({"check": check["id"], "devices": devices, "published_mfu": published,
                          "predicted_mfu": round(predicted, 3), "ratio": round(predicted / published, 3)})
+    return rows
+
+
+def weight_sync_checks(path: str | Path | None = None) -> list[dict[str, Any]]:
+    """Predicted vs published weight sync between separate pools (not fitted; a check of
+    `CostModel.pool_sync_seconds`): each check names the published run whose layouts it was measured at."""
+    from planner.cost.knobs import load_knobs
+
+    data = yaml.safe_load(Path(path or runs_path()).read_text())
+    runs = {run.id: run for section in ("runs", "validation") for run in load_runs(path, section=section)}
+    rows = []
+    for check in data.get("sync_checks", []):
+        run = runs.get(check["run"])
+        if run is None or run.job.colocated:
+            raise SpecError(f"sync check {check['id']}: {check['run']!r} is not a published run on separate pools")
+        result = predict(run, load_knobs(run.family))
+        predicted = result.pools["weight_sync_s"]
+        rows.append({"check": check["id"], "run": run.id, "published_s": check["published_s"], "predicted_s": round(predicted, 2),
+                     "ratio": round(predicted / check["published_s"], 3)})  # fmt: skip
     return rows
 
 

@@ -141,6 +141,32 @@ def test_weight_sync_checks_price_the_sync_at_the_named_runs_layouts(tmp_path):
         weight_sync_checks(bad)
 
 
+def test_the_sync_check_travels_with_the_knobs_and_qualifies_every_pool_sync_printed(tmp_path):
+    """`planner fit-knobs` stores the sync checks with the knobs they were computed with; a job on
+    separate pools then prints its sync with that check beside it, and a knobs file without checks
+    prints none."""
+    import json
+    from dataclasses import replace
+
+    from planner.catalog import load_accelerator, load_model
+    from planner.cost.evaluate import evaluate
+    from planner.cost.fit import weight_sync_checks
+    from planner.cost.knobs import using_knobs_file
+    from planner.specs import Job
+
+    for stored, now in zip(STORED["sync_checks"], weight_sync_checks(), strict=True):  # the stored knobs are rounded to 6 places
+        assert {**stored, "predicted_s": now["predicted_s"], "ratio": now["ratio"]} == now
+        assert stored["predicted_s"] == pytest.approx(now["predicted_s"], abs=0.02)
+    ratios = sorted(r["ratio"] for r in STORED["sync_checks"])
+    job = replace(Job(prompts_per_step=64, samples_per_prompt=16), colocated=False)
+    note = evaluate(load_model("qwen3-30b-a3b"), load_accelerator("h20"), job, 32).notes[0]
+    assert f"the model's sync is x{ratios[0]:.1f}-{ratios[-1]:.1f} of the 2 NeMo RL measured between pools" in note
+    bare = tmp_path / "knobs.json"
+    bare.write_text(json.dumps({k: v for k, v in STORED.items() if k != "sync_checks"}))
+    with using_knobs_file(bare):
+        assert "measured between pools" not in evaluate(load_model("qwen3-30b-a3b"), load_accelerator("h20"), job, 32).notes[0]
+
+
 def test_the_sam_ablation_is_predicted_as_an_effect_on_its_base_run():
     """The validation row (SAM speculative decoding, not in the fit) against the fitted run it varies:
     the predicted effect on the rollout and the step within 0.03 of the published one (0.897 and

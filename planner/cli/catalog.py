@@ -141,7 +141,8 @@ def fit_knobs(runs_path, output, force) -> None:
             refuse_existing(output, force)
         runs = load_runs(runs_path)
         click.echo(f"fitting knobs to {len(runs)} runs, then refitting without each run in turn ...", err=True)
-        result = fit_all(runs, progress=lambda n, total, run: click.echo(f"  left out and predicted {n + 1}/{total}: {run}", err=True))
+        result = fit_all(runs, progress=lambda n, total, run: click.echo(f"  left out and predicted {n + 1}/{total}: {run}", err=True),
+                         path=runs_path)  # fmt: skip
         if output:
             write_fit(output, result)
             click.echo(render_published_fit(result), err=True)

@@ -20,7 +20,7 @@ import numpy as np
 
 from planner.arch import Architecture
 from planner.cost.hardware import Accelerator
-from planner.cost.knobs import Knobs
+from planner.cost.knobs import Knobs, stored_sync_checks
 from planner.cost.layouts import (
     RolloutCandidates,
     TrainCandidates,
@@ -310,14 +310,25 @@ class _Evaluator:
     def _pools_note(self, p: dict[str, Any]) -> str:
         unit = self.accel.device_unit
         head = (f"separate pools: {p['rollout_devices']} rollout + {p['train_devices']} training {unit}s, the trained weights sent "
-                f"across in {p['weight_sync_s']:,.1f} s a step; rollout pool busy {p['rollout_busy']:.0%}, training pool "
-                f"{p['train_busy']:.0%} of the step")  # fmt: skip
+                f"across in {p['weight_sync_s']:,.1f} s a step{self._sync_check_text()}; rollout pool busy {p['rollout_busy']:.0%}, "
+                f"training pool {p['train_busy']:.0%} of the step")  # fmt: skip
         if not p["max_staleness"]:
             return head + "; on-policy (max_staleness 0): the pools take turns, each idle while the other works"
         partial = (f"; partial rollout: the engine keeps generating through the sync, up to {p['max_staleness'] + 1} steps' sequences "
                    f"at once" if p["partial_rollout"] else "")  # fmt: skip
         return (head + f"; generation of step t + {p['max_staleness']} overlaps training of step t (bound by the {p['bound_by']} pool), "
                 f"so each batch is trained {p['policy_lag_steps']} step(s) after the weights that generated it" + partial)  # fmt: skip
+
+    def _sync_check_text(self) -> str:
+        """What the pool sync was checked against (the knobs file's sync checks), for the gather path
+        the checks measured."""
+        checks = stored_sync_checks() if self.job.weight_sync == "gather" else ()
+        if not checks:
+            return ""
+        ratios = sorted(c["ratio"] for c in checks)
+        span = f"x{ratios[0]:.1f}" if len(ratios) == 1 else f"x{ratios[0]:.1f}-{ratios[-1]:.1f}"
+        bound = ": read it as an upper bound" if ratios[0] > 1.25 else ": read it as a lower bound" if ratios[-1] < 0.8 else ""
+        return f" (the model's sync is {span} of the {len(checks)} NeMo RL measured between pools{bound})"
 
     def _no_layouts(self, tc, train_devices: int, rc, rollout_devices: int) -> list[str]:
         unit, arch = self.accel.device_unit, self.arch

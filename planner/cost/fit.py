@@ -124,9 +124,10 @@ def update_mfu_checks(path: str | Path | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-def weight_sync_checks(path: str | Path | None = None) -> list[dict[str, Any]]:
+def weight_sync_checks(path: str | Path | None = None, knobs: dict[str, Knobs] | None = None) -> list[dict[str, Any]]:
     """Predicted vs published weight sync between separate pools (not fitted; a check of
-    `CostModel.pool_sync_seconds`): each check names the published run whose layouts it was measured at."""
+    `CostModel.pool_sync_seconds`): each check names the published run whose layouts it was measured
+    at. `knobs`: per family (default: the stored fit)."""
     from planner.cost.knobs import load_knobs
 
     data = yaml.safe_load(Path(path or runs_path()).read_text())
@@ -136,7 +137,7 @@ def weight_sync_checks(path: str | Path | None = None) -> list[dict[str, Any]]:
         run = runs.get(check["run"])
         if run is None or run.job.colocated:
             raise SpecError(f"sync check {check['id']}: {check['run']!r} is not a published run on separate pools")
-        result = predict(run, load_knobs(run.family))
+        result = predict(run, knobs[run.family] if knobs and run.family in knobs else load_knobs(run.family))
         predicted = result.pools["weight_sync_s"]
         rows.append({"check": check["id"], "run": run.id, "published_s": check["published_s"], "predicted_s": round(predicted, 2),
                      "ratio": round(predicted / check["published_s"], 3)})  # fmt: skip
@@ -326,8 +327,10 @@ def leave_one_out(runs: list[PublishedRun], progress=None, *, only: list[str] | 
     return [row for n in held for row in results[n]]
 
 
-def fit_all(runs: list[PublishedRun] | None = None, *, progress=None) -> dict[str, Any]:
-    runs = runs or load_runs()
+def fit_all(runs: list[PublishedRun] | None = None, *, progress=None, path: str | Path | None = None) -> dict[str, Any]:
+    """The fit to `runs` (default: those of `path`, the published runs YAML), its residuals, the
+    leave-one-run-out check and the weight-sync checks of the same file, with the fitted knobs."""
+    runs = runs or load_runs(path)
     fitted, loss = fit(runs)
     names = [f.name for f in fields(Knobs)]
     families = sorted(fitted)
@@ -345,6 +348,7 @@ def fit_all(runs: list[PublishedRun] | None = None, *, progress=None) -> dict[st
         "loss": round(loss, 6),
         "residuals": residual_table(runs, fitted),
         "leave_one_out": leave_one_out(runs, progress),
+        "sync_checks": weight_sync_checks(path, fitted),
     }
 
 

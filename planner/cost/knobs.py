@@ -141,3 +141,15 @@ def load_knobs(family: str, path: str | Path | None = None) -> Knobs:
     """The fitted knobs of an accelerator family (the prior when no fit is stored)."""
     table = _load(str(path or knobs_path()))
     return table.get(family, PRIOR[family])
+
+
+def stored_sync_checks(path: str | Path | None = None) -> tuple[dict, ...]:
+    """The knobs file's check of the weight sync between separate pools (`planner fit-knobs` writes
+    it: each published sync beside the model's at the same layouts); empty when the file has none."""
+    return _sync_checks(str(path or knobs_path()))
+
+
+@lru_cache(maxsize=4)
+def _sync_checks(path: str) -> tuple[dict, ...]:
+    p = Path(path)
+    return tuple(json.loads(p.read_text()).get("sync_checks") or []) if p.is_file() else ()

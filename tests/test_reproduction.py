@@ -252,3 +252,33 @@ def test_a_job_dimension_is_supported_down_to_the_share_that_keeps_the_label():
     offset, width = job_offset(support, {"job_length_share": 0.5, "job_prompts_share": 0.5})  # the batch is unsupported: no term
     assert offset == pytest.approx(np.mean(per)) and width == pytest.approx(half_width)
     assert job_offset(support, {"job_length_share": 1.0}) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("joint_extra, additive", [(0.3, True), (1.4, False)])
+def test_a_jointly_shrunk_job_is_checked_against_the_summed_shifts(joint_extra, additive):
+    """Planted rows, three originals: a quarter of the prompts, half the group and a quarter of the
+    length each move the label by 0.1 alone. Shrunk together they move it by 0.3 (the sum stands:
+    the search may shrink them together) or by 1.4 (the sum misses by 1.1: one dimension shrinks at a
+    time)."""
+    from planner.fidelity.estimator import _job_joint, _job_support
+    from planner.search.reproduction import JobBounds, job_scales
+    from planner.specs import Job
+
+    rows = []
+    single = ({"job_prompts_share": 0.25}, {"job_samples_share": 0.5}, {"job_length_share": 0.25})
+    joint = {"job_prompts_share": 0.25, "job_samples_share": 0.5, "job_length_share": 0.25}
+    for i, original in enumerate(("F-s0", "F-s1", "F-s2")):
+        for model, base in (("K8-a", -0.3), ("K8-b", -0.6)):
+            common = {"recipe": "rollout-mismatch", "family": "F", "original": original, "model": model, "method": "agglomerative", "censored": 0}
+            rows.append({**common, "shift_log2": base})
+            rows += [{**common, "shift_log2": base + 0.1 + 0.01 * i, **shares} for shares in single]
+            rows.append({**common, "shift_log2": base + joint_extra + 0.01 * i, **joint})
+    support = _job_support(rows, "rollout-mismatch")["F"]
+    assert all(support[dim]["ok"] for dim in ("prompts", "samples", "length"))
+    (level,) = _job_joint(rows, "rollout-mismatch", {"F": support})["F"]
+    assert level["shares"] == {"prompts": 0.25, "samples": 0.5, "length": 0.25} and (level["rows"], level["originals"]) == (6, 3)
+    assert level["summed"] == pytest.approx(3 * 0.11) and level["delta_mean"] == pytest.approx(joint_extra + 0.01)
+    assert level["difference_mean"] == pytest.approx(joint_extra + 0.01 - 0.33) and level["ok"] is additive
+    scales = job_scales(Job(), JobBounds(), support, [level])
+    shrunk = [sum(d > 1 for d in (s.prompts, s.samples, s.length)) for s in scales]
+    assert max(shrunk) == (3 if additive else 1) and len(scales) > 3

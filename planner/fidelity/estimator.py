@@ -139,6 +139,18 @@ def _onsets(rows: list[dict], recipe: str) -> dict[str, list[dict]]:
 JOB_TOLERANCE_LOG2 = 0.5  # a smaller job keeps a label when it moves it by less than half the reproduction tolerance
 
 
+def _over_originals(per: Mapping[str, list[float]]) -> tuple[int, float, float]:
+    """Values grouped by original: how many originals, the mean of their means and its 90%
+    t-interval's half-width (infinite below 2 originals)."""
+    from scipy import stats
+
+    means = np.array([np.mean(v) for v in per.values()])
+    n = len(means)
+    mean = float(means.mean()) if n else float("nan")
+    half = float(stats.t.ppf(0.95, n - 1) * means.std(ddof=1) / np.sqrt(n)) if n >= 2 else float("inf")
+    return n, mean, half
+
+
 def _job_support(rows: list[dict], recipe: str) -> dict[str, dict[str, dict]]:
     """Per family and job dimension: does a smaller job keep the production job's label? At each
     share of the dimension measured (the other dimensions at production), the extra shift of every
@@ -146,8 +158,6 @@ def _job_support(rows: list[dict], recipe: str) -> dict[str, dict[str, dict]]:
     per original; the dimension is supported down to the smallest share at which that and every
     larger share keep the mean extra shift's 90% interval over originals (2 or more) within
     +-JOB_TOLERANCE_LOG2. Negative controls and censored rows aside."""
-    from scipy import stats
-
     from planner.fidelity.dataset import JOB_COLUMNS, production_rows
     from planner.plan import CONTROL_METHODS
 
@@ -168,10 +178,7 @@ def _job_support(rows: list[dict], recipe: str) -> dict[str, dict[str, dict]]:
                     base = 0.0 if r["model"] == "original" else at_production.get((str(r["original"]), str(r["model"])))
                     if base is not None:
                         per.setdefault(str(r["original"]), []).append(float(r["shift_log2"]) - base)
-                means = np.array([np.mean(v) for v in per.values()])
-                n = len(means)
-                mean = float(means.mean()) if n else float("nan")
-                half = float(stats.t.ppf(0.95, n - 1) * means.std(ddof=1) / np.sqrt(n)) if n >= 2 else float("inf")
+                n, mean, half = _over_originals(per)
                 levels.append({"share": share, "rows": sum(len(v) for v in per.values()), "originals": n, "delta_mean": mean,
                                "delta_interval": [mean - half, mean + half],
                                "ok": bool(n >= 2 and -JOB_TOLERANCE_LOG2 < mean - half and mean + half < JOB_TOLERANCE_LOG2)})  # fmt: skip
@@ -213,6 +220,44 @@ def job_offset(support: Mapping[str, Mapping], row: Mapping[str, Any]) -> tuple[
         offset += level["delta_mean"]
         width += max(level["delta_mean"] - lo, hi - level["delta_mean"])
     return offset, width
+
+
+def _job_joint(rows: list[dict], recipe: str, support: Mapping[str, Mapping[str, dict]]) -> dict[str, list[dict]]:
+    """Per family: at each job measured with two or more dimensions shrunk together, the extra shift
+    against the same model at the production job (mean over originals, 90% interval) beside the sum
+    of the single-dimension extra shifts `job_offset` adds for that job, and their difference; `ok`
+    when the difference's interval lies within +-JOB_TOLERANCE_LOG2 (the sum then stands for the
+    joint job). Negative controls and censored rows aside."""
+    from planner.fidelity.dataset import JOB_COLUMNS, production_rows
+    from planner.plan import CONTROL_METHODS
+
+    mine = [r for r in rows if r.get("recipe") == recipe and r.get("method") not in CONTROL_METHODS and _finite(r.get("shift_log2"))
+            and not (_finite(r.get("censored")) and r["censored"])]  # fmt: skip
+    at_production = {(str(r["original"]), str(r["model"])): float(r["shift_log2"]) for r in production_rows(mine)}
+
+    def shares(r) -> tuple[float, ...]:
+        return tuple(float(r[c]) if _finite(r.get(c)) else 1.0 for c in JOB_COLUMNS.values())
+
+    out: dict[str, list[dict]] = {}
+    for family in sorted({str(r["family"]) for r in mine}):
+        joint = [r for r in mine if str(r["family"]) == family and sum(v < 1.0 for v in shares(r)) >= 2]
+        for key in sorted({shares(r) for r in joint}, reverse=True):
+            delta: dict[str, list[float]] = {}
+            diff: dict[str, list[float]] = {}
+            summed = job_offset(support.get(family) or {}, dict(zip(JOB_COLUMNS.values(), key)))[0]
+            for r in (r for r in joint if shares(r) == key):
+                base = 0.0 if r["model"] == "original" else at_production.get((str(r["original"]), str(r["model"])))
+                if base is not None:
+                    delta.setdefault(str(r["original"]), []).append(float(r["shift_log2"]) - base)
+                    diff.setdefault(str(r["original"]), []).append(float(r["shift_log2"]) - base - summed)
+            n, mean, half = _over_originals(delta)
+            _, dmean, dhalf = _over_originals(diff)
+            out.setdefault(family, []).append({
+                "shares": dict(zip(JOB_COLUMNS, key)), "rows": sum(len(v) for v in delta.values()), "originals": n, "delta_mean": mean,
+                "delta_interval": [mean - half, mean + half], "summed": summed, "difference_mean": dmean,
+                "difference_interval": [dmean - dhalf, dmean + dhalf],
+                "ok": bool(n >= 2 and -JOB_TOLERANCE_LOG2 < dmean - dhalf and dmean + dhalf < JOB_TOLERANCE_LOG2)})  # fmt: skip
+    return out
 
 
 def knob_translation(recipe: str, block: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -305,7 +350,7 @@ class FidelityEstimator:
                                "experts": sorted({int(r["original_experts"]) for r in used}),
                                "originals": sorted({str(r["original"]) for r in used}), "measured_by_k": _measured_by_k(rows, recipe),
                                "every_plan_reproduced": _every_plan_reproduced(rows, recipe),
-                               "onsets": _onsets(rows, recipe), "job": _job_support(every, recipe),
+                               "onsets": _onsets(rows, recipe), "job": (job := _job_support(every, recipe)), "job_joint": _job_joint(every, recipe, job),
                                "gate": {"skill": False, "reason": "not validated"},
                                "gates": {name: {"skill": False, "reason": "not validated"} for name in families},
                                "ke_gates": {name: {"ok": False, "reason": "not validated"} for name in families}}  # fmt: skip
@@ -435,6 +480,14 @@ class FidelityEstimator:
                 m["reason"] = f"{what}: no calibration rows {where} measured {recipe} at a smaller value"
             out[dim] = m
         return out
+
+    def job_joint(self, row: Mapping[str, Any], recipe: str) -> list[dict[str, Any]]:
+        """The joint-shrink checks of `row`'s family for this fault (`_job_joint`): each job measured
+        with several dimensions shrunk together, its extra shift beside the summed single-dimension
+        ones; empty where none was measured."""
+        entry = self.recipes.get(recipe)
+        family = self.family(row, recipe) if entry is not None else None
+        return list(((entry or {}).get("job_joint") or {}).get(family) or [])
 
     def predict(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any]:
         """The `fidelity` block of one plan: {status, reason, p_reproduced, interval, shift_log2,

@@ -159,7 +159,25 @@ def job_search_text(s: Suggestion) -> str:
             what, _, reason = v["reason"].partition(": ")
             why.setdefault(reason, []).append(what)
     held = [f"{', '.join(whats)}: {reason}" for reason, whats in why.items()]
-    return head + (f"; held at the production value, since the fidelity of a smaller job is not known ({'; '.join(held)})" if held else "")
+    text = head + (f"; held at the production value, since the fidelity of a smaller job is not known ({'; '.join(held)})" if held else "")
+    if len(free) >= 2 and len(s.job_scales) > 1:
+        text += "; " + joint_text(s.job_joint)
+    return text
+
+
+def joint_text(joint: list[dict[str, Any]]) -> str:
+    """How dimensions shrunk together are priced: the measured joint jobs against the summed
+    single-dimension shifts, or that the sum is not measured."""
+    if not joint:
+        return "shrunk together, the dimensions' measured extra shifts are added (no joint job measured)"
+    parts = []
+    for level in joint:
+        lo, hi = level["delta_interval"]
+        at = " x ".join(f"{dim} {share:g}" for dim, share in level["shares"].items() if share < 1)
+        parts.append(f"at {at} the label moved by {level['delta_mean']:+.2f} [{lo:+.2f}, {hi:+.2f}] against the summed {level['summed']:+.2f}")
+    if all(level["ok"] for level in joint):
+        return "shrunk together, the measured extra shifts are added, as measured jointly (" + "; ".join(parts) + ")"
+    return "one dimension shrinks at a time, since the summed shifts missed a job shrunk jointly (" + "; ".join(parts) + ")"
 
 
 def reproduction_lines(s: Suggestion, best: Option) -> list[str]:
@@ -194,7 +212,8 @@ def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
                     "fidelity_source": s.fidelity_source, "steps": s.request.steps, "fault_step": s.request.fault_step,
                     "job_bounds": {"batch": s.request.job_bounds.batch, "length": s.request.job_bounds.length},
                     "memory_margin": s.request.memory_margin},  # fmt: skip
-        "job_search": {"dimensions": s.job_support, "jobs": [j.to_json(s.request.job) for j in s.job_scales], "text": job_search_text(s)},
+        "job_search": {"dimensions": s.job_support, "joint": s.job_joint, "jobs": [j.to_json(s.request.job) for j in s.job_scales],
+                       "text": job_search_text(s)},  # fmt: skip
         "original": {**figures(b.minimum), "memory_breakdown_bytes": b.minimum.memory_per_device_bytes,
                      "cheapest": {**figures(b.cheapest), "settings": _settings(b.cheapest)}, "baseline": b.named or "default",
                      "steps": b.steps, "reproduction_hours": b.cheapest.device_hours_per_step * b.steps,

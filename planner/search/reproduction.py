@@ -144,11 +144,13 @@ def _halvings(limit: float) -> list[int]:
     return out
 
 
-def job_scales(job: Job, bounds: JobBounds, support: dict[str, dict[str, Any]]) -> list[JobScale]:
+def job_scales(job: Job, bounds: JobBounds, support: dict[str, dict[str, Any]], joint: list[dict[str, Any]] = ()) -> list[JobScale]:
     """The candidate reproduction jobs: each dimension the fidelity data support halves down to its
     bound (and the measured range), the others stay at the production value; a job must keep at
     least one prompt, two samples per prompt where the advantage is normalised within the group
-    (GRPO, DAPO), and as many sequences as it has mini-batches."""
+    (GRPO, DAPO), and as many sequences as it has mini-batches. Where a joint-shrink check failed
+    (`joint`: the summed extra shifts did not stand for a job shrunk in several dimensions at once),
+    one dimension shrinks at a time."""
 
     def floor(dim: str, bound: float) -> float:
         s = support.get(dim) or {}
@@ -168,6 +170,8 @@ def job_scales(job: Job, bounds: JobBounds, support: dict[str, dict[str, Any]]) 
             if (p, s) != (1, 1) and (job.prompts_per_step // p) * (job.samples_per_prompt // s) < job.mini_batches:
                 continue
             out.extend(JobScale(p, s, n) for n in lengths)
+    if any(not level["ok"] for level in joint):
+        out = [scale for scale in out if sum(d > 1 for d in (scale.prompts, scale.samples, scale.length)) <= 1]
     return out
 
 

@@ -282,3 +282,23 @@ def test_a_jointly_shrunk_job_is_checked_against_the_summed_shifts(joint_extra, 
     scales = job_scales(Job(), JobBounds(), support, [level])
     shrunk = [sum(d > 1 for d in (s.prompts, s.samples, s.length)) for s in scales]
     assert max(shrunk) == (3 if additive else 1) and len(scales) > 3
+
+
+def test_the_shipped_fit_carries_the_joint_jobs_measured_and_suggest_quotes_them():
+    """grids/jobs-joint-qwen3_moe-e128.yaml measured rollout mismatch at two jobs shrunk in all three
+    dimensions: the shipped fit holds each with its measured and summed extra shift, and the default
+    case's suggest text quotes both (and whether the search may shrink dimensions together follows
+    their verdicts)."""
+    from planner.catalog import load_model_config
+    from planner.fidelity.dataset import plan_row
+
+    row = plan_row(load_model_config("qwen3-30b-a3b")[1], 32, None)
+    joint = FidelityEstimator.load(default_estimator_path()).job_joint(row, "rollout-mismatch")
+    assert sorted(tuple(level["shares"].values()) for level in joint) == [(0.25, 0.5, 0.25), (0.5, 0.5, 0.5)]
+    assert all(level["originals"] == 3 and level["rows"] == 27 for level in joint)
+    out = json.loads(run_cli("suggest", "--budget", "8npu", "--fault", "rollout-mismatch", "--json").stdout)
+    assert out["job_search"]["joint"] == joint
+    for level in joint:
+        assert f"{level['delta_mean']:+.2f} [{level['delta_interval'][0]:+.2f}, {level['delta_interval'][1]:+.2f}] measured" in out["job_search"]["text"]
+    shrunk = max(sum(d > 1 for d in j["divisors"].values()) for j in out["job_search"]["jobs"])
+    assert shrunk == (3 if all(level["ok"] for level in joint) else 1)

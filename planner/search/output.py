@@ -174,10 +174,10 @@ def joint_text(joint: list[dict[str, Any]]) -> str:
     for level in joint:
         lo, hi = level["delta_interval"]
         at = " x ".join(f"{dim} {share:g}" for dim, share in level["shares"].items() if share < 1)
-        parts.append(f"at {at} the label moved by {level['delta_mean']:+.2f} [{lo:+.2f}, {hi:+.2f}] against the summed {level['summed']:+.2f}")
+        parts.append(f"at {at}: {level['delta_mean']:+.2f} [{lo:+.2f}, {hi:+.2f}] measured, {level['summed']:+.2f} summed")
     if all(level["ok"] for level in joint):
-        return "shrunk together, the measured extra shifts are added, as measured jointly (" + "; ".join(parts) + ")"
-    return "one dimension shrinks at a time, since the summed shifts missed a job shrunk jointly (" + "; ".join(parts) + ")"
+        return "dimensions shrunk together add their extra shifts, a sum the jointly measured jobs bear out (" + "; ".join(parts) + ")"
+    return "one dimension shrinks at a time, since the summed extra shifts missed a jointly measured job (" + "; ".join(parts) + ")"
 
 
 def reproduction_lines(s: Suggestion, best: Option) -> list[str]:

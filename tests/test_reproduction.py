@@ -282,6 +282,11 @@ def test_a_jointly_shrunk_job_is_checked_against_the_summed_shifts(joint_extra, 
     scales = job_scales(Job(), JobBounds(), support, [level])
     shrunk = [sum(d > 1 for d in (s.prompts, s.samples, s.length)) for s in scales]
     assert max(shrunk) == (3 if additive else 1) and len(scales) > 3
+    from planner.search.output import joint_text
+
+    text = joint_text([level])
+    assert text.startswith("dimensions shrunk together add their extra shifts" if additive else "one dimension shrinks at a time")
+    assert f"{level['delta_mean']:+.2f}" in text and f"{level['summed']:+.2f} summed" in text
 
 
 def test_the_shipped_fit_carries_the_joint_jobs_measured_and_suggest_quotes_them():

@@ -177,7 +177,8 @@ def joint_text(joint: list[dict[str, Any]]) -> str:
         parts.append(f"at {at}: {level['delta_mean']:+.2f} [{lo:+.2f}, {hi:+.2f}] measured, {level['summed']:+.2f} summed")
     if all(level["ok"] for level in joint):
         return "dimensions shrunk together add their extra shifts, a sum the jointly measured jobs bear out (" + "; ".join(parts) + ")"
-    return "one dimension shrinks at a time, since the summed extra shifts missed a jointly measured job (" + "; ".join(parts) + ")"
+    return ("one dimension shrinks at a time, since at a jointly measured job the summed extra shifts differ from the measured one by "
+            "more than +-0.5 log2, or the job rests on fewer than 2 originals (" + "; ".join(parts) + ")")  # fmt: skip
 
 
 def reproduction_lines(s: Suggestion, best: Option) -> list[str]:

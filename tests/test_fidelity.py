@@ -643,22 +643,30 @@ def test_a_grid_with_smaller_jobs_labels_each_against_the_production_original(mi
     assert sorted((r["model"], shares(r)) for r in rows) == sorted(
         [(m, s) for m in ("K16-agglomerative", "K16-random-0") for s in ((1, 1, 1), (0.5, 1, 1), (1, 1, 0.5))]
         + [("original", (0.5, 1, 1)), ("original", (1, 1, 0.5))])
-    production = {r["model"]: r["critical_original"] for r in production_rows(rows)}
+    assert {r["job_grid"] for r in rows} == {jobs.key()} and production_rows(rows) == []  # the job grid's rows stay out of the plan models
+    production = {r["model"]: r["critical_original"] for r in rows if shares(r) == (1, 1, 1)}
     assert set(production) == {"K16-agglomerative", "K16-random-0"}
     assert all(r["critical_original"] == production["K16-agglomerative"] for r in rows)  # one reference: the production original
     assert len(noise) == 1 and noise[0]["recipe"] == "rollout-mismatch"
-    # merged into a dataset that holds the family's own grid: the job grid replaces only what it measured again
+    # merged into a dataset that holds the family's own grid (other weights of the same names): the
+    # job grid replaces only its own rows measured again and leaves the family grid's rows as they are
     from planner.fidelity.calibrate import merged
-    from planner.fidelity.dataset import write_dataset
+    from planner.fidelity.dataset import JOB_COLUMNS, write_dataset
 
-    family_grid = [dict(production_rows(rows)[0], model="K16-kmeans"), dict(production_rows(rows)[0])]
+    def family_row(r: dict, **changes) -> dict:
+        return {**{k: v for k, v in r.items() if k not in (*JOB_COLUMNS.values(), "job_grid")}, "critical_original": -1.0, **changes}
+
+    at_production = [r for r in rows if shares(r) == (1, 1, 1)]
+    family_grid = [family_row(at_production[0], model="K16-kmeans"), family_row(at_production[0])]
     write_dataset(family_grid, tmp_path / "d.csv", {"grid_key": "family", "noise_floor": [{"original": "qwen3_moe-s0", "recipe": "x"}]})
-    new_rows, meta, kept = merged(tmp_path / "d.csv", rows, {"grid_key": jobs.key(), "noise_floor": noise, "command": "y", "grid": {},
-                                                             "storage": storage, "seeds": {}}, jobs)  # fmt: skip
-    assert kept == 1 and len(new_rows) == len(rows) + 1 and "K16-kmeans" in {r["model"] for r in new_rows}
+    provenance = {"grid_key": jobs.key(), "noise_floor": noise, "command": "y", "grid": {}, "storage": storage, "seeds": {}}
+    new_rows, meta, kept = merged(tmp_path / "d.csv", rows, provenance, jobs)
+    assert kept == 2 and len(new_rows) == len(rows) + 2
+    assert sorted(r["critical_original"] for r in production_rows(new_rows)) == [-1.0, -1.0]  # the family grid's rows, untouched
     assert meta["noise_floor"] == [{"original": "qwen3_moe-s0", "recipe": "x"}]  # the family grid's noise floors stay
-    # and the family's grid run again replaces its production rows, keeping the job grid's
     write_dataset(new_rows, tmp_path / "d.csv", meta)
-    again, _, kept = merged(tmp_path / "d.csv", production_rows(rows), {"grid_key": grid.key(), "noise_floor": noise, "command": "z",
-                                                                        "grid": {}, "storage": storage, "seeds": {}}, grid)  # fmt: skip
-    assert kept == len(rows) - 2 and sorted(r["model"] for r in again if r["model"] == "original") == ["original", "original"]
+    again, _, kept = merged(tmp_path / "d.csv", rows, provenance, jobs)  # the job grid exported again: no row twice
+    assert kept == 2 and len(again) == len(new_rows)
+    # and the family's grid run again replaces its own rows, keeping every job grid row
+    again, _, kept = merged(tmp_path / "d.csv", [family_row(r) for r in at_production], {**provenance, "grid_key": grid.key()}, grid)
+    assert kept == len(rows) and len(production_rows(again)) == len(at_production)

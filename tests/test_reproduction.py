@@ -224,18 +224,22 @@ def test_a_supported_job_dimension_is_searched(tmp_path):
 def test_a_job_dimension_is_supported_down_to_the_share_that_keeps_the_label():
     """Planted rows of one family, three originals: halving the response cap moves each proxy's label by
     0.05-0.15 log2 against its production row (and the original's own by about as much), a quarter
-    cap by about 1: the length is supported down to 1/2; the batch was never measured."""
+    cap by about 1: the length is supported down to 1/2; the batch was never measured. The family
+    grid's rows of the same names (other weights: a shift 2 log2 away) are no reference for the job
+    grid's: each job row is compared with its own grid's production row."""
     from planner.fidelity.estimator import _job_support, job_offset
 
     rows = []
     for i, original in enumerate(("F-s0", "F-s1", "F-s2")):
         for model, base in (("K8-a", -0.3), ("K8-b", -0.6)):
-            common = {"recipe": "fp16-overflow", "family": "F", "original": original, "model": model, "method": "agglomerative", "censored": 0}
+            family_grid = {"recipe": "fp16-overflow", "family": "F", "original": original, "model": model, "method": "agglomerative", "censored": 0}
+            rows.append({**family_grid, "shift_log2": base + 2.0})
+            common = {**family_grid, "job_grid": "J"}
             rows.append({**common, "shift_log2": base})
             rows.append({**common, "shift_log2": base + 0.05 + 0.05 * i, "job_length_share": 0.5})
             rows.append({**common, "shift_log2": base - 1.0 - 0.02 * i, "job_length_share": 0.25})
         rows.append({"recipe": "fp16-overflow", "family": "F", "original": original, "model": "original", "method": "original",
-                     "censored": 0, "shift_log2": 0.1, "job_length_share": 0.5})  # fmt: skip
+                     "censored": 0, "shift_log2": 0.1, "job_length_share": 0.5, "job_grid": "J"})  # fmt: skip
     support = _job_support(rows, "fp16-overflow")["F"]
     length = support["length"]
     assert length["ok"] and length["min_share"] == 0.5 and length["rows"] == 15
@@ -269,7 +273,8 @@ def test_a_jointly_shrunk_job_is_checked_against_the_summed_shifts(joint_extra, 
     joint = {"job_prompts_share": 0.25, "job_samples_share": 0.5, "job_length_share": 0.25}
     for i, original in enumerate(("F-s0", "F-s1", "F-s2")):
         for model, base in (("K8-a", -0.3), ("K8-b", -0.6)):
-            common = {"recipe": "rollout-mismatch", "family": "F", "original": original, "model": model, "method": "agglomerative", "censored": 0}
+            common = {"recipe": "rollout-mismatch", "family": "F", "original": original, "model": model, "method": "agglomerative", "censored": 0,
+                      "job_grid": "J"}  # fmt: skip
             rows.append({**common, "shift_log2": base})
             rows += [{**common, "shift_log2": base + 0.1 + 0.01 * i, **shares} for shares in single]
             rows.append({**common, "shift_log2": base + joint_extra + 0.01 * i, **joint})

@@ -92,7 +92,7 @@ def export(storage: str, grid: Grid, workdir: Path) -> tuple[list[dict], list[di
                 row.update(pair_row(recipe_name, _sides(original or {}), _sides(result or {}),
                                     experts=record["experts"], top_k=record["top_k"]))  # fmt: skip
                 if len(grid.jobs) > 1:
-                    row.update(job_shares(job))
+                    row.update(job_shares(job), job_grid=grid.key())
                 rows.append(row)
     return rows, noise_floor(grid, originals)
 
@@ -163,30 +163,27 @@ def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers:
     provenance = {**_provenance(grid, storage, seeds), "noise_floor": noise}
     if merge and out.is_file():
         rows, provenance, kept = merged(out, rows, provenance, grid)
-        say(f"kept {kept} rows of other families from {out}")
+        say(f"kept {kept} rows of other grids and pairs from {out}")
     write_dataset(rows, out, provenance)
     say(f"wrote {len(rows)} rows to {out}")
     return rows
 
 
 def merged(dataset: Path, rows: list[dict], provenance: dict, grid: Grid) -> tuple[list[dict], dict, int]:
-    """The grid's rows in place of the dataset's grid rows of the same originals and recipes (other
-    originals of the family, other recipes of a grid run a recipe at a time, other families and
-    pairs added with `calibrate add` stay), and the provenance of every grid the dataset holds. A
-    grid with smaller jobs adds to its family's data: it replaces only the rows it measured again
-    (same original, model, recipe and job), and the noise floors stay those of the family's grid."""
-    from planner.fidelity.dataset import JOB_COLUMNS, job_share, production_rows
+    """The grid's rows in place of the dataset's rows of the same grid: a family's grid replaces its
+    rows of the same originals and recipes (other originals of the family, other recipes of a grid
+    run a recipe at a time, other families, pairs added with `calibrate add` and every job grid's
+    rows stay); a grid with smaller jobs replaces only its own rows it measured again (same grid,
+    original, model, recipe and job), and the noise floors stay those of the family's grid. The
+    provenance lists every grid the dataset holds."""
+    from planner.fidelity.dataset import job_key, production_rows
 
     old = read_dataset(dataset)
     ours = {f"{family}-s{seed}" for family in grid.families for seed in grid.seeds()}
-    if len(grid.jobs) > 1:  # a job grid adds to its family's data: it replaces only the rows it measured again
-        def ident(r: dict) -> tuple:
-            return (str(r["original"]), str(r["model"]), r["recipe"], *(job_share(r, c) for c in JOB_COLUMNS.values()))
-
-        again = {ident(r) for r in rows}
-        kept = [r for r in old if not (r.get("source") == "grid" and ident(r) in again)]
+    if len(grid.jobs) > 1:
+        again = {job_key(r) for r in rows}
+        kept = [r for r in old if not (r.get("source") == "grid" and job_key(r) in again)]
     else:
-        # a family's grid replaces its production rows; rows of a job grid on the same originals stay
         production = {id(r) for r in production_rows(old)}
         kept = [r for r in old if not (str(r["original"]) in ours and r.get("source") == "grid" and r["recipe"] in grid.recipes
                                        and id(r) in production)]  # fmt: skip

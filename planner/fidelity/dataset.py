@@ -22,7 +22,7 @@ from planner.fidelity.model import FULL_FEATURES, _finite, features_of
 from planner.fidelity.labels import applicable, curve_agreement, knob_scale, knob_shift, spearman
 from planner.files import write_csv_atomic, write_text_atomic
 
-__all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "TEXT_COLUMNS", "JOB_COLUMNS", "job_columns", "job_share", "production_rows", "architecture_features", "shape_key", "plan_row",
+__all__ = ["ID_COLUMNS", "LABEL_COLUMNS", "TEXT_COLUMNS", "JOB_COLUMNS", "JOB_GRID", "job_columns", "job_key", "job_share", "production_rows", "architecture_features", "shape_key", "plan_row",
            "pair_row", "write_dataset", "read_dataset"]  # fmt: skip
 
 ID_COLUMNS = ("family", "routing_shape", "original", "model", "method", "recipe", "experts", "original_experts", "top_k", "source")
@@ -31,9 +31,12 @@ LABEL_COLUMNS = (
     "critical_original", "critical_proxy", "resolution_log2", "curve_agreement", "spearman_grad_norm", "onset_original",
     "onset_proxy", "run_reproduced",
 )  # fmt: skip
-TEXT_COLUMNS = ("family", "routing_shape", "original", "model", "method", "recipe", "source", "outcome")
+TEXT_COLUMNS = ("family", "routing_shape", "original", "model", "method", "recipe", "source", "outcome", "job_grid")
 # a grid with smaller reproduction jobs: the job's share of the production job per dimension (absent: production)
 JOB_COLUMNS = {"prompts": "job_prompts_share", "samples": "job_samples_share", "length": "job_length_share"}
+# which job grid measured a row (its key): a job grid builds its originals and proxies in its own work
+# directory, so its rows are labelled against its own models and compared with its own production job
+JOB_GRID = "job_grid"
 
 
 def job_columns(prompts: float = 1.0, samples: float = 1.0, length: float = 1.0) -> dict[str, float]:
@@ -49,9 +52,15 @@ def job_share(row: dict, column: str) -> float:
 
 
 def production_rows(rows: list[dict]) -> list[dict]:
-    """The rows measured at the production job: every row of a grid without smaller jobs. The plan
-    models are fitted and validated on these; the job rows are the job dimensions' own data."""
-    return [r for r in rows if all(job_share(r, c) == 1.0 for c in JOB_COLUMNS.values())]
+    """The rows of the family grids (and pairs added with `calibrate add`): the plan models are
+    fitted and validated on these. A job grid's rows, its own production job among them, are the job
+    dimensions' data: its models are other weights of the same names."""
+    return [r for r in rows if not r.get(JOB_GRID)]
+
+
+def job_key(row: dict) -> tuple:
+    """A job grid row's identity: its grid, original, model, recipe and job shares."""
+    return (row.get(JOB_GRID) or "", str(row["original"]), str(row["model"]), row["recipe"], *(job_share(row, c) for c in JOB_COLUMNS.values()))
 
 
 def architecture_features(config: dict, experts: int) -> dict[str, float]:

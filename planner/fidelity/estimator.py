@@ -28,7 +28,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -151,6 +151,25 @@ def _over_originals(per: Mapping[str, list[float]]) -> tuple[int, float, float]:
     return n, mean, half
 
 
+def _job_rows(rows: list[dict], recipe: str) -> tuple[list[dict], Callable[[dict], float | None]]:
+    """A recipe's job grid rows (negative controls and censored rows aside) and the extra shift of
+    one of them against the same model at the production job of the same job grid (the original's
+    own row: against 0; None where that grid did not measure the model at the production job)."""
+    from planner.fidelity.dataset import JOB_COLUMNS, JOB_GRID, job_share
+    from planner.plan import CONTROL_METHODS
+
+    mine = [r for r in rows if r.get(JOB_GRID) and r.get("recipe") == recipe and r.get("method") not in CONTROL_METHODS
+            and _finite(r.get("shift_log2")) and not (_finite(r.get("censored")) and r["censored"])]  # fmt: skip
+    at_production = {(r[JOB_GRID], str(r["original"]), str(r["model"])): float(r["shift_log2"]) for r in mine
+                     if all(job_share(r, c) == 1.0 for c in JOB_COLUMNS.values())}  # fmt: skip
+
+    def extra(r: dict) -> float | None:
+        base = 0.0 if r["model"] == "original" else at_production.get((r[JOB_GRID], str(r["original"]), str(r["model"])))
+        return None if base is None else float(r["shift_log2"]) - base
+
+    return mine, extra
+
+
 def _job_support(rows: list[dict], recipe: str) -> dict[str, dict[str, dict]]:
     """Per family and job dimension: does a smaller job keep the production job's label? At each
     share of the dimension measured (the other dimensions at production), the extra shift of every
@@ -158,12 +177,9 @@ def _job_support(rows: list[dict], recipe: str) -> dict[str, dict[str, dict]]:
     per original; the dimension is supported down to the smallest share at which that and every
     larger share keep the mean extra shift's 90% interval over originals (2 or more) within
     +-JOB_TOLERANCE_LOG2. Negative controls and censored rows aside."""
-    from planner.fidelity.dataset import JOB_COLUMNS, production_rows
-    from planner.plan import CONTROL_METHODS
+    from planner.fidelity.dataset import JOB_COLUMNS
 
-    mine = [r for r in rows if r.get("recipe") == recipe and r.get("method") not in CONTROL_METHODS and _finite(r.get("shift_log2"))
-            and not (_finite(r.get("censored")) and r["censored"])]  # fmt: skip
-    at_production = {(str(r["original"]), str(r["model"])): float(r["shift_log2"]) for r in production_rows(mine)}
+    mine, extra = _job_rows(rows, recipe)
     out: dict[str, dict[str, dict]] = {}
     for family in sorted({str(r["family"]) for r in rows if r.get("recipe") == recipe}):
         out[family] = {}
@@ -175,9 +191,8 @@ def _job_support(rows: list[dict], recipe: str) -> dict[str, dict[str, dict]]:
             for share in sorted({float(r[column]) for r in at}, reverse=True):
                 per: dict[str, list[float]] = {}
                 for r in (r for r in at if float(r[column]) == share):
-                    base = 0.0 if r["model"] == "original" else at_production.get((str(r["original"]), str(r["model"])))
-                    if base is not None:
-                        per.setdefault(str(r["original"]), []).append(float(r["shift_log2"]) - base)
+                    if (delta := extra(r)) is not None:
+                        per.setdefault(str(r["original"]), []).append(delta)
                 n, mean, half = _over_originals(per)
                 levels.append({"share": share, "rows": sum(len(v) for v in per.values()), "originals": n, "delta_mean": mean,
                                "delta_interval": [mean - half, mean + half],
@@ -228,12 +243,9 @@ def _job_joint(rows: list[dict], recipe: str, support: Mapping[str, Mapping[str,
     of the single-dimension extra shifts `job_offset` adds for that job, and their difference; `ok`
     when the difference's interval lies within +-JOB_TOLERANCE_LOG2 (the sum then stands for the
     joint job). Negative controls and censored rows aside."""
-    from planner.fidelity.dataset import JOB_COLUMNS, production_rows
-    from planner.plan import CONTROL_METHODS
+    from planner.fidelity.dataset import JOB_COLUMNS
 
-    mine = [r for r in rows if r.get("recipe") == recipe and r.get("method") not in CONTROL_METHODS and _finite(r.get("shift_log2"))
-            and not (_finite(r.get("censored")) and r["censored"])]  # fmt: skip
-    at_production = {(str(r["original"]), str(r["model"])): float(r["shift_log2"]) for r in production_rows(mine)}
+    mine, extra = _job_rows(rows, recipe)
 
     def shares(r) -> tuple[float, ...]:
         return tuple(float(r[c]) if _finite(r.get(c)) else 1.0 for c in JOB_COLUMNS.values())
@@ -246,10 +258,9 @@ def _job_joint(rows: list[dict], recipe: str, support: Mapping[str, Mapping[str,
             diff: dict[str, list[float]] = {}
             summed = job_offset(support.get(family) or {}, dict(zip(JOB_COLUMNS.values(), key)))[0]
             for r in (r for r in joint if shares(r) == key):
-                base = 0.0 if r["model"] == "original" else at_production.get((str(r["original"]), str(r["model"])))
-                if base is not None:
-                    delta.setdefault(str(r["original"]), []).append(float(r["shift_log2"]) - base)
-                    diff.setdefault(str(r["original"]), []).append(float(r["shift_log2"]) - base - summed)
+                if (d := extra(r)) is not None:
+                    delta.setdefault(str(r["original"]), []).append(d)
+                    diff.setdefault(str(r["original"]), []).append(d - summed)
             n, mean, half = _over_originals(delta)
             _, dmean, dhalf = _over_originals(diff)
             out.setdefault(family, []).append({

@@ -312,3 +312,69 @@ def test_the_shipped_fit_carries_the_joint_jobs_measured_and_suggest_quotes_them
         assert f"{level['delta_mean']:+.2f} [{level['delta_interval'][0]:+.2f}, {level['delta_interval'][1]:+.2f}] measured" in out["job_search"]["text"]
     shrunk = max(sum(d > 1 for d in j["divisors"].values()) for j in out["job_search"]["jobs"])
     assert shrunk == (3 if all(level["ok"] for level in joint) else 1)
+
+
+def _planted_job_family(n_originals: int, rng) -> list[dict]:
+    """A family grid (8 plans per original, shift -1.2 x (1 - K/E) plus noise) and a job grid of the
+    same names on other weights (shift 0.1 higher), measured again at half and a quarter of the prompts,
+    where the fault moves by -0.5 log2 per halving: the proxies and the original itself."""
+    from planner.fidelity.model import SHIFT_FEATURES
+
+    rows = []
+    for o in range(n_originals):
+        original = f"F-s{o}"
+        for k, kept in enumerate((0.25, 0.25, 0.25, 0.25, 0.5, 0.5, 0.5, 0.5)):
+            features = {n: float(rng.uniform(0, 1)) for n in SHIFT_FEATURES}
+            features["kept_fraction"] = kept
+            common = {"recipe": "fp16-overflow", "family": "F", "original": original, "model": f"K{int(kept * 32)}-{k}",
+                      "method": "agglomerative", "censored": 0, "shift_se": 0.02, "experts": int(kept * 32), **features}  # fmt: skip
+            shift = -1.2 * (1 - kept) + rng.normal(0, 0.02)
+            rows.append({**common, "shift_log2": shift})
+            for share in (1.0, 0.5, 0.25):
+                moved = shift + 0.1 - 0.5 * np.log2(1 / share) + rng.normal(0, 0.02)
+                rows.append({**common, "shift_log2": moved, "job_grid": "J", "job_prompts_share": share, "job_samples_share": 1.0,
+                             "job_length_share": 1.0})  # fmt: skip
+        for share in (0.5, 0.25):
+            rows.append({"recipe": "fp16-overflow", "family": "F", "original": original, "model": "original", "method": "original",
+                         "censored": 0, "shift_se": 0.02, "job_grid": "J", "job_prompts_share": share,
+                         "shift_log2": -0.5 * np.log2(1 / share) + rng.normal(0, 0.02)})  # fmt: skip
+    return rows
+
+
+def test_the_job_term_is_scored_on_held_out_originals():
+    """Planted: the fault moves by -0.5 log2 per halving of the prompts on every original. Held out one
+    original at a time, the job term measured on the others predicts that move (MAE near the planted
+    noise, where predicting no move errs by 0.75 on average), and plan + job beats the production-job
+    prediction on every held-out original; a family measured on 2 originals is not scored, and says why."""
+    from planner.fidelity.job_validate import job_holdout, render_job_holdout
+
+    rng = np.random.default_rng(0)
+    result = job_holdout(_planted_job_family(4, rng), "fp16-overflow")["F"]
+    assert (result["originals"], result["rows"]) == (4, 4 * 8 * 2)
+    term = result["job_term"]
+    assert term["rows"] == 4 * 9 * 2 and term["mae"] < 0.1 and term["mae_zero"] == pytest.approx(0.75, abs=0.05)
+    full, production = result["variants"]["plan + job"], result["variants"]["production job"]
+    assert full["mae"] < 0.25 < 0.6 < production["mae"] and result["difference"][2] < 0
+    assert full["coverage"] > production["coverage"]
+    (line,) = render_job_holdout("fp16-overflow", {"F": result})
+    assert f"plan + job MAE {full['mae']:.3f}" in line and f"against {term['mae_zero']:.3f} for no term" in line
+    few = job_holdout(_planted_job_family(2, rng), "fp16-overflow")["F"]
+    assert few == {"originals": 2, "reason": "2 originals measured at smaller jobs: 3 or more needed"}
+
+
+def test_the_shipped_fit_scores_the_job_rows_of_two_families_on_held_out_originals():
+    """The committed job grids (the default case's shape and the sigmoid-grouped DeepSeek-V3-like
+    one): for both static recipes and both families, the fit carries the held-out scores of the job
+    term, of plan + job and of both baselines, in the lines `planner calibrate report` prints."""
+    estimator = FidelityEstimator.load(default_estimator_path())
+    for recipe in ("fp16-overflow", "rollout-mismatch"):
+        held = estimator.recipes[recipe]["job_holdout"]
+        assert {"qwen3_moe-e128", "deepseek_v3"} <= set(held)
+        for family in ("qwen3_moe-e128", "deepseek_v3"):
+            e = held[family]
+            assert e["originals"] == 3 and e["rows"] >= 120 and set(e["variants"]) == {"plan + job", "production job", "K/E + job"}
+            assert e["job_term"]["rows"] > e["rows"] and math.isfinite(e["job_term"]["mae"]) and len(e["difference"]) == 3
+    from planner.fidelity.job_validate import render_job_holdout
+
+    lines = render_job_holdout("rollout-mismatch", estimator.recipes["rollout-mismatch"]["job_holdout"])
+    assert len(lines) == len(estimator.recipes["rollout-mismatch"]["job_holdout"]) and all("the job term alone on" in line for line in lines)

@@ -214,19 +214,22 @@ def _job_support(rows: list[dict], recipe: str) -> dict[str, dict[str, dict]]:
     return out
 
 
-def job_offset(support: Mapping[str, Mapping], row: Mapping[str, Any]) -> tuple[float, float]:
+def job_offset(support: Mapping[str, Mapping], row: Mapping[str, Any], *, every_level: bool = False) -> tuple[float, float]:
     """The measured extra shift of `row`'s job and the half-width it adds to the interval: per
     supported dimension, the nearest measured share at or below the row's (more shrinkage is the
-    safer bound), its mean extra shift, and the larger distance from that mean to its interval's ends."""
+    safer bound), its mean extra shift, and the larger distance from that mean to its interval's ends.
+    With `every_level`, every measured level counts, supported or not (the job term as measured, for
+    its held-out validation)."""
     from planner.fidelity.dataset import JOB_COLUMNS
 
     offset = width = 0.0
     for dim, column in JOB_COLUMNS.items():
         share = row.get(column)
         entry = support.get(dim) or {}
-        if not _finite(share) or float(share) >= 1.0 or not entry.get("ok"):
+        if not _finite(share) or float(share) >= 1.0 or not (entry.get("ok") or (every_level and entry.get("levels"))):
             continue
-        ok = [lv for lv in entry["levels"] if lv["ok"] and lv["share"] >= entry["min_share"] - 1e-12]  # the kept levels only
+        ok = ([lv for lv in entry["levels"] if lv["originals"] >= 2] if every_level else
+              [lv for lv in entry["levels"] if lv["ok"] and lv["share"] >= entry["min_share"] - 1e-12])  # the kept levels only
         below = [lv for lv in ok if lv["share"] <= float(share) + 1e-12]
         if not ok:
             continue
@@ -369,8 +372,9 @@ class FidelityEstimator:
         if validate:
             from planner.fidelity.validate import cross_validate, ke_gate, skill_gate
 
-            report = cross_validate(rows, schemes=("original",))
+            report = cross_validate(every, schemes=("original",))
             for recipe, entry in recipes.items():
+                entry["job_holdout"] = report["recipes"][recipe]["job_holdout"]
                 entry["gate"] = skill_gate(report, recipe)
                 entry["gates"] = {name: skill_gate(report, recipe, name) for name in entry["families"]}
                 entry["ke_gates"] = {name: ke_gate(report, recipe, name) for name in entry["families"]}

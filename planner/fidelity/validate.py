@@ -19,6 +19,9 @@ with LOCAL_ORIGINALS originals or more has models of its own, so it is validated
 (one of its originals held out at a time, the models fitted on its others); another family's rows
 are predicted by models fitted on every other original, of that family and others.
 
+The rows a job grid measured at smaller jobs are validated apart (planner.fidelity.job_validate),
+per recipe and family, under `job_holdout`.
+
 The skill gate (skill_gate) reads them, per family or pooled: the full model has skill on a recipe
 when, against K/E alone and against K/E with the routing type where that baseline exists, the
 paired difference of shift MAE over held-out originals (full minus baseline, one value per
@@ -156,8 +159,10 @@ def cross_validate(rows: list[dict], schemes: tuple[str, ...] = tuple(SCHEMES), 
     from planner.fidelity.dataset import production_rows
     from planner.fidelity.labels import TOLERANCE_LOG2
 
+    from planner.fidelity.job_validate import job_holdout
+
     tolerance = TOLERANCE_LOG2 if tolerance is None else tolerance
-    rows = production_rows(rows)  # the plan models are validated at the production job
+    every, rows = rows, production_rows(rows)  # the plan models are validated on the family grids' rows; the job rows apart
     report: dict[str, Any] = {"rows": len(rows), "tolerance_log2": tolerance, "recipes": {}}
     for recipe in sorted({r["recipe"] for r in rows}):
         entry: dict[str, Any] = {}
@@ -188,6 +193,7 @@ def cross_validate(rows: list[dict], schemes: tuple[str, ...] = tuple(SCHEMES), 
         entry["shapes"] = {str(r["family"]): str(r.get("routing_shape") or "") for r in used}
         entry["spread"] = {f: spread(used, recipe, f) for f in sorted({str(r["family"]) for r in used})}
         entry["controls"] = _controls(rows, recipe)
+        entry["job_holdout"] = job_holdout(every, recipe, tolerance)
         report["recipes"][recipe] = entry
     from planner.fidelity.transfer import fit_transfer, load_points
 
@@ -315,6 +321,7 @@ def _fmt(v: Any) -> str:
 
 
 def render_report(report: dict[str, Any]) -> str:
+    from planner.fidelity.job_validate import render_job_holdout
     from planner.render import table
 
     keys = ("n", "mae", "noise_mae", "rmse", "spearman_within_k", "coverage", "interval_width", "decided", "positive_rate", "auc",
@@ -351,4 +358,5 @@ def render_report(report: dict[str, Any]) -> str:
                              f"{sp['cells']} cells: proxy knob SD {sp['proxy_knob_sd']:.3f}, shift SD {sp['shift_sd']:.3f} (log2)")  # fmt: skip
             transfer = report.get("transfer", {}).get(f"{recipe}|{entry.get('shapes', {}).get(family, '')}")
             lines.append(f"  scale transfer, {family}: {_transfer_text(transfer)}")
+        lines += render_job_holdout(recipe, entry.get("job_holdout", {}))
     return "\n".join(lines)

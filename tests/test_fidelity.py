@@ -670,3 +670,30 @@ def test_a_grid_with_smaller_jobs_labels_each_against_the_production_original(mi
     # and the family's grid run again replaces its own rows, keeping every job grid row
     again, _, kept = merged(tmp_path / "d.csv", [family_row(r) for r in at_production], {**provenance, "grid_key": grid.key()}, grid)
     assert kept == len(rows) and len(production_rows(again)) == len(at_production)
+
+
+@pytest.mark.slow
+def test_a_grid_that_spans_sessions_lands_its_complete_originals(mini_grid, tmp_path):
+    """`calibrate run --measured-only` measures nothing: with the originals measured and one recipe's
+    proxies, it exports that recipe's rows and names the recipe whose proxies are still to measure."""
+    from dataclasses import replace
+
+    from planner.fidelity.calibrate import run
+    from planner.fidelity.dataset import read_dataset
+    from planner.fidelity.grid import run_workers
+
+    grid, path, work = mini_grid
+    storage = f"sqlite:///{tmp_path / 'part.db'}"
+    run_workers(storage, grid, str(path), work, "originals", workers=1)
+    said: list[str] = []
+    rows = run(grid, str(path), storage, work, 1, tmp_path / "d.csv", say=said.append, measured_only=True)
+    assert rows == [] and sum(s.startswith("  not exported: ") for s in said) == 2  # both recipes' proxies are to measure
+    run_workers(storage, replace(grid, recipes=("rollout-mismatch",)), str(path), work, "proxies", workers=1)
+    said.clear()
+    rows = run(grid, str(path), storage, work, 1, tmp_path / "d.csv", say=said.append, measured_only=True)
+    assert {r["recipe"] for r in rows} == {"rollout-mismatch"} and len(rows) == 2  # the two proxies of the one original
+    assert [s for s in said if s.startswith("  not exported: ")] == [
+        "  not exported: fp16-overflow on qwen3_moe-s0, proxies 0 of 2 points measured"]
+    assert read_dataset(tmp_path / "d.csv") and "wrote 2 rows" in said[-1]
+    with pytest.raises(SpecError, match="no models.json"):
+        run(grid, str(path), storage, tmp_path / "none", 1, tmp_path / "e.csv", measured_only=True)

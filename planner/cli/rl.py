@@ -234,8 +234,10 @@ def calibrate() -> None:
                                             "(a family's grid of its own); other families' rows and added pairs stay.")
 @click.option("--recipes", default=None, help="Measure only these of the grid's recipes (comma-separated; e.g. the cheap static ones "
                                              "first): the same studies, so a later run of the rest adds to them.")
+@click.option("--measured-only", is_flag=True, help="Measure nothing: export the originals whose every grid point of a recipe is "
+                                                    "measured (a grid that spans sessions lands its complete originals) and name the rest.")
 @click.option("--force", is_flag=True, help="Overwrite an existing dataset file.")
-def calibrate_run(grid_path, storage, workers, workdir, results, output, merge, recipes, force) -> None:
+def calibrate_run(grid_path, storage, workers, workdir, results, output, merge, recipes, measured_only, force) -> None:
     """Run (or resume) the calibration grid and export the dataset."""
     from planner.fidelity.calibrate import run
     from planner.fidelity.grid import Grid
@@ -250,7 +252,7 @@ def calibrate_run(grid_path, storage, workers, workdir, results, output, merge, 
         if recipes:
             grid = grid.only([r.strip() for r in recipes.split(",") if r.strip()])
         run(grid, grid_path, storage, Path(workdir), workers, out, say=lambda s: click.echo(s, err=True),
-            results=Path(results) if results else None, merge=merge)  # fmt: skip
+            results=Path(results) if results else None, merge=merge, measured_only=measured_only)  # fmt: skip
 
     run_body(body)
 

@@ -57,23 +57,26 @@ def noise_floor(grid: Grid, originals: dict[str, dict]) -> list[dict]:
     return out
 
 
-def export(storage: str, grid: Grid, workdir: Path) -> tuple[list[dict], list[dict]]:
+def export(storage: str, grid: Grid, workdir: Path, whole: bool = False) -> tuple[list[dict], list[dict]]:
     """Join the two phases' results into dataset rows (one per proxy, recipe and job) and the noise
     floor. A (recipe, K) where the fault cannot occur gets a row labelled "not applicable" (not
     measured). A grid with smaller jobs also labels every proxy at each of them, and the original
     itself (model "original", K = E), always against the original at the production job, with the
-    job's shares of the production job in the job columns."""
+    job's shares of the production job in the job columns. With `whole`, an original's rows of a
+    recipe are exported only where every one of its grid points of that recipe is measured (a grid
+    that spans sessions lands its complete originals)."""
     from planner.fidelity.grid import PRODUCTION, job_shares, unit_id
     from planner.fidelity.labels import applicable
 
     records = json.loads((workdir / "models.json").read_text())
     originals, proxies = collect(storage, grid, "originals"), collect(storage, grid, "proxies")
     configs = {r["original"]: json.loads((Path(r["path"]) / "config.json").read_text()) for r in records.values() if r["model"] == "original"}
+    left = {(p["original"], p["recipe"]) for p in progress(storage, grid, workdir) if p["left"]} if whole else set()
     rows = []
     for record in sorted(records.values(), key=lambda r: (r["original"], r["model"])):
         base, own = record["original"], record["model"] == "original"
         for recipe_name in grid.recipes:
-            if not grid.measured_on(recipe_name, record["seed"]):
+            if not grid.measured_on(recipe_name, record["seed"]) or (base, recipe_name) in left:
                 continue
             for job in grid.jobs:
                 if own and job == PRODUCTION:  # the original against itself: no label
@@ -144,9 +147,19 @@ def _sides(result: dict) -> dict:
 
 
 def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers: int, out: Path,
-        say: Callable[[str], None] = lambda s: None, results: Path | None = None, merge: bool = False) -> list[dict]:  # fmt: skip
+        say: Callable[[str], None] = lambda s: None, results: Path | None = None, merge: bool = False,
+        measured_only: bool = False) -> list[dict]:  # fmt: skip
     """The whole grid, resumable: every step skips what is already done (in the storage, or in the
-    results files under `results`, which every completed point is appended to)."""
+    results files under `results`, which every completed point is appended to). With
+    `measured_only`, nothing is measured: the originals whose every point of a recipe is measured
+    are exported, and the rest is named."""
+    if measured_only:
+        if not (workdir / "models.json").is_file():
+            raise SpecError(f"{workdir} holds no prepared grid (no models.json): nothing was measured there")
+        for p in progress(storage, grid, workdir):
+            if p["left"]:
+                say(f"  not exported: {p['recipe']} on {p['original']}, {p['phase']} {p['complete']} of {p['points']} points measured")
+        return _write(grid, storage, workdir, out, say, merge, whole=True)
     workdir.mkdir(parents=True, exist_ok=True)
     say(f"preparing models and proxies under {workdir}")
     records = prepare(grid, workdir, progress=lambda family: say(f"  {family}: models ready"))
@@ -157,7 +170,11 @@ def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers:
     imported += run_workers(storage, grid, grid_path, workdir, "proxies", workers, results)
     if imported:
         say(f"{imported} grid points taken from the results files under {results}")
-    rows, noise = export(storage, grid, workdir)
+    return _write(grid, storage, workdir, out, say, merge)
+
+
+def _write(grid: Grid, storage: str, workdir: Path, out: Path, say: Callable[[str], None], merge: bool, whole: bool = False) -> list[dict]:
+    rows, noise = export(storage, grid, workdir, whole)
     seeds = {"models": list(grid.seeds()), "margin": list(grid.margin_seeds), "curve": grid.curve_seed,
              "replica_gen": list(grid.replica_gen_seeds)}  # fmt: skip
     provenance = {**_provenance(grid, storage, seeds), "noise_floor": noise}

@@ -308,6 +308,11 @@ def test_the_shipped_fit_carries_the_joint_jobs_measured_and_suggest_quotes_them
     assert all(level["originals"] == 3 and level["rows"] == 27 for level in joint)
     out = json.loads(run_cli("suggest", "--budget", "8npu", "--fault", "rollout-mismatch", "--json").stdout)
     assert out["job_search"]["joint"] == joint
+    from planner.search.output import holdout_text
+
+    held = FidelityEstimator.load(default_estimator_path()).job_holdout(row, "rollout-mismatch")  # the smaller jobs' held-out scores, quoted
+    assert held["family"] == "qwen3_moe-e128" and out["job_search"]["held_out"] == held
+    assert holdout_text(held) in out["job_search"]["text"]
     for level in joint:
         assert f"{level['delta_mean']:+.2f} [{level['delta_interval'][0]:+.2f}, {level['delta_interval'][1]:+.2f}] measured" in out["job_search"]["text"]
     shrunk = max(sum(d > 1 for d in j["divisors"].values()) for j in out["job_search"]["jobs"])

@@ -496,6 +496,14 @@ class FidelityEstimator:
             out[dim] = m
         return out
 
+    def job_holdout(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any] | None:
+        """The held-out validation of `row`'s family's job rows for this fault
+        (planner.fidelity.job_validate), or None where no job grid measured it."""
+        entry = self.recipes.get(recipe)
+        family = self.family(row, recipe) if entry is not None else None
+        found = ((entry or {}).get("job_holdout") or {}).get(family)
+        return {"family": family, **found} if found else None
+
     def job_joint(self, row: Mapping[str, Any], recipe: str) -> list[dict[str, Any]]:
         """The joint-shrink checks of `row`'s family for this fault (`_job_joint`): each job measured
         with several dimensions shrunk together, its extra shift beside the summed single-dimension

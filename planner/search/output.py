@@ -162,7 +162,18 @@ def job_search_text(s: Suggestion) -> str:
     text = head + (f"; held at the production value, since the fidelity of a smaller job is not known ({'; '.join(held)})" if held else "")
     if len(free) >= 2 and len(s.job_scales) > 1:
         text += "; " + joint_text(s.job_joint)
+    if free and len(s.job_scales) > 1 and s.job_holdout and "variants" in s.job_holdout:
+        text += "; " + holdout_text(s.job_holdout)
     return text
+
+
+def holdout_text(h: dict[str, Any]) -> str:
+    """The smaller jobs' held-out validation on the family, in words."""
+    v = h["variants"]
+    full, production = v["plan + job"], v["production job"]
+    return (f"held out one original at a time ({h['originals']} originals of {h['family']}, {h['rows']} proxy rows at smaller jobs), "
+            f"the predicted shift errs by {full['mae']:.2f} log2 (interval coverage {full['coverage']:.2f}) against "
+            f"{production['mae']:.2f} ({production['coverage']:.2f}) ignoring the job, noise floor {h['noise_mae']:.2f}")  # fmt: skip
 
 
 def joint_text(joint: list[dict[str, Any]]) -> str:
@@ -214,7 +225,7 @@ def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
                     "job_bounds": {"batch": s.request.job_bounds.batch, "length": s.request.job_bounds.length},
                     "memory_margin": s.request.memory_margin},  # fmt: skip
         "job_search": {"dimensions": s.job_support, "joint": s.job_joint, "jobs": [j.to_json(s.request.job) for j in s.job_scales],
-                       "text": job_search_text(s)},  # fmt: skip
+                       "held_out": s.job_holdout, "text": job_search_text(s)},  # fmt: skip
         "original": {**figures(b.minimum), "memory_breakdown_bytes": b.minimum.memory_per_device_bytes,
                      "cheapest": {**figures(b.cheapest), "settings": _settings(b.cheapest)}, "baseline": b.named or "default",
                      "steps": b.steps, "reproduction_hours": b.cheapest.device_hours_per_step * b.steps,

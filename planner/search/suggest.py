@@ -282,6 +282,7 @@ class Suggestion:
     enumerated: bool = False  # every point was visited (else NSGA-II sampled the space)
     job_support: dict[str, dict[str, Any]] = field(default_factory=dict)  # per job dimension: may it shrink, and why (not)
     job_joint: list[dict[str, Any]] = field(default_factory=list)  # jobs measured shrunk in several dimensions at once
+    job_holdout: dict[str, Any] | None = None  # the job rows' held-out validation on the family (planner.fidelity.job_validate)
     job_scales: list[JobScale] = field(default_factory=list)  # the reproduction jobs searched
 
     @property
@@ -337,6 +338,7 @@ class Suggester:
         # the job dimensions the fidelity data let the reproduction shrink, and the jobs that gives
         self.job_support = self.estimator.job_support(self.features(self.experts[0], self.methods[0]), self.recipe)
         self.job_joint = self.estimator.job_joint(self.features(self.experts[0], self.methods[0]), self.recipe)
+        self.job_holdout = self.estimator.job_holdout(self.features(self.experts[0], self.methods[0]), self.recipe)
         self.scales = job_scales(request.job, request.job_bounds, self.job_support, self.job_joint)
         self._onsets: dict[int, Onset] = {}
         self._costs: dict[tuple, CostResult] = {}
@@ -785,4 +787,5 @@ def suggest(request: Request, *, progress: Callable[[int, int], None] | None = N
         pareto=_pareto(options), trials=trials, space_points=s.space_size(), enumerated=s.enumerates(), device_counts=s.devices, best_trial=best_trial,
         diagnosis=[] if ranked else _diagnose(s, options, baseline), fidelity_source="stats" if request.stats else "prior", factors=s.factors,
         seconds=time.perf_counter() - start, warnings=s.warnings, job_support=s.job_support, job_joint=s.job_joint, job_scales=s.scales,
+        job_holdout=s.job_holdout,
     )  # fmt: skip

@@ -163,16 +163,18 @@ def test_suggest_prices_the_reproduction_to_the_fault():
 
 
 def test_a_named_run_with_its_own_layout_is_no_smaller_job(tmp_path):
-    """DeepSeek-V3 against the published 256-die run on Atlas A3: the proxies run the same workload,
-    so the smaller-job factor is exactly 1 and the published layout against the planner's on those
-    256 dies is a factor of its own."""
+    """DeepSeek-V3 against the published 256-die run on Atlas A3: with the job held, the proxies run
+    the same workload, so the smaller-job factor is exactly 1 and the published layout against the
+    planner's on those 256 dies is a factor of its own; with the job searched (rollout mismatch's job
+    support, borrowed from the measured families), the smaller job is a factor apart from the layout."""
     runs = yaml.safe_load((default_estimator_path().parent / "published_runs.yaml").read_text())["runs"]
     published = next(r for r in runs if r["id"] == "ds-r1-a3-real")["job"]
     ran, free = tmp_path / "ran.yaml", tmp_path / "free.yaml"
     ran.write_text(yaml.safe_dump(published))
     free.write_text(yaml.safe_dump({k: v for k, v in published.items() if k not in ("train_layout", "rollout_layout", "dispatch_s")}))
-    out = run_cli("suggest", "--model", "deepseek-v3", "--hardware", "atlas-a3", "--budget", "64npu", "--job", free, "--baseline-cards", "256",
-                  "--baseline-job", ran, "--json")  # fmt: skip
+    command = ("suggest", "--model", "deepseek-v3", "--hardware", "atlas-a3", "--budget", "64npu", "--job", free, "--baseline-cards", "256",
+               "--baseline-job", ran, "--fault", "rollout-mismatch", "--json")  # fmt: skip
+    out = run_cli(*command, "--job-bounds", "batch=1,length=1")
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert data["plans"] and data["original"]["num_cards"] == 256 and data["original"]["layout_factor"] != 1.0
@@ -180,6 +182,12 @@ def test_a_named_run_with_its_own_layout_is_no_smaller_job(tmp_path):
         m, r = plan["reduction"]["by_mechanism"], plan["reduction"]
         assert m["smaller_job"] == 1.0 and m["layout"] == data["original"]["layout_factor"] and m["steps_to_fault"] == 1.0
         assert m["fewer_devices"] * m["layout"] * m["step_time"] == pytest.approx(r["accelerator_hours"], rel=1e-9)
+    searched = json.loads(run_cli(*command).stdout)
+    best = searched["plans"][0]
+    m = best["reduction"]["by_mechanism"]
+    assert not best["job"]["production"] and m["smaller_job"] > 1.0 and m["layout"] == searched["original"]["layout_factor"]
+    assert m["fewer_devices"] * m["layout"] * m["smaller_job"] * m["step_time"] * m["steps_to_fault"] == pytest.approx(
+        best["reduction"]["reproduction_hours"], rel=1e-9)
 
 
 def test_a_supported_job_dimension_is_searched(tmp_path):
@@ -383,3 +391,58 @@ def test_the_shipped_fit_scores_the_job_rows_of_two_families_on_held_out_origina
 
     lines = render_job_holdout("rollout-mismatch", estimator.recipes["rollout-mismatch"]["job_holdout"])
     assert len(lines) == len(estimator.recipes["rollout-mismatch"]["job_holdout"]) and all("the job term alone on" in line for line in lines)
+
+
+def test_a_family_no_job_grid_measured_borrows_only_what_every_measured_family_keeps():
+    """Planted, three originals each: families F and G measured at half the prompts (extra shift about
+    +0.05 on both) and half the length (+0.1 on F, +0.9 on G); family H only at the production job.
+    H borrows the prompts (kept on both, the mean of their levels, the hull of their intervals) with
+    the transfer validated one family out, and not the length (G moves), saying why; F and G keep
+    their own support."""
+    from planner.fidelity.estimator import _job_support, _job_transfer
+
+    rows = []
+    for family, length_extra in (("F", 0.1), ("G", 0.9)):
+        for i in range(3):
+            for model, base in (("K8-a", -0.3), ("K8-b", -0.6)):
+                common = {"recipe": "rollout-mismatch", "family": family, "original": f"{family}-s{i}", "model": model, "method": "agglomerative",
+                          "censored": 0, "job_grid": family}  # fmt: skip
+                rows.append({**common, "shift_log2": base})
+                rows.append({**common, "shift_log2": base + 0.05 + 0.01 * i, "job_prompts_share": 0.5})
+                rows.append({**common, "shift_log2": base + length_extra + 0.01 * i, "job_length_share": 0.5})
+    rows += [{"recipe": "rollout-mismatch", "family": "H", "original": f"H-s{i}", "model": "K8-a", "method": "agglomerative", "censored": 0,
+              "shift_log2": -0.4} for i in range(3)]  # fmt: skip
+    support = _job_support(rows, "rollout-mismatch")
+    assert support["F"]["length"]["ok"] and not support["G"]["length"]["ok"] and not support["H"]["prompts"]["ok"]
+    transfer = _job_transfer(rows, "rollout-mismatch", support, {})
+    assert transfer["families"] == ["F", "G"]
+    prompts = transfer["dims"]["prompts"]
+    assert prompts["ok"] and prompts["min_share"] == 0.5 and prompts["levels"][0]["delta_mean"] == pytest.approx(0.06)
+    lo = min(support[f]["prompts"]["levels"][0]["delta_interval"][0] for f in "FG")
+    assert prompts["levels"][0]["delta_interval"][0] == lo
+    assert transfer["dims"]["length"] == {"ok": False, "rows": 0, "reason": "not kept on G"}
+    held = transfer["held_out"]["G"]  # G's rows predicted by F's levels: the prompts right, the length off by about 0.8
+    assert held["from"] == ["F"] and held["rows"] == 12 and held["mae"] == pytest.approx((6 * 0.0 + 6 * 0.8) / 12, abs=0.02)
+    estimator = FidelityEstimator({"rollout-mismatch": {"job": support, "job_transfer": transfer, "job_joint": {},
+                                                        "shapes": {"f": ["F"], "h": ["H"]}}}, {})  # fmt: skip
+    borrowed = estimator.job_support({"routing_shape": "h"}, "rollout-mismatch")
+    assert borrowed["prompts"]["ok"] and borrowed["prompts"]["transferred"].startswith("no job grid measured H: its job support is borrowed")
+    assert not borrowed["length"]["ok"] and "no job grid measured rollout-mismatch on H" in borrowed["length"]["reason"]
+    own = estimator.job_support({"routing_shape": "f"}, "rollout-mismatch")
+    assert own["length"]["ok"] and "transferred" not in own["length"]
+
+
+def test_the_shipped_fit_lends_deepseek_v3_the_job_support_both_measured_families_share():
+    """No job grid measured DeepSeek-V3's own shape; the two that were measured both keep rollout
+    mismatch's label at 1/4 prompts, 1/2 group, 1/4 length, and both move fp16 overflow with the batch's
+    tokens: suggest may shrink the first's job on DeepSeek-V3, not the second's, and says so."""
+    from planner.catalog import load_model_config
+    from planner.fidelity.dataset import plan_row
+
+    estimator = FidelityEstimator.load(default_estimator_path())
+    row = plan_row(load_model_config("deepseek-v3")[1], 32, None)
+    rollout = estimator.job_support(row, "rollout-mismatch")
+    assert {d: (v["ok"], v.get("min_share")) for d, v in rollout.items()} == {"prompts": (True, 0.25), "samples": (True, 0.5), "length": (True, 0.25)}
+    assert all(v["transferred"].startswith("no job grid measured deepseek_v3-e256") for v in rollout.values())
+    fp16 = estimator.job_support(row, "fp16-overflow")
+    assert not fp16["prompts"]["ok"] and "no job grid measured fp16-overflow on deepseek_v3-e256" in fp16["prompts"]["reason"]

@@ -274,6 +274,54 @@ def _job_joint(rows: list[dict], recipe: str, support: Mapping[str, Mapping[str,
     return out
 
 
+def _job_transfer(rows: list[dict], recipe: str, support: Mapping[str, Mapping[str, dict]],
+                  joint: Mapping[str, list[dict]]) -> dict[str, Any]:  # fmt: skip
+    """The job support a family that no job grid measured may borrow: a dimension every measured
+    family supports (2 or more families), down to the largest of their smallest supported shares, at
+    each share they all kept the mean of their extra shifts with the hull of their intervals; their
+    joint checks; and the transfer validated one family out: each measured family's job rows'
+    extra shifts predicted by the others' measured levels (MAE against predicting no term)."""
+    from planner.fidelity.dataset import JOB_COLUMNS
+
+    measured = sorted(f for f, dims in support.items() if any(e.get("rows") for e in dims.values()))
+    out: dict[str, Any] = {"families": measured, "dims": {}, "joint": [], "held_out": {}}
+    if len(measured) < 2:
+        return out
+    for dim in JOB_DIMENSIONS:
+        entries = [support[f][dim] for f in measured]
+        if not all(e.get("ok") for e in entries):
+            bad = [f for f, e in zip(measured, entries) if not e.get("ok")]
+            out["dims"][dim] = {"ok": False, "rows": 0, "reason": f"not kept on {', '.join(bad)}"}
+            continue
+        floor = max(e["min_share"] for e in entries)
+        levels = []
+        for share in sorted({lv["share"] for lv in entries[0]["levels"]}, reverse=True):
+            at = [next((lv for lv in e["levels"] if lv["share"] == share and lv["ok"]), None) for e in entries]
+            if share < floor - 1e-12 or any(lv is None for lv in at):
+                continue
+            levels.append({"share": share, "rows": sum(lv["rows"] for lv in at), "originals": sum(lv["originals"] for lv in at),
+                           "delta_mean": float(np.mean([lv["delta_mean"] for lv in at])),
+                           "delta_interval": [min(lv["delta_interval"][0] for lv in at), max(lv["delta_interval"][1] for lv in at)],
+                           "ok": True})  # fmt: skip
+        if levels:
+            out["dims"][dim] = {"ok": True, "min_share": levels[-1]["share"], "rows": sum(e["rows"] for e in entries), "levels": levels,
+                                "families": measured}  # fmt: skip
+    out["joint"] = [{**level, "family": f} for f in measured for level in joint.get(f, [])]
+    mine, extra = _job_rows(rows, recipe)
+    for family in measured:
+        others = {f: support[f] for f in measured if f != family}
+        pairs = []
+        for r in (r for r in mine if str(r["family"]) == family and any(_finite(r.get(c)) and float(r[c]) < 1 for c in JOB_COLUMNS.values())):
+            if (delta := extra(r)) is not None:
+                predicted = np.mean([job_offset(s, r, every_level=True)[0] for s in others.values()])
+                pairs.append((delta, float(predicted)))
+        if pairs:
+            d, p_ = np.array(pairs).T
+            out["held_out"][family] = {"rows": len(pairs), "mae": float(np.mean(np.abs(d - p_))), "mae_zero": float(np.mean(np.abs(d))),
+                                       "from": sorted(others)}  # fmt: skip
+    return out
+
+
 def knob_translation(recipe: str, block: Mapping[str, Any]) -> dict[str, Any] | None:
     """Where the shift is systematic (its interval, or the measured spread, excludes 0): the knob
     value at which the proxy should reproduce the original's failure, as the original's critical
@@ -364,7 +412,8 @@ class FidelityEstimator:
                                "experts": sorted({int(r["original_experts"]) for r in used}),
                                "originals": sorted({str(r["original"]) for r in used}), "measured_by_k": _measured_by_k(rows, recipe),
                                "every_plan_reproduced": _every_plan_reproduced(rows, recipe),
-                               "onsets": _onsets(rows, recipe), "job": (job := _job_support(every, recipe)), "job_joint": _job_joint(every, recipe, job),
+                               "onsets": _onsets(rows, recipe), "job": (job := _job_support(every, recipe)), "job_joint": (joint := _job_joint(every, recipe, job)),
+                               "job_transfer": _job_transfer(every, recipe, job, joint),
                                "gate": {"skill": False, "reason": "not validated"},
                                "gates": {name: {"skill": False, "reason": "not validated"} for name in families},
                                "ke_gates": {name: {"ok": False, "reason": "not validated"} for name in families}}  # fmt: skip
@@ -483,10 +532,23 @@ class FidelityEstimator:
         family = self.family(row, recipe) if entry is not None else None
         measured = ((entry or {}).get("job") or {}).get(family) or {}
         where = f"of {family}" if family else "of this routing shape"
+        transfer = self._job_transfer(family, recipe)
         out = {}
         for dim, what in JOB_DIMENSIONS.items():
             m = dict(measured.get(dim) or {"ok": False, "rows": 0})
-            if m.get("ok"):
+            if transfer is not None and transfer["dims"].get(dim, {}).get("ok"):
+                m = dict(transfer["dims"][dim])
+                held = "; ".join(f"{f}'s from {', '.join(h['from'])}: {h['mae']:.2f} log2 against {h['mae_zero']:.2f} for no term ({h['rows']} rows)"
+                                 for f, h in transfer["held_out"].items())  # fmt: skip
+                m["reason"] = (f"{what}: down to {m['min_share']:g} of the production value the label of {recipe} moves by less than "
+                               f"+-{JOB_TOLERANCE_LOG2} log2 on every family a job grid measured ({', '.join(m['families'])}, {m['rows']} rows), "
+                               f"not on {family} itself")  # fmt: skip
+                m["transferred"] = (f"no job grid measured {family}: its job support is borrowed from the families one did "
+                                    f"({', '.join(m['families'])}); held out a family at a time, the others' measured job term predicts {held}")  # fmt: skip
+            elif transfer is not None and dim in transfer["dims"]:
+                m["reason"] = (f"{what}: no job grid measured {recipe} on {family}, and the label moves by more than +-{JOB_TOLERANCE_LOG2} "
+                               f"log2 at a smaller value on the families one did: {transfer['dims'][dim]['reason']}")  # fmt: skip
+            elif m.get("ok"):
                 m["reason"] = (f"{what}: down to {m['min_share']:g} of the production value the label of {recipe} moves by less than "
                                f"+-{JOB_TOLERANCE_LOG2} log2 on the calibration data {where} ({m['rows']} rows)")  # fmt: skip
             elif m.get("reason"):
@@ -495,6 +557,16 @@ class FidelityEstimator:
                 m["reason"] = f"{what}: no calibration rows {where} measured {recipe} at a smaller value"
             out[dim] = m
         return out
+
+    def _job_transfer(self, family: str | None, recipe: str) -> dict[str, Any] | None:
+        """The borrowed job support (`_job_transfer`) for a calibrated family that no job grid
+        measured for this fault, or None."""
+        entry = self.recipes.get(recipe) or {}
+        transfer = entry.get("job_transfer")
+        if family is None or not transfer or not transfer.get("dims"):
+            return None
+        mine = (entry.get("job") or {}).get(family) or {}
+        return None if any(e.get("rows") for e in mine.values()) else transfer
 
     def job_holdout(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any] | None:
         """The held-out validation of `row`'s family's job rows for this fault
@@ -510,6 +582,9 @@ class FidelityEstimator:
         ones; empty where none was measured."""
         entry = self.recipes.get(recipe)
         family = self.family(row, recipe) if entry is not None else None
+        transfer = self._job_transfer(family, recipe)
+        if transfer is not None:
+            return list(transfer["joint"])
         return list(((entry or {}).get("job_joint") or {}).get(family) or [])
 
     def predict(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any]:

@@ -164,6 +164,9 @@ def job_search_text(s: Suggestion) -> str:
         text += "; " + joint_text(s.job_joint)
     if free and len(s.job_scales) > 1 and s.job_holdout and "variants" in s.job_holdout:
         text += "; " + holdout_text(s.job_holdout)
+    borrowed = next((v["transferred"] for v in s.job_support.values() if v.get("ok") and v.get("transferred")), None)
+    if borrowed and len(s.job_scales) > 1:
+        text += "; " + borrowed
     return text
 
 
@@ -185,7 +188,8 @@ def joint_text(joint: list[dict[str, Any]]) -> str:
     for level in joint:
         lo, hi = level["delta_interval"]
         at = " x ".join(f"{dim} {share:g}" for dim, share in level["shares"].items() if share < 1)
-        parts.append(f"at {at}: {level['delta_mean']:+.2f} [{lo:+.2f}, {hi:+.2f}] measured, {level['summed']:+.2f} summed")
+        on = f" on {level['family']}" if level.get("family") else ""
+        parts.append(f"at {at}{on}: {level['delta_mean']:+.2f} [{lo:+.2f}, {hi:+.2f}] measured, {level['summed']:+.2f} summed")
     if all(level["ok"] for level in joint):
         return "dimensions shrunk together add their extra shifts, a sum the jointly measured jobs bear out (" + "; ".join(parts) + ")"
     return ("one dimension shrinks at a time, since at a jointly measured job the summed extra shifts differ from the measured one by "

@@ -435,7 +435,8 @@ def test_a_family_no_job_grid_measured_borrows_only_what_every_measured_family_k
 def test_the_shipped_fit_lends_deepseek_v3_the_job_support_both_measured_families_share():
     """No job grid measured DeepSeek-V3's own shape; the two that were measured both keep rollout
     mismatch's label at 1/4 prompts, 1/2 group, 1/4 length, and both move fp16 overflow with the batch's
-    tokens: suggest may shrink the first's job on DeepSeek-V3, not the second's, and says so."""
+    tokens: suggest may shrink the first's job on DeepSeek-V3, not the second's, and says so. Both are
+    attention-only: Nemotron-3-Nano's hybrid backbone borrows nothing."""
     from planner.catalog import load_model_config
     from planner.fidelity.dataset import plan_row
 
@@ -446,3 +447,6 @@ def test_the_shipped_fit_lends_deepseek_v3_the_job_support_both_measured_familie
     assert all(v["transferred"].startswith("no job grid measured deepseek_v3-e256") for v in rollout.values())
     fp16 = estimator.job_support(row, "fp16-overflow")
     assert not fp16["prompts"]["ok"] and "no job grid measured fp16-overflow on deepseek_v3-e256" in fp16["prompts"]["reason"]
+    # a hybrid backbone (Mamba-2 mixers) borrows nothing from attention-only families
+    hybrid = estimator.job_support(plan_row(load_model_config("nemotron-3-nano-30b-a3b")[1], 32, None), "rollout-mismatch")
+    assert not any(v["ok"] for v in hybrid.values()) and all("its token mixer (mamba2) differs" in v["reason"] for v in hybrid.values())

@@ -284,7 +284,8 @@ def _job_transfer(rows: list[dict], recipe: str, support: Mapping[str, Mapping[s
     from planner.fidelity.dataset import JOB_COLUMNS
 
     measured = sorted(f for f, dims in support.items() if any(e.get("rows") for e in dims.values()))
-    out: dict[str, Any] = {"families": measured, "dims": {}, "joint": [], "held_out": {}}
+    out: dict[str, Any] = {"families": measured, "mixers": sorted({_token_mixer(f) or "unknown" for f in measured}), "dims": {}, "joint": [],
+                           "held_out": {}}  # fmt: skip
     if len(measured) < 2:
         return out
     for dim in JOB_DIMENSIONS:
@@ -320,6 +321,18 @@ def _job_transfer(rows: list[dict], recipe: str, support: Mapping[str, Mapping[s
             out["held_out"][family] = {"rows": len(pairs), "mae": float(np.mean(np.abs(d - p_))), "mae_zero": float(np.mean(np.abs(d))),
                                        "from": sorted(others)}  # fmt: skip
     return out
+
+
+def _token_mixer(family: str) -> str | None:
+    """A calibration family's token mixer: "attention", or the linear mixer of a hybrid backbone
+    (gdn, mamba2); None for a family the catalog does not define (pairs added by hand)."""
+    from planner.families import family_architecture
+
+    try:
+        arch = family_architecture(family)
+    except SpecError:
+        return None
+    return arch.linear.kind if arch.is_hybrid else "attention"
 
 
 def knob_translation(recipe: str, block: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -533,10 +546,19 @@ class FidelityEstimator:
         measured = ((entry or {}).get("job") or {}).get(family) or {}
         where = f"of {family}" if family else "of this routing shape"
         transfer = self._job_transfer(family, recipe)
+        mixer = (_token_mixer(family) or "unknown") if transfer is not None else None
+        if transfer is not None and mixer not in transfer.get("mixers", []):
+            other = (f"its token mixer ({mixer}) differs from theirs ({', '.join(transfer.get('mixers', []))}), so their job "
+                     f"support is not borrowed")  # fmt: skip
+            transfer = None
+        else:
+            other = ""
         out = {}
         for dim, what in JOB_DIMENSIONS.items():
             m = dict(measured.get(dim) or {"ok": False, "rows": 0})
-            if transfer is not None and transfer["dims"].get(dim, {}).get("ok"):
+            if other:
+                m["reason"] = f"{what}: no job grid measured {recipe} on {family}, only on other families, and {other}"
+            elif transfer is not None and transfer["dims"].get(dim, {}).get("ok"):
                 m = dict(transfer["dims"][dim])
                 held = "; ".join(f"{f}'s from {', '.join(h['from'])}: {h['mae']:.2f} log2 against {h['mae_zero']:.2f} for no term ({h['rows']} rows)"
                                  for f, h in transfer["held_out"].items())  # fmt: skip

@@ -235,7 +235,7 @@ def test_a_job_dimension_is_supported_down_to_the_share_that_keeps_the_label():
     cap by about 1: the length is supported down to 1/2; the batch was never measured. The family
     grid's rows of the same names (other weights: a shift 2 log2 away) are no reference for the job
     grid's: each job row is compared with its own grid's production row."""
-    from planner.fidelity.estimator import _job_support, job_offset
+    from planner.fidelity.jobs import _job_support, job_offset
 
     rows = []
     for i, original in enumerate(("F-s0", "F-s1", "F-s2")):
@@ -272,7 +272,7 @@ def test_a_jointly_shrunk_job_is_checked_against_the_summed_shifts(joint_extra, 
     length each move the label by 0.1 alone. Shrunk together they move it by 0.3 (the sum stands:
     the search may shrink them together) or by 1.4 (the sum misses by 1.1: one dimension shrinks at a
     time)."""
-    from planner.fidelity.estimator import _job_joint, _job_support
+    from planner.fidelity.jobs import _job_joint, _job_support
     from planner.search.reproduction import JobBounds, job_scales
     from planner.specs import Job
 
@@ -399,7 +399,7 @@ def test_a_family_no_job_grid_measured_borrows_only_what_every_measured_family_k
     H borrows the prompts (kept on both, the mean of their levels, the hull of their intervals) with
     the transfer validated one family out, and not the length (G moves), saying why; F and G keep
     their own support."""
-    from planner.fidelity.estimator import _job_support, _job_transfer
+    from planner.fidelity.jobs import _job_support, _job_transfer
 
     rows = []
     for family, length_extra in (("F", 0.1), ("G", 0.9)):

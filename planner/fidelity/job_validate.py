@@ -48,9 +48,9 @@ def job_holdout(rows: list[dict], recipe: str, tolerance: float = 1.0) -> dict[s
     difference: [mean, low, high] (plan + job minus production job, MAE per held-out original),
     job_term: {rows, mae, mae_zero, noise_mae}} (see the module's docstring)."""
     from planner.fidelity.dataset import JOB_COLUMNS, job_share
-    from planner.fidelity.estimator import _job_rows, _job_support, job_offset
+    from planner.fidelity.jobs import _job_rows, _job_support, job_offset
     from planner.fidelity.model import baselines, design, recipe_features, training_rows
-    from planner.fidelity.validate import paired_difference, score_predictions
+    from planner.fidelity.scores import paired_difference, score_predictions
 
     mine, _ = _job_rows(rows, recipe)
     smaller = [r for r in mine if any(job_share(r, c) < 1.0 for c in JOB_COLUMNS.values())]

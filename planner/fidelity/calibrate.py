@@ -57,26 +57,24 @@ def noise_floor(grid: Grid, originals: dict[str, dict]) -> list[dict]:
     return out
 
 
-def export(storage: str, grid: Grid, workdir: Path, whole: bool = False) -> tuple[list[dict], list[dict]]:
+def export(storage: str, grid: Grid, workdir: Path, skip: frozenset = frozenset()) -> tuple[list[dict], list[dict]]:
     """Join the two phases' results into dataset rows (one per proxy, recipe and job) and the noise
     floor. A (recipe, K) where the fault cannot occur gets a row labelled "not applicable" (not
     measured). A grid with smaller jobs also labels every proxy at each of them, and the original
     itself (model "original", K = E), always against the original at the production job, with the
-    job's shares of the production job in the job columns. With `whole`, an original's rows of a
-    recipe are exported only where every one of its grid points of that recipe is measured (a grid
-    that spans sessions lands its complete originals)."""
+    job's shares of the production job in the job columns. The (original, recipe) pairs in `skip`
+    are left out (a grid that spans sessions lands its complete originals only)."""
     from planner.fidelity.grid import PRODUCTION, job_shares, unit_id
     from planner.fidelity.labels import applicable
 
     records = json.loads((workdir / "models.json").read_text())
     originals, proxies = collect(storage, grid, "originals"), collect(storage, grid, "proxies")
     configs = {r["original"]: json.loads((Path(r["path"]) / "config.json").read_text()) for r in records.values() if r["model"] == "original"}
-    left = {(p["original"], p["recipe"]) for p in progress(storage, grid, workdir) if p["left"]} if whole else set()
     rows = []
     for record in sorted(records.values(), key=lambda r: (r["original"], r["model"])):
         base, own = record["original"], record["model"] == "original"
         for recipe_name in grid.recipes:
-            if not grid.measured_on(recipe_name, record["seed"]) or (base, recipe_name) in left:
+            if not grid.measured_on(recipe_name, record["seed"]) or (base, recipe_name) in skip:
                 continue
             for job in grid.jobs:
                 if own and job == PRODUCTION:  # the original against itself: no label
@@ -156,10 +154,10 @@ def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers:
     if measured_only:
         if not (workdir / "models.json").is_file():
             raise SpecError(f"{workdir} holds no prepared grid (no models.json): nothing was measured there")
-        for p in progress(storage, grid, workdir):
-            if p["left"]:
-                say(f"  not exported: {p['recipe']} on {p['original']}, {p['phase']} {p['complete']} of {p['points']} points measured")
-        return _write(grid, storage, workdir, out, say, merge, whole=True)
+        left = [p for p in progress(storage, grid, workdir) if p["left"]]
+        for p in left:
+            say(f"  not exported: {p['recipe']} on {p['original']}, {p['phase']} {p['complete']} of {p['points']} points measured")
+        return _write(grid, storage, workdir, out, say, merge, skip=frozenset((p["original"], p["recipe"]) for p in left))
     workdir.mkdir(parents=True, exist_ok=True)
     say(f"preparing models and proxies under {workdir}")
     records = prepare(grid, workdir, progress=lambda family: say(f"  {family}: models ready"))
@@ -173,8 +171,9 @@ def run(grid: Grid, grid_path: str | None, storage: str, workdir: Path, workers:
     return _write(grid, storage, workdir, out, say, merge)
 
 
-def _write(grid: Grid, storage: str, workdir: Path, out: Path, say: Callable[[str], None], merge: bool, whole: bool = False) -> list[dict]:
-    rows, noise = export(storage, grid, workdir, whole)
+def _write(grid: Grid, storage: str, workdir: Path, out: Path, say: Callable[[str], None], merge: bool,
+           skip: frozenset = frozenset()) -> list[dict]:  # fmt: skip
+    rows, noise = export(storage, grid, workdir, skip)
     seeds = {"models": list(grid.seeds()), "margin": list(grid.margin_seeds), "curve": grid.curve_seed,
              "replica_gen": list(grid.replica_gen_seeds)}  # fmt: skip
     provenance = {**_provenance(grid, storage, seeds), "noise_floor": noise}

@@ -352,6 +352,9 @@ class FidelityEstimator:
             transfer = None
         else:
             other = ""
+        if transfer is not None:
+            held = "; ".join(f"{f}'s from {', '.join(h['from'])}: {h['mae']:.2f} log2 against {h['mae_zero']:.2f} for no term ({h['rows']} rows)"
+                             for f, h in transfer["held_out"].items())  # fmt: skip
         out = {}
         for dim, what in JOB_DIMENSIONS.items():
             m = dict(measured.get(dim) or {"ok": False, "rows": 0})
@@ -359,8 +362,6 @@ class FidelityEstimator:
                 m["reason"] = f"{what}: no job grid measured {recipe} on {family}, only on other families, and {other}"
             elif transfer is not None and transfer["dims"].get(dim, {}).get("ok"):
                 m = dict(transfer["dims"][dim])
-                held = "; ".join(f"{f}'s from {', '.join(h['from'])}: {h['mae']:.2f} log2 against {h['mae_zero']:.2f} for no term ({h['rows']} rows)"
-                                 for f, h in transfer["held_out"].items())  # fmt: skip
                 m["reason"] = (f"{what}: down to {m['min_share']:g} of the production value the label of {recipe} moves by less than "
                                f"+-{JOB_TOLERANCE_LOG2} log2 on every family a job grid measured ({', '.join(m['families'])}, {m['rows']} rows), "
                                f"not on {family} itself")  # fmt: skip

@@ -47,7 +47,7 @@ def job_holdout(rows: list[dict], recipe: str, tolerance: float = 1.0) -> dict[s
     """Per family with job rows of `recipe`: {originals, rows, variants: {variant: scores},
     difference: [mean, low, high] (plan + job minus production job, MAE per held-out original),
     job_term: {rows, mae, mae_zero, noise_mae}} (see the module's docstring)."""
-    from planner.fidelity.dataset import JOB_COLUMNS, job_share
+    from planner.fidelity.dataset import JOB_COLUMNS, JOB_GRID, job_share
     from planner.fidelity.jobs import _job_rows, _job_support, job_offset
     from planner.fidelity.model import baselines, design, recipe_features, training_rows
     from planner.fidelity.scores import paired_difference, score_predictions
@@ -67,34 +67,33 @@ def job_holdout(rows: list[dict], recipe: str, tolerance: float = 1.0) -> dict[s
         h = {v: {k: np.full(len(used), np.nan) for k in ("pred", "low", "high", "p", "base")} for v in VARIANTS}
         term: list[tuple[float, float, float]] = []  # (measured extra shift, predicted, its noise SE)
         for held in originals:
-            others = [r for r in rows if not (r.get("job_grid") and str(r["original"]) == held)]
+            others = [r for r in rows if not (r.get(JOB_GRID) and str(r["original"]) == held)]
             support = _job_support(others, recipe).get(family) or {}
             _, extra = _job_rows([r for r in rows if str(r["original"]) == held], recipe)
-            production_se = {(r["job_grid"], str(r["model"])): float(r.get("shift_se", math.nan)) for r in mine
+            production_se = {(r[JOB_GRID], str(r["model"])): float(r.get("shift_se", math.nan)) for r in mine
                              if str(r["original"]) == held and all(job_share(r, c) == 1.0 for c in JOB_COLUMNS.values())}  # fmt: skip
             for r in (r for r in held_rows if str(r["original"]) == held):
                 delta = extra(r)
                 if delta is not None:
-                    se = math.hypot(float(r.get("shift_se", math.nan)), production_se.get((r["job_grid"], str(r["model"])), 0.0))
+                    se = math.hypot(float(r.get("shift_se", math.nan)), production_se.get((r[JOB_GRID], str(r["model"])), 0.0))
                     term.append((delta, job_offset(support, r, every_level=True)[0], se))
             decided = [r["reproduced"] for r in rows if r.get("recipe") == recipe and str(r["original"]) != held
                        and math.isfinite(r.get("reproduced", math.nan))]  # fmt: skip
+            idx = np.array([i for i, r in enumerate(used) if str(r["original"]) == held], dtype=int)
+            if not idx.size:
+                continue
+            term_of = np.array([job_offset(support, used[i], every_level=True) for i in idx]).reshape(-1, 2)  # (shift, width) per row
             for variant in VARIANTS:
                 model = _plan_model(rows, recipe, family, held, names[variant])
-                idx = [i for i, r in enumerate(used) if str(r["original"]) == held]
-                if model is None or not idx:
+                if model is None:
                     continue
                 x = design([used[i] for i in idx], names[variant])
-                shift, width = np.zeros(len(idx)), np.zeros(len(idx))
-                if variant != "production job":
-                    for j, i in enumerate(idx):
-                        shift[j], width[j] = job_offset(support, used[i], every_level=True)
+                shift, width = (np.zeros(idx.size), np.zeros(idx.size)) if variant == "production job" else term_of.T
                 low, high = model.predict_interval(x)
-                for j, i in enumerate(idx):
-                    h[variant]["pred"][i] = model.predict(x[j : j + 1])[0] + shift[j]
-                    h[variant]["low"][i], h[variant]["high"][i] = low[j] + shift[j] - width[j], high[j] + shift[j] + width[j]
-                    h[variant]["p"][i] = model.p_within(x[j : j + 1], tolerance, offset=shift[j])[0][0]
-                    h[variant]["base"][i] = np.mean(decided) if decided else np.nan
+                h[variant]["pred"][idx] = model.predict(x) + shift
+                h[variant]["low"][idx], h[variant]["high"][idx] = low + shift - width, high + shift + width
+                h[variant]["p"][idx] = [model.p_within(x[j : j + 1], tolerance, offset=shift[j])[0][0] for j in range(idx.size)]
+                h[variant]["base"][idx] = np.mean(decided) if decided else np.nan
         scores = {v: score_predictions({**h[v], "rows": used, "key": "original"}) for v in VARIANTS}
         measured, predicted, se = (np.array(c, dtype=float) for c in zip(*term)) if term else (np.array([]),) * 3
         out[family] = {"originals": len(originals), "rows": len(used), "noise_mae": scores["plan + job"].get("noise_mae", math.nan),

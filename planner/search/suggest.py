@@ -336,9 +336,10 @@ class Suggester:
         self.experts = sorted({k for k in self.arch.legal_expert_counts() if k & (k - 1) == 0 and k >= floor} | {e})
         self.methods = self._methods()
         # the job dimensions the fidelity data let the reproduction shrink, and the jobs that gives
-        self.job_support = self.estimator.job_support(self.features(self.experts[0], self.methods[0]), self.recipe)
-        self.job_joint = self.estimator.job_joint(self.features(self.experts[0], self.methods[0]), self.recipe)
-        self.job_holdout = self.estimator.job_holdout(self.features(self.experts[0], self.methods[0]), self.recipe)
+        row = self.features(self.experts[0], self.methods[0])
+        self.job_support = self.estimator.job_support(row, self.recipe)
+        self.job_joint = self.estimator.job_joint(row, self.recipe)
+        self.job_holdout = self.estimator.job_holdout(row, self.recipe)
         self.scales = job_scales(request.job, request.job_bounds, self.job_support, self.job_joint)
         self._onsets: dict[int, Onset] = {}
         self._costs: dict[tuple, CostResult] = {}

@@ -119,6 +119,61 @@ def test_onset_ratios_are_quantiles_of_the_calibration_curves():
     assert _onsets(rows, "fp16-overflow") == {}
 
 
+def test_a_smaller_jobs_onset_factor_is_measured_against_the_same_model_at_the_production_job():
+    """Planted job-grid curves: each proxy's onset at half the prompts over its own onset at the job
+    grid's production job (the original's own row: over its production curve); a curve that never
+    faults opens the range; a proxy with no production-job onset has no factor; a second shrunk
+    dimension multiplies its own factor in, and one never measured leaves the onset unknown."""
+    from planner.fidelity.jobs import _job_onsets, job_onset
+
+    base = {"recipe": "router-collapse", "family": "F", "job_grid": "g", "original": "F-s0", "method": "agglomerative",
+            "onset_original": 10.0, "kept_fraction": 0.25}  # fmt: skip
+    rows = [{**base, "model": f"p{i}", "onset_proxy": 4.0 * i} for i in range(1, 5)]  # production job: 4, 8, 12, 16
+    rows += [{**base, "model": f"p{i}", "onset_proxy": 6.0 * i, "job_prompts_share": 0.5} for i in range(1, 5)]  # x1.5 each
+    rows += [{**base, "model": "original", "method": "original", "onset_proxy": 20.0, "job_prompts_share": 0.5}]  # x2 against 10
+    rows += [{**base, "model": "p1", "method": "mis-sliced", "onset_proxy": 99.0, "job_prompts_share": 0.5}]  # a control: aside
+    rows += [{**base, "model": "p9", "onset_proxy": 5.0, "job_prompts_share": 0.5}]  # no production-job curve of p9: no factor
+    rows += [{**base, "model": "p1", "onset_proxy": 8.0, "job_length_share": 0.5}]  # x2
+    got = _job_onsets(rows, "router-collapse")["F"]
+    assert [(lv["share"], lv["rows"], lv["never"], lv["median"], lv["high"]) for lv in got["prompts"]] == [(0.5, 5, 0, 1.5, 2.0)]
+    assert got["length"][0]["median"] == 2.0 and "samples" not in got
+    assert _job_onsets(rows, "fp16-overflow") == {}
+    assert job_onset(got, {}) is None  # the production job
+    both = job_onset(got, {"job_prompts_share": 0.5, "job_length_share": 0.5})
+    assert both["ok"] and both["median"] == pytest.approx(3.0) and both["high"] == pytest.approx(4.0) and "multiplied" in both["job"]
+    for unmeasured, words in (({"job_samples_share": 0.5}, "samples per prompt"), ({"job_prompts_share": 0.25}, "0.25 of the production prompts")):
+        unknown = job_onset(got, unmeasured)  # a dimension never measured; a share below every measured one
+        assert not unknown["ok"] and words in unknown["reason"]
+    never = _job_onsets(rows + [{**rows[5], "model": "p2", "onset_proxy": float("nan")}], "router-collapse")["F"]["prompts"][0]
+    assert never["never"] == 1 and math.isinf(never["high"])
+
+
+def test_the_onset_at_a_smaller_job_is_the_production_ratio_times_the_jobs_factor():
+    """The shipped estimator with a planted job-grid factor for the default case's shape: at half the
+    prompts the production job's ratio is multiplied by it, and the basis names both; at a job whose
+    factor was never measured, or one whose curves did not all fault, the onset is not known."""
+    from planner.catalog import load_model_config
+    from planner.fidelity.dataset import plan_row
+
+    est = FidelityEstimator.load(default_estimator_path())
+    row = plan_row(load_model_config("qwen3-30b-a3b")[1], 32, None)
+    production = est.onset(row, "router-collapse")
+    family = production["where"].split(",")[0]
+    level = {"share": 0.5, "rows": 6, "never": 0, "low": 1.2, "median": 1.5, "high": 2.0}
+    est.recipes["router-collapse"]["job_onsets"] = {family: {"prompts": [level], "length": [{**level, "high": math.inf, "never": 1}]}}
+    half = est.onset({**row, **JobScale(2, 1, 1).columns()}, "router-collapse")
+    assert half["ok"] and half["rows"] == production["rows"] + 6
+    assert [half[k] for k in ("low", "median", "high")] == pytest.approx([production[k] * level[k] for k in ("low", "median", "high")])
+    assert f"measured on {family}'s job grid at prompts per step x0.5" in half["job"]
+    assert est.onset(row, "router-collapse")["job"] == "at the production job"
+    basis = onset(40, half, 20).basis
+    assert "at the smaller job, the production job's ratio x the onset factor" in basis
+    for scale, words in ((JobScale(1, 2, 1), "samples per prompt"), (JobScale(1, 1, 2), "never showed the fault")):
+        unknown = est.onset({**row, **scale.columns()}, "router-collapse")
+        assert not unknown["ok"] and "the onset at this smaller job is not known" in unknown["reason"] and words in unknown["reason"]
+        assert "the proxy's onset is taken as the original's" in onset(40, unknown, 20).basis
+
+
 def test_the_shipped_estimator_says_what_it_measured():
     """Router collapse on the default case's shape: an onset ratio from the family's curves; the static
     recipes measure none; no job dimension has calibration rows, so each is held and says so."""

@@ -33,8 +33,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from planner.errors import SpecError
-from planner.fidelity.jobs import (JOB_DIMENSIONS, JOB_TOLERANCE_LOG2, _job_joint, _job_rows, _job_support, _job_transfer, _token_mixer,
-                                   job_offset)
+from planner.fidelity.jobs import (JOB_DIMENSIONS, JOB_TOLERANCE_LOG2, _job_joint, _job_onsets, _job_rows, _job_support, _job_transfer,
+                                   _token_mixer, job_offset, job_onset)
 from planner.fidelity.model import (FULL_FEATURES, LOCAL_ORIGINALS, ROUTING_FEATURES, SHIFT_FEATURES, SIGNS, ShiftModel, _finite,
                                     baselines, design, features_of, recipe_features, training_rows)  # fmt: skip
 
@@ -224,7 +224,7 @@ class FidelityEstimator:
                                "experts": sorted({int(r["original_experts"]) for r in used}),
                                "originals": sorted({str(r["original"]) for r in used}), "measured_by_k": _measured_by_k(rows, recipe),
                                "every_plan_reproduced": _every_plan_reproduced(rows, recipe),
-                               "onsets": _onsets(rows, recipe), "job": (job := _job_support(every, recipe)), "job_joint": (joint := _job_joint(every, recipe, job)),
+                               "onsets": _onsets(rows, recipe), "job_onsets": _job_onsets(every, recipe), "job": (job := _job_support(every, recipe)), "job_joint": (joint := _job_joint(every, recipe, job)),
                                "job_transfer": _job_transfer(every, recipe, job, joint),
                                "gate": {"skill": False, "reason": "not validated"},
                                "gates": {name: {"skill": False, "reason": "not validated"} for name in families},
@@ -315,7 +315,9 @@ class FidelityEstimator:
 
     def onset(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any]:
         """The proxy/original onset ratio measured on the calibration curves of `row`'s family at the
-        nearest calibrated K/E: {ok, reason, median, low, high, rows, where}."""
+        nearest calibrated K/E: {ok, reason, median, low, high, rows, where, job}. At a smaller job
+        (`row`'s job columns) the ratio is multiplied by the factor the family's job grid measured
+        for that job (`job_onset`); without one the ratio is not known there, and the reason says so."""
         from planner.rl.recipes import RECIPES
 
         entry = self.recipes.get(recipe)
@@ -332,8 +334,17 @@ class FidelityEstimator:
         if not math.isfinite(m["high"]):
             return {"ok": False, "reason": f"{m['never']} of {m['rows']} proxies' calibration curves ({where}) never showed the fault: the onset has "
                                            "no upper bound"}  # fmt: skip
-        return {"ok": True, "reason": f"measured on {m['rows']} calibration curves ({where})", "where": where,
-                **{k: m[k] for k in ("median", "low", "high", "rows")}}  # fmt: skip
+        out = {"ok": True, "reason": f"measured on {m['rows']} calibration curves ({where})", "where": where, "job": "at the production job",
+               **{k: m[k] for k in ("median", "low", "high", "rows")}}  # fmt: skip
+        factor = job_onset(((entry.get("job_onsets") or {}).get(family) or {}), row)
+        if factor is None:
+            return out
+        if not factor["ok"] or not math.isfinite(factor["high"]):
+            why = factor.get("reason") or f"some of the job grid's curves ({factor['job']}) never showed the fault: the onset has no upper bound"
+            return {"ok": False, "reason": f"the onset at this smaller job is not known: {why}"}
+        return {**out, **{k: out[k] * factor[k] for k in ("median", "low", "high")}, "rows": out["rows"] + factor["rows"],
+                "job": f"at the smaller job, the production job's ratio x the onset factor measured on {family}'s job grid at {factor['job']}: "
+                       f"{factor['median']:.2f} [{factor['low']:.2f}, {factor['high']:.2f}]"}  # fmt: skip
 
     def job_support(self, row: Mapping[str, Any], recipe: str) -> dict[str, dict[str, Any]]:
         """Per job dimension (prompts, samples, length): may the reproduction shrink it for this fault

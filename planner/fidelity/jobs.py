@@ -4,9 +4,10 @@ A job grid (planner.fidelity.grid: a grid with `jobs`) measures its models at th
 at smaller ones; its rows carry `job_grid` and the job's shares (planner.fidelity.dataset). From them,
 per recipe: the extra shift of each smaller-job row against the same model at its own grid's
 production job (`_job_rows`); per family and dimension, the shares down to which the label is kept
-(`_job_support`) and the shift a job adds (`job_offset`); the jobs measured shrunk in several
-dimensions against the summed single-dimension shifts (`_job_joint`); and what a family that no job
-grid measured may borrow from those that were (`_job_transfer`). planner.fidelity.estimator fits and
+(`_job_support`) and the shift a job adds (`job_offset`); the factor a smaller job puts on the
+fault's onset step (`_job_onsets`, `job_onset`); the jobs measured shrunk in several dimensions
+against the summed single-dimension shifts (`_job_joint`); and what a family that no job grid
+measured may borrow from those that were (`_job_transfer`). planner.fidelity.estimator fits and
 applies them, planner.fidelity.job_validate scores them on held-out originals; this module imports
 neither.
 """
@@ -20,7 +21,7 @@ import numpy as np
 from planner.errors import SpecError
 from planner.fidelity.model import _finite
 
-__all__ = ["JOB_DIMENSIONS", "JOB_TOLERANCE_LOG2", "job_offset"]
+__all__ = ["JOB_DIMENSIONS", "JOB_TOLERANCE_LOG2", "job_offset", "job_onset"]
 
 # the job dimensions a reproduction may shrink, in words (their dataset columns: planner.fidelity.dataset.JOB_COLUMNS)
 JOB_DIMENSIONS = {"prompts": "prompts per step", "samples": "samples per prompt", "length": "response length cap"}
@@ -126,6 +127,62 @@ def job_offset(support: Mapping[str, Mapping], row: Mapping[str, Any], *, every_
         offset += level["delta_mean"]
         width += max(level["delta_mean"] - lo, hi - level["delta_mean"])
     return offset, width
+
+
+def _job_onsets(rows: list[dict], recipe: str) -> dict[str, dict[str, list[dict]]]:
+    """Per family and job dimension, at each share measured with that dimension alone shrunk: the
+    job's effect on the fault's onset, as the onset step of a model's curve at the smaller job over
+    the same model's at its job grid's production job (the original's own row: over its curve at the
+    production job), median and 10-90% range over models and originals; a curve at the smaller job
+    that showed no fault counts as never (the range is then open). Rows whose production-job curve
+    showed no fault have no ratio. Negative controls aside."""
+    from planner.fidelity.dataset import JOB_COLUMNS, JOB_GRID, job_share
+    from planner.plan import CONTROL_METHODS
+
+    used = [r for r in rows if r.get(JOB_GRID) and r.get("recipe") == recipe and r.get("method") not in CONTROL_METHODS
+            and _finite(r.get("onset_original")) and float(r["onset_original"]) > 0]  # fmt: skip
+    production = {(r[JOB_GRID], str(r["original"]), str(r["model"])): r.get("onset_proxy") for r in used
+                  if all(job_share(r, c) == 1.0 for c in JOB_COLUMNS.values())}  # fmt: skip
+
+    def ratio(r: dict) -> float | None:
+        base = r["onset_original"] if r["model"] == "original" else production.get((r[JOB_GRID], str(r["original"]), str(r["model"])))
+        if not _finite(base) or float(base) <= 0:
+            return None
+        return float(r["onset_proxy"]) / float(base) if _finite(r.get("onset_proxy")) else float("inf")
+
+    out: dict[str, dict[str, list[dict]]] = {}
+    for dim, column in JOB_COLUMNS.items():
+        alone = [r for r in used if job_share(r, column) < 1.0 and all(job_share(r, c) == 1.0 for c in JOB_COLUMNS.values() if c != column)]
+        for family, share in sorted({(str(r["family"]), job_share(r, column)) for r in alone}, key=lambda fs: (fs[0], -fs[1])):
+            ratios = np.array([v for r in alone if str(r["family"]) == family and job_share(r, column) == share if (v := ratio(r)) is not None])
+            if not len(ratios):
+                continue
+            low, median, high = (float(v) for v in np.quantile(ratios, [0.1, 0.5, 0.9], method="inverted_cdf"))
+            out.setdefault(family, {}).setdefault(dim, []).append({"share": share, "rows": len(ratios), "never": int(np.isinf(ratios).sum()),
+                                                                  "low": low, "median": median, "high": high})  # fmt: skip
+    return out
+
+
+def job_onset(measured: Mapping[str, list[dict]], row: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The onset factor of `row`'s job from a family's `_job_onsets`: None at the production job;
+    per shrunk dimension the level measured at the nearest share at or below the row's (more
+    shrinkage: the safer bound), several dimensions combined as the product of their factors (each
+    measured alone); {ok: False, reason} where a shrunk dimension has no measured onset."""
+    from planner.fidelity.dataset import JOB_COLUMNS, job_share
+
+    shrunk = {dim: share for dim, column in JOB_COLUMNS.items() if (share := job_share(dict(row), column)) < 1.0}
+    if not shrunk:
+        return None
+    parts, words = [], []
+    for dim, share in shrunk.items():
+        below = [lv for lv in measured.get(dim) or [] if lv["share"] <= share + 1e-12]
+        if not below:
+            return {"ok": False, "reason": f"no calibration curve measured the onset at {share:g} of the production {JOB_DIMENSIONS[dim]} or below"}
+        parts.append(level := max(below, key=lambda lv: lv["share"]))
+        words.append(f"{JOB_DIMENSIONS[dim]} x{level['share']:g} ({level['rows']} curves)")
+    low, median, high = (float(np.prod([lv[k] for lv in parts])) for k in ("low", "median", "high"))
+    text = ", ".join(words) + (": each dimension measured alone, their factors multiplied" if len(parts) > 1 else "")
+    return {"ok": True, "low": low, "median": median, "high": high, "rows": sum(lv["rows"] for lv in parts), "job": text}
 
 
 def _job_joint(rows: list[dict], recipe: str, support: Mapping[str, Mapping[str, dict]]) -> dict[str, list[dict]]:

@@ -218,7 +218,7 @@ def onset(fault_step: int | None, ratio: dict[str, Any] | None, default_steps: i
                      f"the proxy's onset is taken as the original's: {why}")  # fmt: skip
     lo, mid, hi = (fault_step * ratio[k] for k in ("low", "median", "high"))
     basis = (f"the original's step {fault_step} x the proxy/original onset ratio {ratio['median']:.2f} [{ratio['low']:.2f}, "
-             f"{ratio['high']:.2f}] measured on {ratio['rows']} calibration curves ({ratio['where']}; at the production job)")  # fmt: skip
+             f"{ratio['high']:.2f}] measured on {ratio['rows']} calibration curves ({ratio['where']}; {ratio.get('job', 'at the production job')})")  # fmt: skip
     return Onset(fault_step, mid, (lo, hi), run_steps(max(hi, 1.0)), own, basis)
 
 

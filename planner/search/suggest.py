@@ -341,7 +341,7 @@ class Suggester:
         self.job_joint = self.estimator.job_joint(row, self.recipe)
         self.job_holdout = self.estimator.job_holdout(row, self.recipe)
         self.scales = job_scales(request.job, request.job_bounds, self.job_support, self.job_joint)
-        self._onsets: dict[int, Onset] = {}
+        self._onsets: dict[tuple[int, str], Onset] = {}
         self._costs: dict[tuple, CostResult] = {}
         self._fidelity: dict[tuple, dict] = {}
         self._minimum: dict[int, CostResult | None] = {}
@@ -448,19 +448,22 @@ class Suggester:
                 self._fidelity[key] = block
         return self._fidelity[key]
 
-    def onset(self, experts: int) -> Onset:
-        """When the fault shows on the proxy with K experts, and the steps its reproduction runs: from
-        the original's fault step (--fault-step) and the onset ratio the calibration measured."""
-        if experts not in self._onsets:
+    def onset(self, experts: int, scale: str = JobScale().key) -> Onset:
+        """When the fault shows on the proxy with K experts at a reproduction job, and the steps its
+        reproduction runs: from the original's fault step (--fault-step) and the onset ratio the
+        calibration measured (at a smaller job, times the factor its job grid measured)."""
+        key = (experts, scale)
+        if key not in self._onsets:
             req, original = self.request, experts == self.arch.original_num_experts
-            ratio = None if original else self.estimator.onset(self.features(experts, self.methods[0]), self.recipe)
+            row = {**self.features(experts, self.methods[0]), **JobScale.from_key(scale).columns()}
+            ratio = None if original else self.estimator.onset(row, self.recipe)
             found = onset(req.fault_step, ratio, req.steps or DEFAULT_STEPS, original=original)
             if req.steps is not None and req.fault_step is not None:  # the user's run length stands
                 short = (f", which ends before the predicted onset's upper end (step {found.interval[1]:.0f})"
                          if found.interval and req.steps < math.ceil(found.interval[1]) else "")  # fmt: skip
                 found = replace(found, steps=req.steps, original_steps=req.steps, basis=found.basis + f"; run for --steps {req.steps} as given{short}")
-            self._onsets[experts] = found
-        return self._onsets[experts]
+            self._onsets[key] = found
+        return self._onsets[key]
 
     def features(self, experts: int, method: str) -> dict[str, float]:
         from planner.fidelity.dataset import plan_row
@@ -469,7 +472,7 @@ class Suggester:
 
     def option(self, experts: int, method: str, devices: int, recompute: str, offload: str, scale: str = JobScale().key) -> Option:
         cost = self.cost(experts, devices, recompute, offload, scale)
-        when = self.onset(experts)
+        when = self.onset(experts, scale)
         within, note = True, ""
         if self.budget.max_devices is not None and devices > self.budget.max_devices:
             within, note = False, f"{devices} > {self.budget.max_devices} {self.accel.device_unit}s"

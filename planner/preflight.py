@@ -406,7 +406,9 @@ def check_reproduction(c: _Context) -> Check:
     describe = f"{job.prompts_per_step} x {job.samples_per_prompt}, response <= {job.response_tokens.max}"
     proxy = plan.experts != plan.original_experts
     if proxy:
-        support = FidelityEstimator.load(default_estimator_path()).job_support(plan_row(c.config[1], plan.experts, None), FAULTS[c.data["fault"]["type"]])
+        translated = bool(((dep.get("predicted") or {}).get("fidelity") or {}).get("job_translation"))  # the plan moved the knob with the job
+        support = FidelityEstimator.load(default_estimator_path()).job_support(plan_row(c.config[1], plan.experts, None), FAULTS[c.data["fault"]["type"]],
+                                                                               translate=translated)  # fmt: skip
         short = [f"{dim} at {share:g} of the production value ({support[dim]['reason']})" for dim, share in mine.items()
                  if share < 1 - 1e-12 and not (support[dim].get("ok") and share >= support[dim]["min_share"] - 1e-12)]  # fmt: skip
         if short:

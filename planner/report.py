@@ -245,7 +245,7 @@ def _markdown(r: Report) -> str:
     lines.append(json.dumps({"model": req.model, "hardware": req.hardware, "budget": req.budget, "fault": req.fault, "job": req.job.to_dict(),
                              "min_fidelity": req.min_fidelity, "trials": req.trials, "seed": req.seed, "steps": req.steps,
                              "fault_step": req.fault_step, "job_bounds": {"batch": req.job_bounds.batch, "length": req.job_bounds.length},
-                             "calibration_files": calibration_files(), "versions": _versions()}, indent=1))  # fmt: skip
+                             "translate_knob": req.translate_knob, "calibration_files": calibration_files(), "versions": _versions()}, indent=1))  # fmt: skip
     lines += ["```", ""]
     rows_of: dict[str, list[str]] = {}  # each note with the rows of the cost table it describes
     for name, c in r.costs.items():

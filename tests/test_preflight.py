@@ -283,7 +283,8 @@ def test_the_reproduction_check_reads_the_plans_job_and_onset(tmp_path):
     """A plan made with the original's fault step: its own job and enough steps pass; the production job
     where the plan shrank nothing is the plan's; too few steps or more than twice the needed warn."""
     plan_path = tmp_path / "plan.yaml"
-    assert run_cli("suggest", "--budget", "8npu", "--fault", "router-collapse", "--fault-step", "40", "-o", plan_path).exit_code == 0
+    assert run_cli("suggest", "--budget", "8npu", "--fault", "router-collapse", "--fault-step", "40", "--job-bounds", "batch=1,length=1",
+                   "-o", plan_path).exit_code == 0  # fmt: skip
     plan = yaml.safe_load(plan_path.read_text())
     onset = plan["deployment"]["predicted"]["onset"]
     assert plan["deployment"]["production_job"]["prompts_per_step"] == 512 and onset["original_step"] == 40
@@ -321,3 +322,24 @@ def test_a_request_larger_than_the_plans_reproduction_job_warns(tmp_path):
         assert checks["reproduction"]["status"] == status and words in checks["reproduction"]["reason"], checks["reproduction"]
         # the failing run's 3072-token cap is the production job's: a shorter reproduction job is the reproduction check's to judge
         assert checks["fault factors"]["status"] != "FAIL" and result.exit_code == (1 if status == "FAIL" else 0), checks
+
+
+def test_a_plan_made_with_translate_knob_keeps_its_smaller_job(tmp_path):
+    """fp16 overflow moves with the batch's tokens, so its prompts and length are held at production
+    unless --translate-knob: a plan made with it carries the knob translation, and the reproduction
+    check accepts its smaller job where a plan without it would fail."""
+    job = tmp_path / "fp16.yaml"
+    job.write_text("precision: fp16\n")
+    plan_path = tmp_path / "plan.yaml"
+    assert run_cli("suggest", "--budget", "8npu", "--fault", "grad-overflow", "--job", job, "--translate-knob", "-o", plan_path).exit_code == 0
+    plan = yaml.safe_load(plan_path.read_text())
+    dep = plan["deployment"]
+    assert dep["job"]["prompts_per_step"] < 512 or dep["job"]["response_tokens"]["max"] < 3072
+    assert dep["predicted"]["fidelity"]["job_translation"]["log2"] < 0
+    fault = {"type": "grad-overflow", "settings": {**GOOD_SETTINGS, "precision": "fp16"}}
+    request = base_request(fault=fault, job={k: dep["job"][k] for k in ("precision", "prompts_per_step", "samples_per_prompt", "response_tokens")})
+    _, checks = verdict(write(tmp_path, request, plan))
+    assert checks["reproduction"]["status"] == "PASS" and "is the plan's reproduction job" in checks["reproduction"]["reason"], checks["reproduction"]
+    del dep["predicted"]["fidelity"]["job_translation"]  # the same job without the translation: smaller than the data support
+    _, checks = verdict(write(tmp_path, request, plan))
+    assert checks["reproduction"]["status"] == "FAIL" and "smaller than the fidelity data support" in checks["reproduction"]["reason"], checks

@@ -505,3 +505,47 @@ def test_the_shipped_fit_lends_deepseek_v3_the_job_support_both_measured_familie
     # a hybrid backbone (Mamba-2 mixers) borrows nothing from attention-only families
     hybrid = estimator.job_support(plan_row(load_model_config("nemotron-3-nano-30b-a3b")[1], 32, None), "rollout-mismatch")
     assert not any(v["ok"] for v in hybrid.values()) and all("its token mixer (mamba2) differs" in v["reason"] for v in hybrid.values())
+
+
+def test_translate_knob_shrinks_a_dimension_that_moves_the_fault_by_a_validated_amount(tmp_path):
+    """fp16 overflow on the default case's shape moves by about half a log2 unit per halving of the
+    prompts (beyond the tolerance, so held at production), and its job term is validated on held-out
+    originals: with --translate-knob the prompts shrink, the shift at the original's knob moves by the
+    measured level, P is the proxy's at the translated knob (the production job's), and the output
+    states the move. A job term whose held-out difference crosses 0 translates nothing."""
+    from planner.catalog import load_model_config
+    from planner.fidelity.dataset import plan_row
+
+    est = FidelityEstimator.load(default_estimator_path())
+    row = plan_row(load_model_config("qwen3-30b-a3b")[1], 32, None)
+    levels = est.job_support(row, "fp16-overflow")["prompts"]["levels"]
+    assert not est.job_support(row, "fp16-overflow")["prompts"]["ok"]  # it moves the label: held without translation
+    moved = est.job_support(row, "fp16-overflow", translate=True)["prompts"]
+    assert moved["ok"] and moved["translated"] and moved["min_share"] == min(lv["share"] for lv in levels) and "plan + job beats" in moved["reason"]
+    production = est.predict(row, "fp16-overflow")
+    quarter = {**row, **JobScale(4, 1, 1).columns()}
+    held = est.predict(quarter, "fp16-overflow")  # not translated: the dimension is unsupported, nothing moves
+    assert "job_translation" not in held and held["shift_log2"] == pytest.approx(production["shift_log2"])
+    level = next(lv for lv in levels if lv["share"] == 0.25)
+    got = est.predict(quarter, "fp16-overflow", translate=True)
+    assert got["job_translation"]["log2"] == pytest.approx(level["delta_mean"]) and "run the proxy at X" in got["job_translation"]["text"]
+    assert got["shift_log2"] == pytest.approx(production["shift_log2"] + level["delta_mean"])
+    assert got["p_reproduced"] == pytest.approx(production["p_reproduced"])  # at the translated knob the proxy sees the production job's shift
+    low, high = level["delta_interval"]
+    widened = max(level["delta_mean"] - low, high - level["delta_mean"])
+    assert got["shift_interval"][1] - got["shift_interval"][0] == pytest.approx(production["shift_interval"][1] - production["shift_interval"][0] + 2 * widened)
+    est.recipes["fp16-overflow"]["job_holdout"]["qwen3_moe-e128"]["difference"] = [-0.2, -0.5, 0.1]  # not validated
+    assert not est.job_support(row, "fp16-overflow", translate=True)["prompts"]["ok"]
+
+    job = tmp_path / "fp16.yaml"
+    job.write_text("precision: fp16\n")
+    out = run_cli("suggest", "--budget", "8npu", "--fault", "grad-overflow", "--job", job, "--translate-knob", "--json")
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["job_search"]["dimensions"]["prompts"]["translated"] and "--translate-knob: prompts per step" in data["job_search"]["text"]
+    assert any(j["divisors"]["prompts"] == 4 for j in data["job_search"]["jobs"])
+    for plan in data["plans"]:
+        shrunk = plan["job"]["divisors"]["prompts"] > 1 or plan["job"]["divisors"]["length"] > 1
+        assert ("job_translation" in plan["fidelity"]) == shrunk
+    plain = json.loads(run_cli("suggest", "--budget", "8npu", "--fault", "grad-overflow", "--job", job, "--json").stdout)
+    assert all(j["divisors"]["prompts"] == 1 and j["divisors"]["length"] == 1 for j in plain["job_search"]["jobs"])

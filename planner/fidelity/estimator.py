@@ -346,11 +346,14 @@ class FidelityEstimator:
                 "job": f"at the smaller job, the production job's ratio x the onset factor measured on {family}'s job grid at {factor['job']}: "
                        f"{factor['median']:.2f} [{factor['low']:.2f}, {factor['high']:.2f}]"}  # fmt: skip
 
-    def job_support(self, row: Mapping[str, Any], recipe: str) -> dict[str, dict[str, Any]]:
+    def job_support(self, row: Mapping[str, Any], recipe: str, *, translate: bool = False) -> dict[str, dict[str, Any]]:
         """Per job dimension (prompts, samples, length): may the reproduction shrink it for this fault
         on `row`'s family ({ok, min_share, rows, reason})? Only where the family's calibration data
         measured the fault at a smaller job and the estimator validated it; else it is held at the
-        production value, and the reason says why."""
+        production value, and the reason says why. With `translate`, a dimension that moves the label
+        by more than the tolerance is shrunk too, down to its smallest share measured on 2 originals
+        or more, where the family's job term is validated (`_translatable`): the proxy then runs at the
+        knob moved by the measured extra shift ({translated: True})."""
         entry = self.recipes.get(recipe)
         family = self.family(row, recipe) if entry is not None else None
         measured = ((entry or {}).get("job") or {}).get(family) or {}
@@ -389,7 +392,30 @@ class FidelityEstimator:
             else:
                 m["reason"] = f"{what}: no calibration rows {where} measured {recipe} at a smaller value"
             out[dim] = m
+        validated = self._translatable(family, recipe) if translate and transfer is None and not other else None
+        for dim, m in out.items():
+            levels = [lv for lv in m.get("levels") or [] if lv["originals"] >= 2]
+            if validated and not m.get("ok") and levels:
+                low = min(levels, key=lambda lv: lv["share"])
+                moves = ", ".join(f"{lv['delta_mean']:+.2f} at {lv['share']:g}" for lv in levels)
+                out[dim] = {**m, "ok": True, "translated": True, "min_share": low["share"], "levels": [{**lv, "ok": True} for lv in levels],
+                            "reason": f"{JOB_DIMENSIONS[dim]}: the label moves by {moves} log2 on the calibration data {where}, beyond "
+                                      f"+-{JOB_TOLERANCE_LOG2}; shrunk with the knob translated by that move ({validated})"}  # fmt: skip
         return out
+
+    def _translatable(self, family: str | None, recipe: str) -> str | None:
+        """Why the job term of `family` may translate the knob (its held-out job validation: plan + job
+        beats the production job on held-out originals, the difference's interval below 0), or None."""
+        found = ((self.recipes.get(recipe) or {}).get("job_holdout") or {}).get(family) if family else None
+        if not found or "difference" not in found:
+            return None
+        mean, low, high = found["difference"]
+        if not high < 0:
+            return None
+        term = found.get("job_term") or {}
+        return (f"held out one original at a time over {found['originals']}, plan + job beats the production job by {mean:+.2f} log2 "
+                f"[{low:+.2f}, {high:+.2f}]" + (f"; the job term alone errs by {term['mae']:.2f} log2 against {term['mae_zero']:.2f} for none"
+                                               if term.get("mae") is not None else ""))  # fmt: skip
 
     def _job_transfer(self, family: str | None, recipe: str) -> dict[str, Any] | None:
         """The borrowed job support (`_job_transfer`) for a calibrated family that no job grid
@@ -420,10 +446,13 @@ class FidelityEstimator:
             return list(transfer["joint"])
         return list(((entry or {}).get("job_joint") or {}).get(family) or [])
 
-    def predict(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any]:
+    def predict(self, row: Mapping[str, Any], recipe: str, *, translate: bool = False) -> dict[str, Any]:
         """The `fidelity` block of one plan: {status, reason, p_reproduced, interval, shift_log2,
         shift_interval, measured_by_k}. P and the shift are numbers only when calibrated; with no
-        skill the measured shift at the nearest calibrated K/E stands in for the prediction."""
+        skill the measured shift at the nearest calibrated K/E stands in for the prediction. With
+        `translate`, the extra shift of job dimensions shrunk beyond the tolerance (`job_support`) is
+        a knob translation ({job_translation}): P is that of the proxy run at the translated knob,
+        the shift stays the one at the original's knob."""
         status, reason, variant = self.status(row, recipe)
         out: dict[str, Any] = {"status": status, "reason": reason, "recipe": recipe, "p_reproduced": None, "interval": None,
                                "shift_log2": None, "shift_interval": None, "tolerance_log2": self.tolerance}  # fmt: skip
@@ -436,13 +465,18 @@ class FidelityEstimator:
             p, low, high = model.p_within(x, self.tolerance)
             shift_low, shift_high = model.predict_interval(x)
             scale = self.scale(row, recipe)
-            shift, wj = job_offset(self.job_support(row, recipe), row)  # a smaller job: its measured extra shift and spread
-            if shift or wj:
-                p, low, high = model.p_within(x, self.tolerance, offset=shift)
+            support = self.job_support(row, recipe, translate=translate)
+            shift, wj = job_offset(support, row)  # a smaller job: its measured extra shift and spread
+            moved_by = job_offset({d: e for d, e in support.items() if e.get("translated")}, row)[0]  # what the knob translation absorbs
+            if moved_by:
+                out["job_translation"] = self._job_translation(recipe, moved_by)
+            at = shift - moved_by  # the shift the proxy sees at the knob it runs at
+            if at or wj:
+                p, low, high = model.p_within(x, self.tolerance, offset=at)
                 out["job_shift_log2"] = [shift - wj, shift + wj]
             w = (scale.get("halfwidth") or 0.0) + wj
             if w:  # the label may move by up to w at the target's scale and job: P over that move (it peaks inside it, not at an end)
-                moved = np.array([model.p_within(x, self.tolerance, offset=o)[0] for o in np.linspace(shift - w, shift + w, 9)])
+                moved = np.array([model.p_within(x, self.tolerance, offset=o)[0] for o in np.linspace(at - w, at + w, 9)])
                 low, high = np.minimum(low, moved.min(0)), np.maximum(high, moved.max(0))
             out.update(p_reproduced=float(p[0]), interval=[float(low[0]), float(high[0])], shift_log2=float(model.predict(x)[0]) + shift,
                        shift_interval=[float(shift_low[0]) + shift - w, float(shift_high[0]) + shift + w])  # fmt: skip
@@ -466,6 +500,18 @@ class FidelityEstimator:
         if translation:
             out["knob_translation"] = translation
         return out
+
+    @staticmethod
+    def _job_translation(recipe: str, moved_by: float) -> dict[str, Any]:
+        """The knob move a translated smaller job asks for, in log2 units and the knob's own."""
+        from planner.fidelity.labels import knob_scale
+        from planner.rl.recipes import RECIPES
+
+        knob = RECIPES[recipe].knob if recipe in RECIPES else "the knob"
+        value = moved_by / knob_scale(recipe)
+        return {"log2": moved_by, "knob": value,
+                "text": f"the job grid measured the fault moving by {moved_by:+.2f} log2 at this job: where the original fails at {knob} = X, "
+                        f"run the proxy at X {value:+.2f} (P is the proxy's there; the plan's own shift comes on top)"}  # fmt: skip
 
     def to_json(self) -> dict:
         recipes = {}

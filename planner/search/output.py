@@ -118,6 +118,8 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
                 lines.append("  rests on " + family_text(f["family"]))
             if f["status"] != "calibrated":
                 lines.append("  no calibrated P: ranked by cost among plans that pass the hard rules (see `planner calibrate report`)")
+        if f.get("job_translation"):
+            lines.append("knob at this job: " + f["job_translation"]["text"])
         if f.get("knob_translation"):
             lines.append("knob: " + f["knob_translation"]["text"])
         lines.extend(reproduction_lines(s, best))
@@ -164,6 +166,9 @@ def job_search_text(s: Suggestion) -> str:
         text += "; " + joint_text(s.job_joint)
     if free and len(s.job_scales) > 1 and s.job_holdout and "variants" in s.job_holdout:
         text += "; " + holdout_text(s.job_holdout)
+    moved = [v["reason"] for v in s.job_support.values() if v.get("ok") and v.get("translated")]
+    if moved and len(s.job_scales) > 1:
+        text += "; --translate-knob: " + "; ".join(moved)
     borrowed = next((v["transferred"] for v in s.job_support.values() if v.get("ok") and v.get("transferred")), None)
     if borrowed and len(s.job_scales) > 1:
         text += "; " + borrowed

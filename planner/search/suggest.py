@@ -97,6 +97,7 @@ class Request:
     steps: int | None = None  # steps of the reproduction; None: past the predicted onset (with fault_step), else DEFAULT_STEPS
     fault_step: int | None = None  # the step at which the original showed the fault (its own run, e.g. `planner detect`)
     job_bounds: JobBounds = field(default_factory=JobBounds)  # how far the reproduction's job may shrink
+    translate_knob: bool = False  # shrink job dimensions that move the fault too, with the knob translated by the measured move
     max_devices: int = 4096  # search bound for hours budgets
     min_k_ratio: float = 4.0  # K/top_k at least this: near-dense routing loses mismatch fragility (docs/proxy-rules.md)
     memory_margin: float = DEFAULT_MEMORY_MARGIN  # keep this share of usable device memory free (as `planner preflight` checks)
@@ -111,7 +112,8 @@ class Request:
         stats_id = (self.stats or {}).get("checkpoint", {}).get("fingerprint")
         files = [hashlib.sha256(Path(p).read_bytes()).hexdigest() if Path(p).is_file() else None for p in calibration_files().values()]
         text = json.dumps([self.model, self.hardware, repr(self.job), self.budget, self.fault, stats_id, self.min_fidelity, self.steps,
-                           self.max_devices, self.min_k_ratio, self.memory_margin, files, self.fault_step, repr(self.job_bounds)],
+                           self.max_devices, self.min_k_ratio, self.memory_margin, files, self.fault_step, repr(self.job_bounds),
+                           self.translate_knob],
                           sort_keys=True)  # fmt: skip
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -337,7 +339,7 @@ class Suggester:
         self.methods = self._methods()
         # the job dimensions the fidelity data let the reproduction shrink, and the jobs that gives
         row = self.features(self.experts[0], self.methods[0])
-        self.job_support = self.estimator.job_support(row, self.recipe)
+        self.job_support = self.estimator.job_support(row, self.recipe, translate=request.translate_knob)
         self.job_joint = self.estimator.job_joint(row, self.recipe)
         self.job_holdout = self.estimator.job_holdout(row, self.recipe)
         self.scales = job_scales(request.job, request.job_bounds, self.job_support, self.job_joint)
@@ -440,7 +442,7 @@ class Suggester:
                     self._fidelity[key] = {**self._fidelity[key], "rejected": "the original at a smaller job: its own fidelity there is not predicted"}
             else:
                 row = {**self.features(experts, method), **JobScale.from_key(scale).columns()}
-                block = self.estimator.predict(row, self.recipe)
+                block = self.estimator.predict(row, self.recipe, translate=self.request.translate_knob)
                 dropped = row.get("frequency_dropped_mean")
                 if dropped is not None and math.isfinite(dropped) and dropped > 1 - experts / e + 1e-9:
                     block = {**block, "rejected": f"drops {dropped:.2f} of the routing mass, more than a random plan of K={experts} "

@@ -457,6 +457,10 @@ class FidelityEstimator:
         out: dict[str, Any] = {"status": status, "reason": reason, "recipe": recipe, "p_reproduced": None, "interval": None,
                                "shift_log2": None, "shift_interval": None, "tolerance_log2": self.tolerance}  # fmt: skip
         entry = self.recipes.get(recipe)
+        support = self.job_support(row, recipe, translate=translate) if entry is not None else {}
+        moved_by = job_offset({d: e for d, e in support.items() if e.get("translated")}, row)[0]  # what the knob translation absorbs
+        if moved_by:
+            out["job_translation"] = self._job_translation(recipe, moved_by)
         if status == "calibrated":
             model = self._fitted(row, recipe)["models"][variant]
             out["fitted_on"] = "its family" if self.family(row, recipe) in entry.get("local", {}) else "every family"
@@ -465,11 +469,7 @@ class FidelityEstimator:
             p, low, high = model.p_within(x, self.tolerance)
             shift_low, shift_high = model.predict_interval(x)
             scale = self.scale(row, recipe)
-            support = self.job_support(row, recipe, translate=translate)
             shift, wj = job_offset(support, row)  # a smaller job: its measured extra shift and spread
-            moved_by = job_offset({d: e for d, e in support.items() if e.get("translated")}, row)[0]  # what the knob translation absorbs
-            if moved_by:
-                out["job_translation"] = self._job_translation(recipe, moved_by)
             at = shift - moved_by  # the shift the proxy sees at the knob it runs at
             if at or wj:
                 p, low, high = model.p_within(x, self.tolerance, offset=at)

@@ -176,7 +176,9 @@ def test_the_onset_at_a_smaller_job_is_the_production_ratio_times_the_jobs_facto
 
 def test_the_shipped_estimator_says_what_it_measured():
     """Router collapse on the default case's shape: an onset ratio from the family's curves; the static
-    recipes measure none; no job dimension has calibration rows, so each is held and says so."""
+    recipes measure none; each job dimension the job grid measured at half its production value
+    (grids/jobs-rc-qwen3_moe-e128.yaml) is supported only where the label stayed within the band,
+    and a held one says by how much it moved; the onset at a half carries the measured factor."""
     from planner.catalog import load_model_config
     from planner.fidelity.dataset import plan_row
 
@@ -186,8 +188,17 @@ def test_the_shipped_estimator_says_what_it_measured():
     assert rc["ok"] and 0 <= rc["low"] <= rc["median"] <= rc["high"] < np.inf and rc["where"] == "qwen3_moe-e128, K/E 0.25"
     assert not est.onset(row, "rollout-mismatch")["ok"] and "static recipe" in est.onset(row, "rollout-mismatch")["reason"]
     support = est.job_support(row, "router-collapse")
-    assert set(support) == {"prompts", "samples", "length"} and not any(v["ok"] for v in support.values())
-    assert support["length"]["reason"] == "response length cap: no calibration rows of qwen3_moe-e128 measured router-collapse at a smaller value"
+    assert set(support) == {"prompts", "samples", "length"}
+    for dim, v in support.items():
+        (level,) = v["levels"]  # the halves alone
+        assert level["share"] == 0.5 and level["originals"] == 3
+        lo, hi = level["delta_interval"]
+        assert v["ok"] == (-0.5 < lo and hi < 0.5)
+        if not v["ok"]:
+            assert "at 0.5 of the production value the label moves by" in v["reason"] and f"[{lo:+.2f}, {hi:+.2f}] over 3 originals" in v["reason"]
+    factors = est.recipes["router-collapse"]["job_onsets"]["qwen3_moe-e128"]
+    half = est.onset({**row, **JobScale(2, 1, 1).columns()}, "router-collapse")
+    assert half["ok"] and half["median"] == pytest.approx(rc["median"] * factors["prompts"][0]["median"]) and "job grid" in half["job"]
 
 
 def test_suggest_prices_the_reproduction_to_the_fault():
@@ -432,15 +443,15 @@ def test_the_job_term_is_scored_on_held_out_originals():
 
 def test_the_shipped_fit_scores_the_job_rows_of_two_families_on_held_out_originals():
     """The committed job grids (the default case's shape and the sigmoid-grouped DeepSeek-V3-like
-    one): for both static recipes and both families, the fit carries the held-out scores of the job
-    term, of plan + job and of both baselines, in the lines `planner calibrate report` prints."""
+    one): for every recipe and both families, the fit carries the held-out scores of the job term,
+    of plan + job and of both baselines, in the lines `planner calibrate report` prints."""
     estimator = FidelityEstimator.load(default_estimator_path())
-    for recipe in ("fp16-overflow", "rollout-mismatch"):
+    for recipe, least in (("fp16-overflow", 120), ("rollout-mismatch", 120), ("router-collapse", 30)):  # router collapse: the halves only
         held = estimator.recipes[recipe]["job_holdout"]
         assert {"qwen3_moe-e128", "deepseek_v3"} <= set(held)
         for family in ("qwen3_moe-e128", "deepseek_v3"):
             e = held[family]
-            assert e["originals"] == 3 and e["rows"] >= 120 and set(e["variants"]) == {"plan + job", "production job", "K/E + job"}
+            assert e["originals"] == 3 and e["rows"] >= least and set(e["variants"]) == {"plan + job", "production job", "K/E + job"}
             assert e["job_term"]["rows"] > e["rows"] and math.isfinite(e["job_term"]["mae"]) and len(e["difference"]) == 3
     from planner.fidelity.job_validate import render_job_holdout
 

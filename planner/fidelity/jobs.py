@@ -103,6 +103,13 @@ def _job_support(rows: list[dict], recipe: str) -> dict[str, dict[str, dict]]:
     return out
 
 
+def _level_at(levels: list[Mapping], share: float) -> Mapping | None:
+    """The measured level nearest at or below `share` (more shrinkage is the safer bound); None if
+    every level is above it."""
+    below = [lv for lv in levels if lv["share"] <= share + 1e-12]
+    return max(below, key=lambda lv: lv["share"]) if below else None
+
+
 def job_offset(support: Mapping[str, Mapping], row: Mapping[str, Any], *, every_level: bool = False) -> tuple[float, float]:
     """The measured extra shift of `row`'s job and the half-width it adds to the interval: per
     supported dimension, the nearest measured share at or below the row's (more shrinkage is the
@@ -119,10 +126,9 @@ def job_offset(support: Mapping[str, Mapping], row: Mapping[str, Any], *, every_
             continue
         ok = ([lv for lv in entry["levels"] if lv["originals"] >= 2] if every_level else
               [lv for lv in entry["levels"] if lv["ok"] and lv["share"] >= entry["min_share"] - 1e-12])  # the kept levels only
-        below = [lv for lv in ok if lv["share"] <= float(share) + 1e-12]
         if not ok:
             continue
-        level = max(below, key=lambda lv: lv["share"]) if below else min(ok, key=lambda lv: lv["share"])
+        level = _level_at(ok, float(share)) or min(ok, key=lambda lv: lv["share"])
         lo, hi = level["delta_interval"]
         offset += level["delta_mean"]
         width += max(level["delta_mean"] - lo, hi - level["delta_mean"])
@@ -175,10 +181,9 @@ def job_onset(measured: Mapping[str, list[dict]], row: Mapping[str, Any]) -> dic
         return None
     parts, words = [], []
     for dim, share in shrunk.items():
-        below = [lv for lv in measured.get(dim) or [] if lv["share"] <= share + 1e-12]
-        if not below:
+        if (level := _level_at(measured.get(dim) or [], share)) is None:
             return {"ok": False, "reason": f"no calibration curve measured the onset at {share:g} of the production {JOB_DIMENSIONS[dim]} or below"}
-        parts.append(level := max(below, key=lambda lv: lv["share"]))
+        parts.append(level)
         words.append(f"{JOB_DIMENSIONS[dim]} x{level['share']:g} ({level['rows']} curves)")
     low, median, high = (float(np.prod([lv[k] for lv in parts])) for k in ("low", "median", "high"))
     text = ", ".join(words) + (": each dimension measured alone, their factors multiplied" if len(parts) > 1 else "")

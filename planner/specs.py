@@ -21,6 +21,7 @@ __all__ = ["Job", "TrainLayout", "RolloutLayout", "Offload", "Lengths", "load_jo
 # layernorm); moe (also the whole MoE layer, rebuilt from its input in backward: Megatron's `moe`
 # module; MindSpeed's --moe-zero-memory is the NPU form); full (every layer, from its input)
 RECOMPUTE_MODES = ("none", "selective", "moe", "full")
+WEIGHT_SYNC = ("gather", "packed", "shard")
 DISPATCH_PASSES = ("reference", "old_logprob", "update")  # passes a job's dispatch_s may delay
 
 
@@ -250,9 +251,12 @@ _JOB_DOC = {
     "on the model as loaded, grads and moments in the parameter dtype); sharding follows Megatron's rules for both",
     "rollout_graphs": "the rollout engine replays captured graphs (vLLM CUDA graphs, vllm-ascend graph mode; default "
     "true); false = eager mode (verl's enforce_eager: true), which pays the kernel launches of every layer each decode step",
-    "weight_sync": "gather | shard: how trained weights reach the rollout engine. gather (verl, NeMo RL; default): "
-    "every full tensor is gathered over the training groups and handed to the engine, tensor by tensor; shard "
-    "(cann-recipes' all-to-all-v resharding): each device receives only its rollout shard",
+    "weight_sync": "gather | packed | shard: how trained weights reach the rollout engine. gather: every full tensor "
+    "is gathered over the training groups and handed to the engine tensor by tensor, a fixed cost per tensor (verl "
+    "before 0.7.1, MindSpeed-RL, NeMo RL before 0.4); packed: the same bytes, flattened into large buffers handed over "
+    "one buffer at a time (NeMo RL from 0.4, verl from 0.7.1); shard (cann-recipes' all-to-all-v resharding): each "
+    "device receives only its rollout shard. Default: the path of the release that trainer and trainer_version name "
+    "(planner/trainer_versions.py), else gather",
     "rollout_memory_utilization": "fraction of usable device memory the rollout engine may take (default 0.85)",
     "expert_imbalance": "tokens on the busiest expert-parallel rank over the mean (default: the knobs' value for real routers, 1.2, a prior no published run pins down; 1.0 = forced balance)",
     "reward_s": "fixed time of the reward phase per step in seconds (default 0: rule-based, overlapped)",
@@ -293,7 +297,7 @@ class Job:
     trainer_backend: str = "megatron"
     rollout_memory_utilization: float = 0.85
     rollout_graphs: bool = True
-    weight_sync: str = "gather"
+    weight_sync: str | None = None  # None: the named release's path, else gather (resolved in __post_init__)
     expert_imbalance: float | None = None
     reward_s: float = 0.0
     dispatch_s: tuple[tuple[str, float], ...] = ()  # (pass, seconds) pairs; a mapping in YAML
@@ -313,7 +317,8 @@ class Job:
         _choice(self.recompute, RECOMPUTE_MODES, "recompute")
         _choice(self.optimizer_moments, ("fp32", "bf16"), "optimizer_moments")
         _choice(self.trainer_backend, ("megatron", "transformers"), "trainer_backend")
-        _choice(self.weight_sync, ("gather", "shard"), "weight_sync")
+        if self.weight_sync is not None:
+            _choice(self.weight_sync, WEIGHT_SYNC, "weight_sync")
         _num(self.optimizer_offload_fraction, "optimizer_offload_fraction", 0.0, 1.0)
         if self.optimizer_offload_fraction > 0 and self.optimizer_swap:
             raise SpecError(
@@ -357,6 +362,8 @@ class Job:
                 f"mini_batches = {self.ppo_epochs} * {self.mini_batches} = {updates}; set skip_old_logprob: false"
             )
         self._check_release()
+        if self.weight_sync is None:  # the named release's refit path
+            object.__setattr__(self, "weight_sync", self.release.weight_sync if self.release is not None else "gather")
 
     def _check_release(self) -> None:
         """The passes the job asks for against what its trainer's release can do."""

@@ -1,6 +1,7 @@
-"""What a trainer's release changes in the terms the cost model has: which log-prob passes run, and
-what moves over the host link around them. Pure data and one function; a job names `trainer` and
-`trainer_version`, and `Job` checks its passes against the release here.
+"""What a trainer's release changes in the terms the cost model has: which log-prob passes run, what
+moves over the host link around them, and how the trained weights reach the rollout engine. Pure
+data and one function; a job names `trainer` and `trainer_version`, `Job` checks its passes against
+the release here and takes its weight-sync path from it unless the job sets weight_sync.
 
 Only facts read from the trainers' own code at their release tags are kept (no efficiency knob per
 version: no published run pins one):
@@ -28,6 +29,19 @@ MindSpeed-RL (Ascend/MindSpeed-RL)
   2.0 -        the actor's log-prob pass is skipped by itself when the step is one optimizer step
                (global batch x samples == mini-batch, one epoch; PPO also without a KL reward term:
                grpo_trainer_hybrid.py set_actor_log_prob_skip_flag)
+weight sync (the refit: trained weights handed to the rollout engine each step)
+  verl         - 0.7.0: per tensor: vLLM runs inside the trainer's process and loads a generator that
+               gathers each tensor over the pipeline and TP/EP groups (per_tensor_generator,
+               verl/utils/megatron_utils.py); its one-step-off and fully-async recipes broadcast
+               tensor by tensor between pools (the fully-async checkpoint engine of 0.7.0 packs, as an
+               option). 0.7.1 -: packed: vLLM in a process of its own, weights sent through one
+               shared buffer of update_weights_bucket_megabytes (PR #4280; BucketedWeightSender)
+  NeMo RL      - 0.3: one IPC handle or broadcast per tensor (DTensor; Megatron's colocated path
+               packs by dtype from 0.3, PR #589). 0.4 -: packed on every path: colocated through two
+               alternating buffers over ZMQ (PR #1267, in r0.4.0 as #1409), between pools a packed
+               broadcast (PR #1313, as #1346) overlapped with the parameter gather (PR #1379, as #1418)
+  MindSpeed-RL per tensor: each tensor resharded (TP all-gather, expert P2P) and loaded into the
+               in-process vLLM (vllm_weight_container.py); only the cross-stage step moves whole buffers
 """
 
 from __future__ import annotations
@@ -50,6 +64,7 @@ class Release:
     old_logprob_skip_default: str  # never | on-policy: whether it skips without being asked
     reference_skip: str | None  # how it skips the reference pass, or None: it always runs it
     logprob_optimizer_offload: bool  # the optimizer state goes to the host and back around the log-prob pass
+    weight_sync: str = "gather"  # gather: the refit hands the engine one tensor at a time; packed: large buffers
 
     @property
     def label(self) -> str:
@@ -70,11 +85,12 @@ def release(trainer: str, version: str) -> Release:
     v = _parse(version)
     if trainer == "verl":
         skip = "algorithm.rollout_correction.bypass_mode: true" if v >= (0, 6, 1) else None
-        return Release(trainer, v, skip, "never", "no KL term (use_kl_loss: false, no KL in the reward)", False)
+        return Release(trainer, v, skip, "never", "no KL term (use_kl_loss: false, no KL in the reward)", False,
+                       "packed" if v >= (0, 7, 1) else "gather")
     if trainer == "nemo-rl":
         skip = "loss_fn.force_on_policy_ratio: true" if v >= (0, 7) else None
         ref = "grpo.skip_reference_policy_logprobs_calculation: true" if v >= (0, 6) else None
-        return Release(trainer, v, skip, "never", ref, v < (0, 5))
+        return Release(trainer, v, skip, "never", ref, v < (0, 5), "packed" if v >= (0, 4) else "gather")
     on_policy = v >= (2, 0)
     return Release(trainer, v, "automatic when on-policy" if on_policy else None, "on-policy" if on_policy else "never",
                    "no KL term", False)  # fmt: skip

@@ -74,7 +74,7 @@ def test_out_of_sample_error_as_measured():
     assert summary["runs"] == len(step) == len(RUNS) and summary["runs_within_25"] == len(RUNS) - len(outside), summary
     # the runs outside 25% out of sample are the ones calibration/README.md names and explains
     readme = (Path(__file__).resolve().parents[1] / "calibration" / "README.md").read_text()
-    explained = readme[readme.index("The three outside"):].split("\n\nNot fitted")[0]
+    explained = readme[readme.index("The runs outside"):].split("\n\nNot fitted")[0]
     assert outside == set(re.findall(r"^- `([\w.-]+)` \(x", explained, flags=re.MULTILINE)), (outside, explained)
 
     # What any minimiser guarantees, whatever the data. The full fit minimises sum_j L_j + P over the knobs
@@ -143,8 +143,8 @@ def test_weight_sync_checks_price_the_sync_at_the_named_runs_layouts(tmp_path):
 
 def test_the_sync_check_travels_with_the_knobs_and_qualifies_every_pool_sync_printed(tmp_path):
     """`planner fit-knobs` stores the sync checks with the knobs they were computed with; a job on
-    separate pools then prints its sync with that check beside it, and a knobs file without checks
-    prints none."""
+    separate pools with the path they measured (packed) then prints its sync with that check beside
+    it, and a knobs file without checks prints none."""
     import json
     from dataclasses import replace
 
@@ -158,9 +158,11 @@ def test_the_sync_check_travels_with_the_knobs_and_qualifies_every_pool_sync_pri
         assert {**stored, "predicted_s": now["predicted_s"], "ratio": now["ratio"]} == now
         assert stored["predicted_s"] == pytest.approx(now["predicted_s"], abs=0.02)
     ratios = sorted(r["ratio"] for r in STORED["sync_checks"])
-    job = replace(Job(prompts_per_step=64, samples_per_prompt=16), colocated=False)
+    job = replace(Job(prompts_per_step=64, samples_per_prompt=16, weight_sync="packed"), colocated=False)
     note = evaluate(load_model("qwen3-30b-a3b"), load_accelerator("h20"), job, 32).notes[0]
     assert f"the model's sync is x{ratios[0]:.1f}-{ratios[-1]:.1f} of the 2 NeMo RL measured between pools" in note
+    # the checks measured NeMo RL's packed path: a per-tensor sync is not qualified by them
+    assert "measured between pools" not in evaluate(load_model("qwen3-30b-a3b"), load_accelerator("h20"), replace(job, weight_sync="gather"), 32).notes[0]
     bare = tmp_path / "knobs.json"
     bare.write_text(json.dumps({k: v for k, v in STORED.items() if k != "sync_checks"}))
     with using_knobs_file(bare):

@@ -86,3 +86,40 @@ def test_the_step_follows_the_release(tmp_path):
     new = step("trainer: verl\ntrainer_version: 0.6.1\nskip_old_logprob: true\n")
     assert old["phase_times_s"]["old_logprob"] > 0 and new["phase_times_s"]["old_logprob"] == 0
     assert "verl 0.6.0 runs the old log-prob pass; this release cannot skip it" in old["notes"]
+
+
+@pytest.mark.parametrize(
+    "trainer, version, path",
+    [
+        ("verl", "0.7.0", "gather"),  # vLLM in the trainer's process, loaded tensor by tensor
+        ("verl", "0.7.1", "packed"),  # vLLM in its own process, one shared bucket (PR #4280)
+        ("nemo-rl", "0.3.1", "gather"),
+        ("nemo-rl", "0.4.0", "packed"),  # ZMQ buffers colocated, packed broadcast between pools
+        ("mindspeed-rl", "2.3.0", "gather"),
+    ],
+)
+def test_the_weight_sync_path_follows_the_release_unless_the_job_sets_it(trainer, version, path):
+    assert release(trainer, version).weight_sync == path
+    job = {"trainer": trainer, "trainer_version": version, "skip_old_logprob": False}
+    assert Job.from_dict(job).weight_sync == path
+    assert Job(**{**job, "skip_old_logprob": False}).weight_sync == path  # built directly, the same resolution
+    assert Job.from_dict({**job, "weight_sync": "shard"}).weight_sync == "shard"
+    assert Job.from_dict({"trainer": trainer}).weight_sync == "gather"  # no release named: the per-tensor path
+
+
+def test_packed_sync_is_the_same_bytes_without_the_cost_per_tensor():
+    """DeepSeek-V3 on 512 H100: the packed refit prices the gather's bytes as the per-tensor one
+    does and drops exactly weight tensors x switch_tensor_s, colocated and between pools alike."""
+    from planner.catalog import load_accelerator, load_model
+    from planner.cost.evaluate import evaluate
+    from planner.cost.model import CostModel
+
+    arch, accel = load_model("deepseek-v3"), load_accelerator("h100-sxm")
+    base = {"train_layout": {"tp": 1, "pp": 16, "ep": 16}, "rollout_layout": {"tp": 32, "dp": 1}, "recompute": "full"}
+    for extra in ({}, {"colocated": False, "rollout_devices": 256, "max_staleness": 1}):
+        gather, packed = (evaluate(arch, accel, Job.from_dict({**base, **extra, "weight_sync": w}), 512, memory_margin=0.0) for w in ("gather", "packed"))
+        per_tensor = CostModel(arch, accel, gather.job)
+        saved = per_tensor.weight_tensors * per_tensor.knobs.switch_tensor_s
+        phase = "switch" if not extra else "weight_sync"
+        assert gather.phase_times_s[phase] - packed.phase_times_s[phase] == pytest.approx(saved, rel=1e-9), extra
+        assert saved > 10  # 30k tensors: the term is worth modelling

@@ -320,9 +320,9 @@ class _Evaluator:
                 f"so each batch is trained {p['policy_lag_steps']} step(s) after the weights that generated it" + partial)  # fmt: skip
 
     def _sync_check_text(self) -> str:
-        """What the pool sync was checked against (the knobs file's sync checks), for the gather path
-        the checks measured."""
-        checks = stored_sync_checks() if self.job.weight_sync == "gather" else ()
+        """What the pool sync was checked against (the knobs file's sync checks), for the packed path
+        the checks measured (NeMo RL from 0.4)."""
+        checks = stored_sync_checks() if self.job.weight_sync == "packed" else ()
         if not checks:
             return ""
         ratios = sorted(c["ratio"] for c in checks)
@@ -502,16 +502,17 @@ class _Evaluator:
                 ("switch", "weight sync", sync,
                  f"weight_sync gather: the full model tensor by tensor, {m.weight_tensors:,.0f} tensors x switch_tensor_s {kn.switch_tensor_s:g} "
                  f"+ {sync - m.weight_tensors * kn.switch_tensor_s:,.1f} s of bytes" if job.weight_sync == "gather"
+                 else "weight_sync packed: the full model's bytes in large buffers, no cost per tensor" if job.weight_sync == "packed"
                  else "weight_sync shard: each device receives its rollout shard over the instance's links"),
                 ("switch", "engine sleep and wake", fixed, f"switch_fixed_s {fixed:g}"),
             ]  # fmt: skip
         if phases.get("weight_sync"):
             net = accel.inter_node_bytes_per_s
-            gathered = f(te.switch_gather_s) if job.weight_sync == "gather" else 0.0
+            gathered = f(te.switch_gather_s) if job.weight_sync != "shard" else 0.0
             out += [
-                ("weight_sync", "gather over the training groups", gathered, "as the colocated switch's weight sync (weight_sync gather)"),
+                ("weight_sync", "gather over the training groups", gathered, f"as the colocated switch's weight sync (weight_sync {job.weight_sync})"),
                 ("weight_sync", "sent across the pools", phases["weight_sync"] - gathered,
-                 f"{'the whole bf16 model' if job.weight_sync == 'gather' else 'each rollout device its shard'} over the network "
+                 f"{'the whole bf16 model' if job.weight_sync != 'shard' else 'each rollout device its shard'} over the network "
                  f"({net / 1e9:g} GB/s)"),
             ]  # fmt: skip
         return [{"phase": p, "term": t, "seconds": s, "inputs": i} for p, t, s, i in out]

@@ -73,7 +73,7 @@ class TrainEval:
     reference_bytes: np.ndarray
     kept_bytes: np.ndarray  # training states that stay on the device while rolling out
     switch_host_s: np.ndarray  # the switch's host moves (offload, onload; reference weights)
-    switch_gather_s: np.ndarray  # weight_sync gather: every full tensor over the training groups (0 for shard)
+    switch_gather_s: np.ndarray  # weight_sync gather or packed: every full tensor over the training groups (0 for shard)
     host_bytes_per_node: np.ndarray
     update_s: np.ndarray
     reference_s: np.ndarray
@@ -780,17 +780,21 @@ class CostModel:
         )
 
     def _weight_sync_gather(self, g: _Grid) -> np.ndarray:
-        """weight_sync gather (verl, NeMo RL): every full tensor reaches each device through the
-        slowest group it is gathered over, plus a fixed cost per weight tensor:
-          total params x 2 B / link bandwidth(span) + weight tensors x switch_tensor_s
-        with span = all devices when PP > 1, else max(TP, EP x ETP); 0 for weight_sync shard."""
+        """weight_sync gather and packed: every full tensor reaches each device through the slowest
+        group it is gathered over,
+          total params x 2 B / link bandwidth(span) [+ weight tensors x switch_tensor_s: gather only]
+        with span = all devices when PP > 1, else max(TP, EP x ETP); 0 for weight_sync shard. gather
+        hands the engine one tensor at a time (a fixed cost each: the call, its IPC handle or
+        broadcast, the engine's load); packed one large buffer at a time, whose count is small."""
         kn = self.knobs
         # weight_sync gather: each device receives every full tensor of the model (bf16; its own
         # shard is a small part), through the slowest group it is gathered over; a pipeline
         # broadcast spans the whole job (pipeline stages are Megatron's outermost ranks)
         gather_span = np.where(g.pp > 1, g.devices, np.maximum(g.tp, g.ep * g.etp))
-        gather = self.counts.total * BF16_BYTES / self.accel.link_bytes_per_s(gather_span) + self.weight_tensors * kn.switch_tensor_s
-        return gather if self.job.weight_sync == "gather" else np.zeros(g.n)
+        gather = self.counts.total * BF16_BYTES / self.accel.link_bytes_per_s(gather_span)
+        if self.job.weight_sync == "shard":
+            return np.zeros(g.n)
+        return gather + (self.weight_tensors * kn.switch_tensor_s if self.job.weight_sync == "gather" else 0.0)
 
     def _stage_activation(self, tokens, sums, imbalance, in_flight, is_last, transient=True):
         """Activation bytes a pipeline stage holds at its peak: `in_flight` micro-batches of
@@ -1078,10 +1082,10 @@ class CostModel:
     # ---- switching between phases -----------------------------------------------------------
     def pool_sync_seconds(self, train: TrainEval, ti: int, rollout: RolloutEval, ri: int) -> float:
         """The trained weights sent from the training pool to a rollout pool of its own, per step
-        (colocated: false): for `gather` (verl, NeMo RL) the training side's gather of every full
-        tensor (as in the colocated switch) and the whole bf16 model over the network between the
-        pools; for `shard` each rollout device's shard over the network. No host moves and no
-        engine sleep or wake: each pool keeps its memory."""
+        (colocated: false): for `gather` and `packed` the training side's gather of every full
+        tensor (as in the colocated switch; `gather` with its cost per tensor) and the whole bf16
+        model over the network between the pools; for `shard` each rollout device's shard over the
+        network. No host moves and no engine sleep or wake: each pool keeps its memory."""
         net = self.accel.inter_node_bytes_per_s
         if self.job.weight_sync == "shard":
             return float(rollout.weights_bytes[ri] / net)
@@ -1090,8 +1094,8 @@ class CostModel:
     def switch_seconds(self, train: TrainEval, ti: int, rollout: RolloutEval, ri: int, rollout_instance: int) -> float:
         """Host moves, weight sync and the fixed engine costs (sleep/wake, cache release) of one step.
 
-        The training layout's part (TrainEval.switch_train_s: host moves; `gather`, verl's and NeMo
-        RL's weight sync, the full model tensor by tensor over the training groups) plus, for
+        The training layout's part (TrainEval.switch_train_s: host moves; `gather` and `packed`, verl's
+        and NeMo RL's weight sync, the full model over the training groups) plus, for
         `shard` (cann-recipes' all-to-all-v), each device's rollout shard over the instance's links."""
         shard = 0.0
         if self.job.weight_sync == "shard":

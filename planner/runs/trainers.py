@@ -774,6 +774,10 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
         # NeMo RL's GRPO step computes the policy's log-probs before training, whatever the number of
         # updates (nemo_rl/algorithms/grpo.py: train_data["prev_logprobs"] = policy.get_logprobs(...))
         kw["skip_old_logprob"] = False
+        # the refit: packed buffers on every path from NeMo RL 0.4 (trainer_versions.py); these config keys are 0.4's and later's
+        kw["weight_sync"] = "packed"
+        notes.append("weight_sync packed: NeMo RL hands the refit to vLLM in packed buffers from 0.4 (earlier releases tensor by "
+                     "tensor: set weight_sync: gather)")
         # FP8: Megatron's fp8_cfg for training, vLLM's precision for generation
         if f.get(f"{mega}.fp8_cfg.enabled"):
             kw["precision"] = "fp8"

@@ -80,7 +80,8 @@ def fit_transfer(points: list[dict]) -> dict[str, dict[str, Any]]:
         entry: dict[str, Any] = {"recipe": recipe, "shape": shape, "points": len(at), "hidden": sorted({int(p["hidden"]) for p in at}),
                                  "layers": sorted({int(p["layers"]) for p in at}), "originals": len({p["original"] for p in at})}  # fmt: skip
         if len(at) <= x.shape[1]:
-            entry.update(fitted=False, reason=f"{len(at)} points for {x.shape[1]} coefficients")
+            entry.update(fitted=False, reason=f"{_count(len(at), 'point')} for {_count(x.shape[1], 'coefficient')}: a slope needs "
+                                              "more points than coefficients, at two widths or depths at least")
             out[f"{recipe}|{shape}"] = entry
             continue
         fit = sm.WLS(y, x, weights=1.0 / se**2).fit()
@@ -134,3 +135,7 @@ def _t(dof: float) -> float:
     from scipy.stats import t
 
     return float(t.ppf((1 + LEVEL) / 2, max(dof, 1.0)))
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"

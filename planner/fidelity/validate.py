@@ -233,7 +233,7 @@ def _transfer_text(fit: dict | None) -> str:
     if not fit:
         return "not measured (calibrated at hidden 64, 3 layers only)"
     if not fit.get("fitted"):
-        return f"{fit['points']} points at hidden {fit['hidden']}, layers {fit['layers']}: not fitted ({fit['reason']})"
+        return f"{fit['points']} point{'' if fit['points'] == 1 else 's'} at hidden {fit['hidden']}, layers {fit['layers']}: not fitted ({fit['reason']})"
     parts = []
     for name, what in (("log2_hidden", "width"), ("log2_layers", "depth")):
         if fit["interval"][name] is not None:

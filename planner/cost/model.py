@@ -786,15 +786,15 @@ class CostModel:
         with span = all devices when PP > 1, else max(TP, EP x ETP); 0 for weight_sync shard. gather
         hands the engine one tensor at a time (a fixed cost each: the call, its IPC handle or
         broadcast, the engine's load); packed one large buffer at a time, whose count is small."""
-        kn = self.knobs
-        # weight_sync gather: each device receives every full tensor of the model (bf16; its own
-        # shard is a small part), through the slowest group it is gathered over; a pipeline
-        # broadcast spans the whole job (pipeline stages are Megatron's outermost ranks)
-        gather_span = np.where(g.pp > 1, g.devices, np.maximum(g.tp, g.ep * g.etp))
-        gather = self.counts.total * BF16_BYTES / self.accel.link_bytes_per_s(gather_span)
         if self.job.weight_sync == "shard":
             return np.zeros(g.n)
-        return gather + (self.weight_tensors * kn.switch_tensor_s if self.job.weight_sync == "gather" else 0.0)
+        # each device receives every full tensor of the model (bf16; its own shard is a small
+        # part), through the slowest group it is gathered over; a pipeline broadcast spans the
+        # whole job (pipeline stages are Megatron's outermost ranks)
+        gather_span = np.where(g.pp > 1, g.devices, np.maximum(g.tp, g.ep * g.etp))
+        gather = self.counts.total * BF16_BYTES / self.accel.link_bytes_per_s(gather_span)
+        per_tensor = self.weight_tensors * self.knobs.switch_tensor_s if self.job.weight_sync == "gather" else 0.0
+        return gather + per_tensor
 
     def _stage_activation(self, tokens, sums, imbalance, in_flight, is_last, transient=True):
         """Activation bytes a pipeline stage holds at its peak: `in_flight` micro-batches of

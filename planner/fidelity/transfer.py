@@ -80,7 +80,7 @@ def fit_transfer(points: list[dict]) -> dict[str, dict[str, Any]]:
         entry: dict[str, Any] = {"recipe": recipe, "shape": shape, "points": len(at), "hidden": sorted({int(p["hidden"]) for p in at}),
                                  "layers": sorted({int(p["layers"]) for p in at}), "originals": len({p["original"] for p in at})}  # fmt: skip
         if len(at) <= x.shape[1]:
-            entry.update(fitted=False, reason=f"{_count(len(at), 'point')} for {_count(x.shape[1], 'coefficient')}: a slope needs "
+            entry.update(fitted=False, reason=f"{plural(len(at), 'point')} for {plural(x.shape[1], 'coefficient')}: a slope needs "
                                               "more points than coefficients, at two widths or depths at least")
             out[f"{recipe}|{shape}"] = entry
             continue
@@ -137,5 +137,6 @@ def _t(dof: float) -> float:
     return float(t.ppf((1 + LEVEL) / 2, max(dof, 1.0)))
 
 
-def _count(n: int, noun: str) -> str:
+def plural(n: int, noun: str) -> str:
+    """'1 point', '3 points'."""
     return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -41,6 +41,7 @@ import numpy as np
 from planner.fidelity.learners import fit_shift
 from planner.fidelity.model import LOCAL_ORIGINALS, baselines, design, recipe_features, training_rows
 from planner.fidelity.scores import LEVEL, paired_difference, score_predictions
+from planner.fidelity.transfer import fit_transfer, load_points, plural
 
 __all__ = ["variants", "SCHEMES", "cross_validate", "skill_gate", "ke_gate", "render_report", "score_predictions", "paired_difference"]
 
@@ -127,8 +128,6 @@ def cross_validate(rows: list[dict], schemes: tuple[str, ...] = tuple(SCHEMES), 
         entry["controls"] = _controls(rows, recipe)
         entry["job_holdout"] = job_holdout(every, recipe, tolerance)
         report["recipes"][recipe] = entry
-    from planner.fidelity.transfer import fit_transfer, load_points
-
     points = load_points()
     report["transfer"] = fit_transfer(points) if points else {}
     return report
@@ -233,7 +232,7 @@ def _transfer_text(fit: dict | None) -> str:
     if not fit:
         return "not measured (calibrated at hidden 64, 3 layers only)"
     if not fit.get("fitted"):
-        return f"{fit['points']} point{'' if fit['points'] == 1 else 's'} at hidden {fit['hidden']}, layers {fit['layers']}: not fitted ({fit['reason']})"
+        return f"{plural(fit['points'], 'point')} at hidden {fit['hidden']}, layers {fit['layers']}: not fitted ({fit['reason']})"
     parts = []
     for name, what in (("log2_hidden", "width"), ("log2_layers", "depth")):
         if fit["interval"][name] is not None:

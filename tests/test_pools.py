@@ -85,6 +85,8 @@ def test_the_search_takes_the_split_with_the_shortest_step(setup):
     assert steps and best.step_time_s == pytest.approx(min(steps.values())) and best.pools["rollout_devices"] == min(steps, key=steps.get)
     fixed = evaluate(arch, accel, replace(job, rollout_devices=8), 16)
     assert fixed.pools["rollout_devices"] == 8 and "separate pools: 8 rollout + 8 training gpus" in fixed.notes[0]
+    compute = next(t for t in fixed.terms if t["term"] == "compute")  # the update runs on the training pool
+    assert " / (8 x " in compute["inputs"]
 
 
 def test_off_policy_pools_beat_on_policy_pools_and_nothing_is_offloaded(setup):

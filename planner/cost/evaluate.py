@@ -446,13 +446,14 @@ class _Evaluator:
             layouts_evaluated=len(tc) + len(rc),
             notes=notes,
             job=self.job if pools is None else dataclasses.replace(self.job, rollout_devices=pools["rollout_devices"]),  # the split chosen
-            terms=self._terms(devices, lay, te, ti, re, ri, phases),
+            terms=self._terms(devices if pools is None else pools["train_devices"], lay, te, ti, re, ri, phases),
             overlap_s=overlap,
             pools=pools,
         )
 
-    def _terms(self, devices: int, lay: TrainLayout, te, ti: int, re, ri: int, phases: dict[str, float]) -> list[dict]:
-        """The chosen layouts' step time as its terms, each with the inputs of its formula."""
+    def _terms(self, train_devices: int, lay: TrainLayout, te, ti: int, re, ri: int, phases: dict[str, float]) -> list[dict]:
+        """The chosen layouts' step time as its terms, each with the inputs of its formula (`train_devices`:
+        the training pool's)."""
         m, job, accel = self.model, self.job, self.accel
         kn = m.knobs
         models = job.trained_models
@@ -463,7 +464,7 @@ class _Evaluator:
         dispatch = job.dispatch
         out = [
             ("update", "compute", u(te.update_compute_s),
-             f"{te.update_flops / 1e15:,.1f} PFLOP (forward, backward{recomputed}) / ({devices} x {m.train_peak_flops() / 1e12:,.0f} TFLOP/s x "
+             f"{te.update_flops / 1e15:,.1f} PFLOP (forward, backward{recomputed}) / ({train_devices} x {m.train_peak_flops() / 1e12:,.0f} TFLOP/s x "
              f"train_mfu {kn.train_mfu:.3f}), attention ({m.attention_share():.0%} of the FLOPs) at attention_efficiency "
              f"{kn.attention_efficiency:.3f} of that rate, x slowdown {f(te.compute_slowdown):.2f} (expert GEMMs of {f(te.expert_gemm_flops) / 1e9:.2f} "
              f"GFLOP at efficiency {f(te.expert_gemm_efficiency):.2f}, expert imbalance {m.imbalance:g} where ep > 1, the busiest "

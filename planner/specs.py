@@ -226,9 +226,10 @@ _JOB_DOC = {
     "generation pool waiting for the weights)",
     "offload": "{params, grads, optimizer}: moved to host while another phase runs",
     "reference_model": "a frozen reference model for the KL term (one forward pass per step)",
-    "skip_old_logprob": "on-policy: the old log-prob pass is skipped (equals the detached current); with `trainer` "
-    "named and this key absent, that trainer's own default (verl, NeMo RL: the pass runs; MindSpeed-RL 2.0+: skipped "
-    "when the step is one optimizer step)",
+    "skip_old_logprob": "no old log-prob pass: on-policy, one optimizer step per RL step (the old log-probs equal the "
+    "detached current), or with trainer: verl its bypass_mode (the rollout's log-probs stand in, any number of steps); with "
+    "`trainer` named and this key absent, that trainer's own default (verl, NeMo RL: the pass runs; MindSpeed-RL 2.0+: "
+    "skipped when the step is one optimizer step)",
     "trainer": "verl | nemo-rl | mindspeed-rl: the trainer that runs the job; with trainer_version, the passes the job "
     "asks for are checked against what that release can do (planner/trainer_versions.py)",
     "trainer_version": "the trainer's release, e.g. 0.6.1: verl skips the old log-prob pass from 0.6.1 (bypass_mode), "
@@ -356,10 +357,11 @@ class Job:
         if self.mini_batches > self.num_sequences:
             raise SpecError(f"mini_batches={self.mini_batches} exceeds the {self.num_sequences} sequences per step")
         updates = self.ppo_epochs * self.mini_batches
-        if self.skip_old_logprob and updates > 1:
+        if self.skip_old_logprob and updates > 1 and self.trainer != "verl":  # verl's bypass mode takes the rollout's log-probs
             raise SpecError(
                 f"skip_old_logprob: true needs one optimizer step per RL step (on-policy), but ppo_epochs * "
-                f"mini_batches = {self.ppo_epochs} * {self.mini_batches} = {updates}; set skip_old_logprob: false"
+                f"mini_batches = {self.ppo_epochs} * {self.mini_batches} = {updates}; set skip_old_logprob: false, or "
+                "trainer: verl, whose bypass_mode takes the rollout's log-probs as the old policy's for any number of steps"
             )
         self._check_release()
         if self.weight_sync is None:  # the named release's refit path

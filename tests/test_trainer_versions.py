@@ -66,6 +66,18 @@ def test_bad_trainer_fields_name_the_problem(data, message):
         Job.from_dict(data)
 
 
+def test_verls_bypass_mode_skips_the_pass_for_any_number_of_optimizer_steps():
+    """verl's bypass mode takes the rollout's log-probs as the old policy's in every optimizer step
+    (ray_trainer: old_log_probs = rollout_log_probs, no recompute), so a verl job may skip the pass
+    with several mini-batches; a job that names no trainer (or another) may not: its skip is the
+    on-policy one, where the old log-probs equal the detached current."""
+    job = Job.from_dict({"trainer": "verl", "mini_batches": 4, "skip_old_logprob": True})
+    assert job.skip_old_logprob and job.mini_batches == 4
+    for data in ({"mini_batches": 4}, {"trainer": "nemo-rl", "trainer_version": "0.7", "mini_batches": 4}):
+        with pytest.raises(SpecError, match="needs one optimizer step per RL step"):
+            Job.from_dict({**data, "skip_old_logprob": True})
+
+
 def test_the_step_follows_the_release(tmp_path):
     """The same job on verl 0.6.0 and 0.6.1 with bypass mode: the old log-prob pass is timed on the
     first and gone on the second; the output says which and why."""

@@ -293,6 +293,8 @@ def test_verls_fully_async_script_reads_as_separate_pools_with_partial_rollout(t
     assert (job.colocated, job.rollout_devices, job.max_staleness, job.partial_rollout) == (False, 96, 1, True)
     assert (lay.tp, lay.cp, lay.ep, job.rollout_layout.tp) == (2, 2, 8, 4)
     assert any("one parameter sync" in n for n in notes) and any("staleness_threshold 0.5" in n for n in notes)
+    # the fully-async trainer's shipped bypass mode: the rollout's log-probs, no old log-prob pass in any of the 4 steps
+    assert job.skip_old_logprob and any("no old log-prob pass runs" in n for n in notes)
     out = tmp_path / "job.yaml"
     assert run_cli("job", "--from", "verl", script, "-o", out).exit_code == 0
     result = run_cli("cost", "qwen3-30b-a3b", "--hardware", "h20", "--cards", cards, "--job", out, "--json")

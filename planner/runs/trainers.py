@@ -807,8 +807,8 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
     if "skip_old_logprob" not in kw:
         kw["skip_old_logprob"] = updates == 1
     elif kw["skip_old_logprob"] and updates > 1:
-        notes.append(f"bypass mode with {updates} optimizer steps per RL step: the cost model keeps the old log-prob pass for off-policy updates")
-        kw["skip_old_logprob"] = False
+        notes.append(f"bypass mode with {updates} optimizer steps per RL step: the rollout's log-probs stand in for the old policy's "
+                     "in every step, so no old log-prob pass runs")  # fmt: skip
     return Job(**kw), cards, notes
 
 

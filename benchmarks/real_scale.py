@@ -1,20 +1,26 @@
 """The real-scale cross-check: `planner probe` at a catalog model's real width against the estimator.
 
-Makes a checkpoint with Qwen3-30B-A3B's real tensor shapes and a few decoder layers (hidden 2048,
-128 experts of 768, the 151,936-token vocabulary; bf16) whose weights are synthetic the way the
+Makes a checkpoint with a catalog model's real tensor shapes and a few decoder layers, bf16, in the
+Hub's per-expert naming: Qwen3-30B-A3B (hidden 2048, 128 experts of 768, the 151,936-token
+vocabulary; about 3.7 GB at 2 layers) or DeepSeek-V3 (hidden 7168, multi-head latent attention, one
+dense first layer, then MoE layers of 256 experts of 2048 with the correction bias and a shared
+expert; about 27 GB at 2 layers, one MoE layer alone 22.5 GB). The weights are synthetic the way the
 calibration families' are made: each MoE layer's experts are one dense MLP plus 5% noise (sparse
-upcycling), the router rows, attention and embeddings random normal (0.02), norms 1. Builds its
-K=32 proxy with `planner build` (experts chosen from the weights: no calibration pass), bisects the
-static recipe's critical knob on both with `planner probe` (the grid's seeds and resolution, one
-decoder layer in memory at a time), and prints the measured shift next to what the estimator
-predicts for that routing shape and K/E (from its calibration family at hidden 64). The result is
-appended to calibration/real_scale.json.
+upcycling), the router rows, attention and embeddings random normal (0.02), norms 1, the correction
+bias 0. Builds its K=32 proxy with `planner build` (experts chosen from the weights: no calibration
+pass), bisects the static recipe's critical knob on both with `planner probe` (the grid's seeds and
+resolution, one decoder layer in memory at a time), and prints the measured shift next to what the
+estimator predicts for that routing shape and K/E (from its calibration family at hidden 64). The
+result is appended to calibration/real_scale.json. Before making anything it checks the disk and the
+memory the probe's largest layer needs, and says what is missing.
 
-    python benchmarks/real_scale.py [--layers 2] [--recipe rollout-mismatch] [--device cpu|cuda|npu] [--workdir DIR]
+    python benchmarks/real_scale.py [--model qwen3-30b-a3b|deepseek-v3] [--layers 2] [--recipe rollout-mismatch]
+                                    [--device cpu|cuda|npu] [--workdir DIR]
 
-On a 2-core CPU one rollout-mismatch bisection step of a 2-layer checkpoint takes about half a
-minute, so the whole check (2 models x 4 seeds x ~10 steps) is most of an hour; fp16 overflow
-needs --device cuda or npu (fp16 matmuls are emulated on this CPU).
+On a 2-core CPU one rollout-mismatch bisection step of Qwen3-30B-A3B's 2-layer checkpoint takes
+about half a minute, so the whole check (2 models x 4 seeds x ~10 steps) is most of an hour; fp16
+overflow needs --device cuda or npu (fp16 matmuls are emulated on this CPU). DeepSeek-V3's MoE
+layer alone exceeds a 23 GB machine's memory: it needs a device (an H200 or a 64 GB NPU holds it).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,42 +48,119 @@ def bf16(x: np.ndarray) -> bytes:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
 
 
-def upcycled_qwen3(path: Path, layers: int, seed: int = 0) -> int:
-    """A qwen3_moe checkpoint of Qwen3-30B-A3B's shapes, `layers` decoder layers, upcycled-style weights."""
+MODELS = ("qwen3-30b-a3b", "deepseek-v3")
+
+
+def _layout(model_id: str, layers: int) -> tuple[dict, list[tuple[str, tuple, str]]]:
+    """The config (cut to `layers` decoder layers) and every tensor as (name, shape, kind) in the Hub's
+    per-expert naming; kind is "ones" (norms), "zeros" (the correction bias), "normal" (0.02), or
+    "expert:LAYER" (that layer's dense MLP plus 5% noise: sparse upcycling)."""
     from planner.catalog import load_model_config
 
-    _, config = load_model_config("qwen3-30b-a3b")
-    config = {**config, "num_hidden_layers": layers}
-    h, inter, e, v = config["hidden_size"], config["moe_intermediate_size"], config["num_experts"], config["vocab_size"]
-    q, kv, hd = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"], config["head_dim"]
-    rng = np.random.default_rng(seed)
+    _, config = load_model_config(model_id)
+    h, v, e = config["hidden_size"], config["vocab_size"], config.get("num_experts") or config["n_routed_experts"]
+    inter = config["moe_intermediate_size"]
+    out = [("model.embed_tokens.weight", (v, h), "normal"), ("lm_head.weight", (v, h), "normal"), ("model.norm.weight", (h,), "ones")]
 
-    def normal(*shape, std=0.02):
-        return rng.standard_normal(shape, dtype=np.float32) * std
+    def mlp(prefix: str, width: int, kind: str = "normal") -> list:
+        return [(f"{prefix}.gate_proj.weight", (width, h), kind), (f"{prefix}.up_proj.weight", (width, h), kind),
+                (f"{prefix}.down_proj.weight", (h, width), kind)]  # fmt: skip
 
-    def tensors():
-        yield "model.embed_tokens.weight", (v, h), bf16(normal(v, h))
-        yield "lm_head.weight", (v, h), bf16(normal(v, h))
-        yield "model.norm.weight", (h,), bf16(np.ones(h, np.float32))
+    def experts(p: str) -> list:  # gate_proj first: its shape is (intermediate, hidden)
+        return [(name, shape, f"expert:{p}") for x in range(e) for name, shape, _ in mlp(f"{p}.mlp.experts.{x}", inter)]
+
+    if config["model_type"] == "qwen3_moe":
+        config = {**config, "num_hidden_layers": layers}
+        q, kv, hd = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"], config["head_dim"]
         for i in range(layers):
             p = f"model.layers.{i}"
-            for name in ("input_layernorm", "post_attention_layernorm"):
-                yield f"{p}.{name}.weight", (h,), bf16(np.ones(h, np.float32))
-            for name, shape in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q))):
-                yield f"{p}.self_attn.{name}.weight", shape, bf16(normal(*shape))
-            for name in ("q_norm", "k_norm"):
-                yield f"{p}.self_attn.{name}.weight", (hd,), bf16(np.ones(hd, np.float32))
-            yield f"{p}.mlp.gate.weight", (e, h), bf16(normal(e, h))
-            base = {"gate_proj": normal(inter, h), "up_proj": normal(inter, h), "down_proj": normal(h, inter)}
-            for x in range(e):
-                for name, w in base.items():
-                    yield f"{p}.mlp.experts.{x}.{name}.weight", w.shape, bf16(w + normal(*w.shape, std=0.02 * 0.05))
+            out += [(f"{p}.input_layernorm.weight", (h,), "ones"), (f"{p}.post_attention_layernorm.weight", (h,), "ones")]
+            out += [(f"{p}.self_attn.{n}.weight", shape, "normal") for n, shape in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q)))]
+            out += [(f"{p}.self_attn.{n}.weight", (hd,), "ones") for n in ("q_norm", "k_norm")]
+            out += [(f"{p}.mlp.gate.weight", (e, h), "normal")] + experts(p)
+        return config, out
+    if config["model_type"] != "deepseek_v3":
+        raise SystemExit(f"no synthetic layout for {model_id} ({config['model_type']})")
+    # DeepSeek-V3: multi-head latent attention; one dense first layer, the rest MoE (the real model has 3
+    # dense of 61); the multi-token-prediction layer is not part of the transformers model
+    dense = 1 if layers > 1 else 0
+    config = {**config, "num_hidden_layers": layers, "first_k_dense_replace": dense, "num_nextn_predict_layers": 0}
+    heads, nope, rope, vd = config["num_attention_heads"], config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    ql, kvl = config["q_lora_rank"], config["kv_lora_rank"]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        out += [(f"{p}.input_layernorm.weight", (h,), "ones"), (f"{p}.post_attention_layernorm.weight", (h,), "ones")]
+        a = f"{p}.self_attn"
+        out += [(f"{a}.q_a_proj.weight", (ql, h), "normal"), (f"{a}.q_a_layernorm.weight", (ql,), "ones"),
+                (f"{a}.q_b_proj.weight", (heads * (nope + rope), ql), "normal"),
+                (f"{a}.kv_a_proj_with_mqa.weight", (kvl + rope, h), "normal"), (f"{a}.kv_a_layernorm.weight", (kvl,), "ones"),
+                (f"{a}.kv_b_proj.weight", (heads * (nope + vd), kvl), "normal"), (f"{a}.o_proj.weight", (h, heads * vd), "normal")]  # fmt: skip
+        if i < dense:
+            out += mlp(f"{p}.mlp", config["intermediate_size"])
+            continue
+        out += [(f"{p}.mlp.gate.weight", (e, h), "normal"), (f"{p}.mlp.gate.e_score_correction_bias", (e,), "zeros")]
+        out += experts(p) + mlp(f"{p}.mlp.shared_experts", inter * config["n_shared_experts"])
+    return config, out
 
-    return write_checkpoint(path, tensors(), config)
+
+def upcycled(path: Path, model_id: str, layers: int, seed: int = 0) -> int:
+    """A checkpoint of `model_id`'s real shapes, `layers` decoder layers, upcycled-style bf16 weights."""
+    config, layout = _layout(model_id, layers)
+    rng = np.random.default_rng(seed)
+    bases: dict[str, np.ndarray] = {}  # the current layer's dense MLP, which its experts share
+    layer = None
+
+    def weights(name: str, shape, kind: str) -> np.ndarray:
+        nonlocal layer
+        if kind in ("ones", "zeros"):
+            return np.full(shape, 1.0 if kind == "ones" else 0.0, np.float32)
+        if kind == "normal":
+            return rng.standard_normal(shape, dtype=np.float32) * 0.02
+        if kind != layer:  # a new layer's experts: draw its dense MLP first (gate, up, down)
+            layer, (f, h) = kind, shape
+            bases.clear()
+            bases.update({n: rng.standard_normal(s, dtype=np.float32) * 0.02 for n, s in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f)))})
+        return bases[name.rsplit(".", 2)[-2]] + rng.standard_normal(shape, dtype=np.float32) * (0.02 * 0.05)
+
+    return write_checkpoint(path, ((name, shape, bf16(weights(name, shape, kind))) for name, shape, kind in layout), config)
+
+
+def footprint(model_id: str, layers: int, experts: int) -> tuple[int, int]:
+    """(bytes on disk of the original and its `experts`-expert proxy, bytes the probe holds at once:
+    the embeddings and head, and the original's largest decoder layer twice, as read and rounded)."""
+    config, layout = _layout(model_id, layers)
+    e = config.get("num_experts") or config["n_routed_experts"]
+    disk = held = 0
+    per_layer: dict[str, int] = {}
+    for name, shape, _ in layout:
+        b = 2 * int(np.prod(shape))
+        disk += b + (b * experts // e if ".experts." in name else b)
+        if name.startswith("model.layers."):
+            key = ".".join(name.split(".")[:3])
+            per_layer[key] = per_layer.get(key, 0) + b
+        else:
+            held += b
+    return disk, held + 2 * max(per_layer.values())
+
+
+def available_memory(device: str) -> int:
+    """Bytes free for the probe: the device's free memory, or the host's MemAvailable on CPU."""
+    if device != "cpu":
+        from planner.rl.device import Device
+
+        torch = Device(device).torch
+        module = getattr(torch, device.split(":")[0], None)
+        if module is not None and hasattr(module, "mem_get_info"):
+            return int(module.mem_get_info()[0])
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 1 << 62  # not Linux: not checked
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, default=MODELS[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--recipe", default="rollout-mismatch")
@@ -94,27 +178,33 @@ def main() -> None:
     grid = Grid()
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    disk, held = footprint(args.model, args.layers, args.experts)
+    free_disk, free_memory = shutil.disk_usage(args.workdir or tempfile.gettempdir()).free, available_memory(args.device)
+    if disk > free_disk or held > free_memory:
+        sys.exit(f"{args.model} with {args.layers} decoder layers needs {disk / 1e9:.1f} GB of disk (original and K={args.experts} proxy; "
+                 f"{free_disk / 1e9:.1f} free) and about {held / 1e9:.1f} GB of {args.device} memory for the probe's largest layer "
+                 f"({free_memory / 1e9:.1f} available): run it where both fit (--device cuda on a large GPU, --workdir on a larger disk)")  # fmt: skip
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
-        size = upcycled_qwen3(root / "original", args.layers)
+        size = upcycled(root / "original", args.model, args.layers)
         subprocess.run([sys.executable, "-m", "planner.cli", "build", str(root / "original"), str(root / "proxy"), "--experts",
                         str(args.experts), "--verify", "never"], check=True, capture_output=True)  # fmt: skip
         made = time.perf_counter() - t0
-        print(f"checkpoint {size / 1e9:.2f} GB ({args.layers} decoder layers of Qwen3-30B-A3B's shapes), K={args.experts} proxy: {made:.0f} s",
+        print(f"checkpoint {size / 1e9:.2f} GB ({args.layers} decoder layers of {args.model}'s shapes), K={args.experts} proxy: {made:.0f} s",
               flush=True)  # fmt: skip
         t0 = time.perf_counter()
         probed = probe_pair(root / "original", root / "proxy", args.recipe, seeds=list(grid.margin_seeds), iters=grid.iters(args.recipe),
                             device=args.device, say=lambda s: print(s, flush=True))  # fmt: skip
         seconds = time.perf_counter() - t0
-    config = load_model_config("qwen3-30b-a3b")[1]
+    config = load_model_config(args.model)[1]
     predicted = FidelityEstimator.load(default_estimator_path()).predict(plan_row(config, args.experts, None), args.recipe)
     labels = probed["labels"]
     inside = None
     if predicted.get("shift_interval"):
         lo, hi = predicted["shift_interval"]
         inside = bool(lo <= labels["shift_log2"] <= hi)
-    record = {"model": "qwen3-30b-a3b", "decoder_layers": args.layers, "experts": args.experts, "recipe": args.recipe, "device": args.device,
+    record = {"model": args.model, "decoder_layers": args.layers, "experts": args.experts, "recipe": args.recipe, "device": args.device,
               "weights": "synthetic upcycled (dense + 5% noise per expert), seed 0", "measured": labels,
               "original": probed["original"], "proxy": probed["proxy"], "seconds": round(seconds, 1),
               "predicted": {k: predicted.get(k) for k in ("status", "basis", "shift_log2", "shift_interval", "p_reproduced", "interval", "reason")},

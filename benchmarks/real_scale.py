@@ -16,6 +16,10 @@ memory the probe's largest layer needs, and says what is missing.
 
     python benchmarks/real_scale.py [--model qwen3-30b-a3b|deepseek-v3] [--layers 2] [--recipe rollout-mismatch]
                                     [--device cpu|cuda|npu] [--workdir DIR]
+    python benchmarks/real_scale.py --report    # every stored check against the current estimator
+
+The measurement stays; the prediction (for the probed checkpoint: real width, its few layers, the
+estimator's scale-transfer widening included) is derived again by --report after a refit.
 
 On a 2-core CPU one rollout-mismatch bisection step of Qwen3-30B-A3B's 2-layer checkpoint takes
 about half a minute, so the whole check (2 models x 4 seeds x ~10 steps) is most of an hour; fp16
@@ -158,6 +162,32 @@ def available_memory(device: str) -> int:
     return 1 << 62  # not Linux: not checked
 
 
+def predict(check: dict) -> dict:
+    """The current estimator's prediction for a stored check's model as it was probed (real width, its
+    decoder layers), and whether the measured shift lies inside the predicted interval: re-derived
+    whenever the estimator is refitted, while the measurement stays."""
+    from planner.fidelity.dataset import plan_row
+    from planner.fidelity.estimator import FidelityEstimator, default_estimator_path
+
+    config, _ = _layout(check["model"], check["decoder_layers"])
+    predicted = FidelityEstimator.load(default_estimator_path()).predict(plan_row(config, check["experts"], None), check["recipe"])
+    inside = None
+    if predicted.get("shift_interval"):
+        lo, hi = predicted["shift_interval"]
+        inside = bool(lo <= check["measured"]["shift_log2"] <= hi)
+    keys = ("status", "basis", "shift_log2", "shift_interval", "p_reproduced", "interval", "scale", "reason")
+    return {"predicted": {k: predicted.get(k) for k in keys}, "measured_inside_predicted_interval": inside}
+
+
+def report(checks: list[dict]) -> None:
+    print("model           layers   K  recipe            measured shift [90%]       outcome       predicted shift [interval]   inside")
+    for c in checks:
+        m, p = c["measured"], c["predicted"]
+        pred = f"{p['shift_log2']:+.3f} [{p['shift_interval'][0]:+.3f}, {p['shift_interval'][1]:+.3f}]" if p.get("shift_interval") else p["status"]
+        print(f"{c['model']:<15} {c['decoder_layers']:>6} {c['experts']:>3}  {c['recipe']:<16}  {m['shift_log2']:+.3f} [{m['shift_low']:+.3f}, "
+              f"{m['shift_high']:+.3f}]  {m['outcome']:<12}  {pred:<27}  {c['measured_inside_predicted_interval']}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default=MODELS[0])
@@ -166,15 +196,20 @@ def main() -> None:
     parser.add_argument("--recipe", default="rollout-mismatch")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--report", action="store_true", help="measure nothing: predict every stored check again with the current estimator")
     parser.add_argument("-o", "--output", default=str(ROOT / "calibration" / "real_scale.json"))
     args = parser.parse_args()
-    from planner.catalog import load_model_config
-    from planner.fidelity.dataset import plan_row
-    from planner.fidelity.estimator import FidelityEstimator, default_estimator_path
     from planner.fidelity.grid import Grid
     from planner.files import write_text_atomic
     from planner.rl.probe import probe_pair
 
+    out = Path(args.output)
+    data = json.loads(out.read_text()) if out.is_file() else {"checks": []}
+    if args.report:
+        data["checks"] = [{**c, **predict(c)} for c in data["checks"]]
+        write_text_atomic(out, json.dumps(data, indent=1))
+        report(data["checks"])
+        return
     grid = Grid()
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
@@ -197,30 +232,15 @@ def main() -> None:
         probed = probe_pair(root / "original", root / "proxy", args.recipe, seeds=list(grid.margin_seeds), iters=grid.iters(args.recipe),
                             device=args.device, say=lambda s: print(s, flush=True))  # fmt: skip
         seconds = time.perf_counter() - t0
-    config = load_model_config(args.model)[1]
-    predicted = FidelityEstimator.load(default_estimator_path()).predict(plan_row(config, args.experts, None), args.recipe)
-    labels = probed["labels"]
-    inside = None
-    if predicted.get("shift_interval"):
-        lo, hi = predicted["shift_interval"]
-        inside = bool(lo <= labels["shift_log2"] <= hi)
-    record = {"model": args.model, "decoder_layers": args.layers, "experts": args.experts, "recipe": args.recipe, "device": args.device,
-              "weights": "synthetic upcycled (dense + 5% noise per expert), seed 0", "measured": labels,
-              "original": probed["original"], "proxy": probed["proxy"], "seconds": round(seconds, 1),
-              "predicted": {k: predicted.get(k) for k in ("status", "basis", "shift_log2", "shift_interval", "p_reproduced", "interval", "reason")},
-              "measured_inside_predicted_interval": inside, "machine": platform.machine(), "python": platform.python_version()}  # fmt: skip
-    out = Path(args.output)
-    data = json.loads(out.read_text()) if out.is_file() else {"checks": []}
-    data["checks"].append(record)
+    check = {"model": args.model, "decoder_layers": args.layers, "experts": args.experts, "recipe": args.recipe, "device": args.device,
+             "weights": "synthetic upcycled (dense + 5% noise per expert), seed 0", "measured": probed["labels"],
+             "original": probed["original"], "proxy": probed["proxy"], "seconds": round(seconds, 1),
+             "machine": platform.machine(), "python": platform.python_version()}  # fmt: skip
+    check.update(predict(check))
+    data["checks"].append(check)
     write_text_atomic(out, json.dumps(data, indent=1))
-    print(f"measured at real width: shift {labels['shift_log2']:+.3f} log2 (90% interval [{labels['shift_low']:+.3f}, {labels['shift_high']:+.3f}], "
-          f"noise {labels['noise_log2']:.3f}, {labels['outcome']}) in {seconds / 60:.1f} min")  # fmt: skip
-    if predicted["status"] == "calibrated":
-        print(f"predicted from the calibration family ({predicted['basis']}): shift {predicted['shift_log2']:+.3f} "
-              f"[{predicted['shift_interval'][0]:+.3f}, {predicted['shift_interval'][1]:+.3f}], P(reproduced) {predicted['p_reproduced']:.2f}; "
-              f"measured {'inside' if inside else 'outside'} the predicted interval")  # fmt: skip
-    else:
-        print(f"predicted: {predicted['status']}: {predicted['reason']}")
+    print(f"measured at real width in {seconds / 60:.1f} min; predicted {check['predicted']['status']} ({check['predicted']['reason'] or ''})")
+    report(data["checks"])
 
 
 if __name__ == "__main__":

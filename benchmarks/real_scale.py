@@ -175,8 +175,14 @@ def predict(check: dict) -> dict:
     if predicted.get("shift_interval"):
         lo, hi = predicted["shift_interval"]
         inside = bool(lo <= check["measured"]["shift_log2"] <= hi)
-    keys = ("status", "basis", "shift_log2", "shift_interval", "p_reproduced", "interval", "scale", "reason")
-    return {"predicted": {k: predicted.get(k) for k in keys}, "measured_inside_predicted_interval": inside}
+    keys = ("status", "basis", "shift_log2", "shift_interval", "p_reproduced", "interval", "reason")
+    scale = (predicted.get("family") or {}).get("scale")  # the scale-transfer widening and its note
+    return {"predicted": {**{k: predicted.get(k) for k in keys}, "scale": scale}, "measured_inside_predicted_interval": inside}
+
+
+def _without_paths(check: dict) -> dict:
+    """A check as stored: the probed models' temporary paths left out."""
+    return {**check, **{m: {k: v for k, v in check[m].items() if k != "path"} for m in ("original", "proxy")}}
 
 
 def report(checks: list[dict]) -> None:
@@ -206,7 +212,7 @@ def main() -> None:
     out = Path(args.output)
     data = json.loads(out.read_text()) if out.is_file() else {"checks": []}
     if args.report:
-        data["checks"] = [{**c, **predict(c)} for c in data["checks"]]
+        data["checks"] = [_without_paths({**c, **predict(c)}) for c in data["checks"]]
         write_text_atomic(out, json.dumps(data, indent=1))
         report(data["checks"])
         return
@@ -236,10 +242,9 @@ def main() -> None:
              "weights": "synthetic upcycled (dense + 5% noise per expert), seed 0", "measured": probed["labels"],
              "original": probed["original"], "proxy": probed["proxy"], "seconds": round(seconds, 1),
              "machine": platform.machine(), "python": platform.python_version()}  # fmt: skip
-    check.update(predict(check))
-    data["checks"].append(check)
+    data["checks"].append(_without_paths({**check, **predict(check)}))
     write_text_atomic(out, json.dumps(data, indent=1))
-    print(f"measured at real width in {seconds / 60:.1f} min; predicted {check['predicted']['status']} ({check['predicted']['reason'] or ''})")
+    print(f"measured at real width in {seconds / 60:.1f} min; predicted: {data['checks'][-1]['predicted']['reason']}")
     report(data["checks"])
 
 

@@ -588,6 +588,7 @@ def test_a_grid_run_a_recipe_at_a_time_fills_the_same_studies_and_merges(mini_gr
     assert same([r for r in both if r["recipe"] == "fp16-overflow"]) == same(fp16)
     meta = json.loads(out.with_suffix(".json").read_text())
     assert sorted(n["recipe"] for n in meta["noise_floor"]) == ["fp16-overflow", "rollout-mismatch"]
+    assert [g["grid"]["recipes"] for g in meta["grids"]] == [["fp16-overflow"], ["rollout-mismatch"]]  # both runs' commands
     assert Grid.load(path).recipes == grid.recipes  # the grid file is as it was
 
 

@@ -205,8 +205,13 @@ def merged(dataset: Path, rows: list[dict], provenance: dict, grid: Grid) -> tup
                                        and id(r) in production)]  # fmt: skip
     meta_path = dataset.with_suffix(".json")
     meta = read_json(meta_path, "dataset provenance") if meta_path.is_file() else {}
+    recipes = set(grid.recipes)
+
+    def replaced(g: dict) -> bool:  # the same grid run again over the same recipes (one run a recipe at a time keeps both commands)
+        return g["grid_key"] == provenance["grid_key"] and set((g.get("grid") or {}).get("recipes") or recipes) <= recipes
+
     grids = [g for g in meta.get("grids", [{k: meta[k] for k in ("command", "grid", "grid_key", "storage", "seeds") if k in meta}])
-             if g.get("grid_key") and g["grid_key"] != provenance["grid_key"]]  # fmt: skip
+             if g.get("grid_key") and not replaced(g)]  # fmt: skip
     grids.append({k: provenance[k] for k in ("command", "grid", "grid_key", "storage", "seeds")})
     noise = meta.get("noise_floor", [])
     if len(grid.jobs) == 1:

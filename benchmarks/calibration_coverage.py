@@ -1,6 +1,7 @@
 """Where the fidelity estimator reaches: for every catalog model and every calibrated fault recipe,
 the status `planner suggest` prints for its best proxy (calibrated with P and its interval, no skill
-with the held-out figures, or uncalibrated with the reason), and how many (model, fault) pairs get an
+with the held-out figures, or uncalibrated with the reason; where no proxy clears --min-fidelity, the
+proxy of highest calibrated P, marked so), and how many (model, fault) pairs get an
 answer other than "uncalibrated".
 
 Per model: its usual accelerator, the budget its original's own minimum device count (every proxy
@@ -32,16 +33,21 @@ FAULTS = ("fp16-overflow", "rollout-mismatch", "router-collapse")
 
 
 def line(model: str, fault: str, s) -> dict:
-    b = s.best
+    b, below = s.best, False
     if b is None:
-        return {"model": model, "fault": fault, "status": "-", "K": None, "family": None, "p": None, "reason": "no proxy qualifies"}
+        # no proxy clears --min-fidelity: a calibrated P below it is an answer too (the proxy of highest P)
+        proxies = [o for o in s.pareto if o.fidelity["status"] != "original" and o.p_reproduced is not None]
+        if not proxies:
+            return {"model": model, "fault": fault, "status": "-", "K": None, "family": None, "p": None, "reason": "no proxy qualifies"}
+        b, below = max(proxies, key=lambda o: o.p_reproduced), True
     f = b.fidelity
     p = f.get("p_reproduced")
     interval = f.get("interval")
     shown = None if p is None else f"{p:.2f}" + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
     family = (f.get("family") or {}).get("name")
     return {"model": model, "fault": fault, "status": f["status"], "K": b.experts, "family": family, "p": shown,
-            "basis": f.get("basis"), "reason": f.get("reason") or ""}
+            "basis": f.get("basis"), "below_threshold": below,
+            "reason": ("below --min-fidelity: " if below else "") + (f.get("reason") or "")}
 
 
 def main() -> None:

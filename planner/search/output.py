@@ -85,7 +85,7 @@ def _settings(c) -> str:
 def render_suggestion(s: Suggestion, top: int = 5) -> str:
     req, unit = s.request, s.accelerator.device_unit
     head = (f"{req.model} on {_accelerator_text(s)}, budget {s.budget.describe(s.accelerator)}, fault {req.fault} "
-            f"(recipe {s.recipe}), calibrated P >= {req.min_fidelity} ({'plan statistics' if s.fidelity_source == 'stats' else 'no plan statistics: K/E only'})")  # fmt: skip
+            f"(recipe {s.recipe}), calibrated P >= {req.min_fidelity} ({'plan statistics' if s.fidelity_source == 'stats' else 'no plan statistics: P from K/E and the routing shape, basis per row'})")  # fmt: skip
     lines = [head]
     lines.extend(f"WARNING: {w}" for w in s.warnings)
     if s.baseline is not None and s.baseline.named:

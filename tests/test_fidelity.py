@@ -314,6 +314,35 @@ def test_two_runs_prepare_one_work_directory_at_once(tmp_path):
 
 
 @pytest.mark.slow
+def test_portable_numerics_make_the_same_models_whatever_kernels_the_parent_runs(tmp_path):
+    """`numerics: portable`: originals, statistics and proxies are made in a child process pinned to
+    one AVX2 code path, so a `calibrate run` started with other kernels (ATen's generic ones, MKL's
+    compatible branch, two threads: what another kind of CPU would pick) makes the same bytes, and a
+    grid's points carry over between such machines. The setting stamps the work directory, not the
+    grid's key (the points' fingerprints tell which models they were measured on)."""
+    from planner.checkpoint import Checkpoint
+    from planner.fidelity.grid import Grid, prepare
+
+    grid = Grid(families=("qwen3_moe",), originals=1, recipes=("fp16-overflow",), kept_fractions=(0.5,), methods=("agglomerative",),
+                random_draws=1, calib_tokens=128, dense_steps=5, moe_steps=5, controls=("mis-sliced",), numerics="portable")  # fmt: skip
+    assert grid.key() == Grid(**{**grid.__dict__, "numerics": "native"}).key()
+    path = tmp_path / "grid.yaml"
+    path.write_text(grid.to_yaml())
+    here = {key: Checkpoint(r["path"]).fingerprint() for key, r in prepare(grid, tmp_path / "here").items()}
+    assert len(here) == 4  # the original, the clustered and random proxies, the control
+    code = ("import json, sys; from pathlib import Path; from planner.checkpoint import Checkpoint; "
+            "from planner.fidelity.grid import Grid, prepare; records = prepare(Grid.load(sys.argv[1]), Path(sys.argv[2])); "
+            "print(json.dumps({k: Checkpoint(r['path']).fingerprint() for k, r in records.items()}))")  # fmt: skip
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "2"}
+    run = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "there")], env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == here
+    with pytest.raises(SpecError, match="other grid settings"):  # native models do not join a portable work directory
+        prepare(Grid(**{**grid.__dict__, "numerics": "native"}), tmp_path / "here")
+
+
+@pytest.mark.slow
 def test_two_workers_share_one_sqlite_study(mini_grid, tmp_path):
     from planner.fidelity.calibrate import export
     from planner.fidelity.grid import Grid, run_workers

@@ -27,6 +27,14 @@ any proxy. Results live in the trials' user attributes and, with `results`, in o
 per study, each point with the fingerprint of the model it was measured on: a fresh storage (another
 checkout, another machine) takes a file's points for the same models instead of measuring them.
 `planner.fidelity.calibrate.export` joins them into the dataset.
+
+The models are trained on this CPU, and a CPU's kernels round differently from another's (PyTorch
+and its BLAS pick AVX-512 or AVX2 code at run time), so a file's points carry over only to machines
+of the same kind. With `numerics: portable` the models, their statistics and the proxies are made in a
+child process pinned to one code path that every x86-64 CPU with AVX2 runs the same way (PyTorch's
+AVX2 kernels, MKL's AVX2 conditional-numerical-reproducibility branch, oneDNN and OpenBLAS held to
+AVX2, one thread), so the same seed makes the same bytes on any such machine and a grid stopped on
+one machine resumes on another. The measurements themselves run natively: their noise is the label's.
 """
 
 from __future__ import annotations
@@ -64,8 +72,12 @@ MAX_FAILURES = 3  # a grid point that raised this often is reported, not retried
 PHASES = ("originals", "proxies")
 # what the models and proxies under a workdir depend on
 _MODEL_FIELDS = ("families", "originals", "kept_fractions", "methods", "random_draws", "calib_tokens", "dense_steps", "moe_steps",
-                 "controls", "first_original")  # fmt: skip
-_ADDED_LATER = ("controls", "first_original", "jobs")  # settings with a default that leaves earlier grids' keys as they were
+                 "controls", "first_original", "numerics")  # fmt: skip
+_ADDED_LATER = ("controls", "first_original", "jobs", "numerics")  # settings with a default that leaves earlier grids' keys as they were
+# one code path for making models that every x86-64 CPU with AVX2 runs the same way (`numerics: portable`)
+PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2", "OPENBLAS_CORETYPE": "Haswell",
+                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # fmt: skip
+NUMERICS = ("native", "portable")
 PRODUCTION = "1/1/1"  # the harness's own job (RLConfig's prompts, group and new tokens), which every label is measured against
 
 
@@ -94,6 +106,10 @@ class Grid:
     # reproduction jobs every model is also measured at: divisors of the harness's prompts per step,
     # group size and new tokens ("4/1/1": a quarter of the prompts); the first is the production job
     jobs: tuple[str, ...] = (PRODUCTION,)
+    # how the models are made: "native" (this CPU's fastest kernels; another kind of CPU makes other
+    # models from the same seeds) or "portable" (PORTABLE_ENV: the same bytes on any AVX2 machine).
+    # Not in the key: the points of one grid carry the fingerprint of the models they were measured on
+    numerics: str = "native"
 
     def seeds(self) -> range:
         """The model seeds of the grid's originals."""
@@ -119,6 +135,8 @@ class Grid:
             raise SpecError(f"grid: jobs {list(self.jobs)}: distinct, the production job {PRODUCTION} first (every label is against it)")
         for job in self.jobs:
             job_settings(job)
+        if self.numerics not in NUMERICS:
+            raise SpecError(f"grid: numerics {self.numerics!r}: one of {', '.join(NUMERICS)}")
         if not 0 <= self.first_original < self.originals:
             raise SpecError(f"grid: first_original {self.first_original} must lie in [0, originals={self.originals})")
         positive = ("originals", "margin_steps", "curve_steps", "calib_tokens")
@@ -171,9 +189,9 @@ class Grid:
         """The settings every measurement depends on (the recipe list and the dynamic budget only
         select studies). A setting added after the first grid enters the key only when it is not
         at its default, so the grids measured before it keep their studies."""
-        settings = {k: v for k, v in asdict(self).items() if k not in ("recipes", "dynamic_originals")}
+        settings = {k: v for k, v in asdict(self).items() if k not in ("recipes", "dynamic_originals", "numerics")}
         for name in _ADDED_LATER:
-            if settings[name] == Grid.__dataclass_fields__[name].default:
+            if name in settings and settings[name] == Grid.__dataclass_fields__[name].default:
                 del settings[name]
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -344,6 +362,21 @@ def _prepare_original(grid: Grid, family: str, seed: int, root: Path) -> dict[st
     return records
 
 
+def _prepare_portable(grid: Grid, family: str, seed: int, root: Path) -> dict[str, dict]:
+    """_prepare_original in a child process pinned to PORTABLE_ENV (the kernels are chosen when the
+    libraries load, so this process cannot switch); its records come back as JSON."""
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.warning("numerics: portable needs an x86-64 CPU with AVX2 (this one: %s): the models made here differ from other "
+                    "machines', whose points will be measured again", torch.backends.cpu.get_cpu_capability())  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "planner.fidelity.grid", "--prepare", family, str(seed), str(root)],
+                          input=grid.to_yaml(), capture_output=True, text=True, env={**os.environ, **PORTABLE_ENV})  # fmt: skip
+    if proc.returncode:
+        raise SpecError(f"making {family}-s{seed} under {root} (numerics: portable) failed: {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
     """Make the originals and every proxy (idempotent); return model records by id (ORIGINAL/MODEL,
     ORIGINAL = FAMILY-sSEED)."""
@@ -368,7 +401,8 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
                 if not held:
                     waiting.append((family, seed))
                     continue
-                by_base[base] = _prepare_original(grid, family, seed, workdir / "models" / base)
+                root = workdir / "models" / base
+                by_base[base] = _prepare_original(grid, family, seed, root) if grid.numerics == "native" else _prepare_portable(grid, family, seed, root)
             if progress:
                 progress(base)
         pending = waiting
@@ -696,6 +730,10 @@ if __name__ == "__main__":  # a worker: python -m planner.fidelity.grid STORAGE 
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    if sys.argv[1] == "--prepare":  # one original, portably (_prepare_portable): the grid's YAML on stdin, the records out
+        yaml_grid = Grid(**{k: tuple(v) if isinstance(v, list) else v for k, v in yaml.safe_load(sys.stdin.read()).items()})
+        print(json.dumps(_prepare_original(yaml_grid, sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))))
+        sys.exit(0)
     url, directory, which = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     given = sys.argv[4:7]
     grid_arg, results_arg, recipes_arg = given + ["-", "-", ""][len(given) :]

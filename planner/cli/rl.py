@@ -261,8 +261,9 @@ def calibrate_run(grid_path, storage, workers, workdir, results, output, merge, 
 @click.option("--grid", "grid_path", type=click.Path(exists=True, dir_okay=False), default=None, help="Grid YAML (default: the built-in grid).")
 @click.option("--storage", default="sqlite:///calibration.db", show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), default="calibration/work", show_default=True)
+@click.option("--recipes", default=None, help="Only these of the grid's recipes (comma-separated): those of a `calibrate run --recipes`.")
 @click.option("--json", "as_json", is_flag=True)
-def calibrate_status(grid_path, storage, workdir, as_json) -> None:
+def calibrate_status(grid_path, storage, workdir, recipes, as_json) -> None:
     """Progress of a grid on its storage (any worker's machine): points done, running, failed, and the work left."""
     from planner.fidelity.calibrate import progress
     from planner.fidelity.grid import Grid
@@ -270,7 +271,10 @@ def calibrate_status(grid_path, storage, workdir, as_json) -> None:
     def body():
         if not (Path(workdir) / "models.json").is_file():
             raise SpecError(f"{workdir} holds no prepared grid (no models.json); pass the --workdir of `calibrate run`")
-        rows = progress(storage, Grid.load(grid_path), Path(workdir))
+        grid = Grid.load(grid_path)
+        if recipes:
+            grid = grid.only([r.strip() for r in recipes.split(",") if r.strip()])
+        rows = progress(storage, grid, Path(workdir))
         if as_json:
             return emit_json(rows)
         body = [[r["recipe"], r["phase"], r["original"], f"{r['complete']}/{r['points']}", r["running"], r["failed"],

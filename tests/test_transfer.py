@@ -47,6 +47,11 @@ def test_an_unmeasured_shape_or_direction_is_said_not_measured():
     fits = fit_transfer(planted(0.0, 0.0))
     other = widening(fits, "fp16-overflow", "sigmoid/top8of256/renorm", 7168, 61)
     assert other["halfwidth"] is None and other["text"].startswith("transfer not measured beyond hidden 64")
+    few = fit_transfer([p for p in planted(0.0, 0.0) if (p["hidden"], p["layers"]) in ((64, 3), (64, 6), (128, 3)) and p["original"].endswith("-s0")])
+    (key, entry), = few.items()
+    sparse = widening(few, *key.split("|"), 7168, 61)  # too few points for a slope: where they lie, and why none
+    assert sparse["halfwidth"] is None and not entry["fitted"]
+    assert sparse["text"].startswith(f"transfer not fitted (points at hidden {', '.join(map(str, entry['hidden']))}") and entry["reason"] in sparse["text"]
     widths_only = fit_transfer([p for p in planted(0.0, 0.0) if p["layers"] == 3])
     fit = widths_only["fp16-overflow|softmax/top8of128/renorm"]
     assert fit["interval"]["log2_layers"] is None

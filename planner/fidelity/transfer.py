@@ -12,7 +12,8 @@ and b and c are reported with their 90% intervals. The estimator asks `widening`
 target's interval must widen: within the measured widths and depths, by the interval of the fitted
 change from the calibration scale to the target; beyond them, by that change extrapolated with
 the slopes at the far ends of their intervals, and the output says how far beyond the data the
-target lies. A (recipe, shape) without points says "transfer not measured beyond hidden 64".
+target lies. A (recipe, shape) without points says "transfer not measured beyond hidden 64"; one with
+too few points for a slope says where they lie.
 Fitting needs statsmodels; what the estimator stores (slopes, covariance, measured ranges) is
 JSON and is applied with numpy alone.
 """
@@ -104,9 +105,12 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
     entry = fits.get(f"{recipe}|{shape}")
     target = f"hidden {hidden}, {layers} layers" if hidden else "the target"
     if entry is None or not entry.get("fitted"):
-        why = f" ({entry['reason']})" if entry else ""
-        return {"halfwidth": None, "measured": False,
-                "text": f"transfer not measured beyond hidden {BASE_HIDDEN}{why}: {target} is outside the calibrated scale"}  # fmt: skip
+        if entry is None:
+            said = f"transfer not measured beyond hidden {BASE_HIDDEN}"
+        else:  # points too few for a slope: where they lie, and why no slope
+            said = (f"transfer not fitted (points at hidden {', '.join(map(str, entry['hidden']))} and "
+                    f"{', '.join(map(str, entry['layers']))} layers; {entry['reason']})")  # fmt: skip
+        return {"halfwidth": None, "measured": False, "text": f"{said}: {target} is outside the calibrated scale"}
     if hidden is None or layers is None:
         return {"halfwidth": None, "measured": True, "text": "target scale unknown"}
     distance = {"log2_hidden": math.log2(hidden / BASE_HIDDEN), "log2_layers": math.log2(layers / BASE_LAYERS)}

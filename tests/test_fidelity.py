@@ -320,12 +320,14 @@ def test_portable_numerics_make_the_same_models_whatever_kernels_the_parent_runs
     compatible branch, two threads: what another kind of CPU would pick) makes the same bytes, and a
     grid's points carry over between such machines. The setting stamps the work directory, not the
     grid's key (the points' fingerprints tell which models they were measured on)."""
+    from dataclasses import replace
+
     from planner.checkpoint import Checkpoint
     from planner.fidelity.grid import Grid, prepare
 
     grid = Grid(families=("qwen3_moe",), originals=1, recipes=("fp16-overflow",), kept_fractions=(0.5,), methods=("agglomerative",),
                 random_draws=1, calib_tokens=128, dense_steps=5, moe_steps=5, controls=("mis-sliced",), numerics="portable")  # fmt: skip
-    assert grid.key() == Grid(**{**grid.__dict__, "numerics": "native"}).key()
+    assert grid.key() == replace(grid, numerics="native").key()
     path = tmp_path / "grid.yaml"
     path.write_text(grid.to_yaml())
     here = {key: Checkpoint(r["path"]).fingerprint() for key, r in prepare(grid, tmp_path / "here").items()}
@@ -339,7 +341,7 @@ def test_portable_numerics_make_the_same_models_whatever_kernels_the_parent_runs
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.splitlines()[-1]) == here
     with pytest.raises(SpecError, match="other grid settings"):  # native models do not join a portable work directory
-        prepare(Grid(**{**grid.__dict__, "numerics": "native"}), tmp_path / "here")
+        prepare(replace(grid, numerics="native"), tmp_path / "here")
 
 
 @pytest.mark.slow

@@ -250,7 +250,7 @@ def calibrate_run(grid_path, storage, workers, workdir, results, output, merge, 
             raise SpecError(f"--workers must be at least 1, got {workers}")
         grid = Grid.load(grid_path)
         if recipes:
-            grid = grid.only([r.strip() for r in recipes.split(",") if r.strip()])
+            grid = grid.only(recipes)
         run(grid, grid_path, storage, Path(workdir), workers, out, say=lambda s: click.echo(s, err=True),
             results=Path(results) if results else None, merge=merge, measured_only=measured_only)  # fmt: skip
 
@@ -273,7 +273,7 @@ def calibrate_status(grid_path, storage, workdir, recipes, as_json) -> None:
             raise SpecError(f"{workdir} holds no prepared grid (no models.json); pass the --workdir of `calibrate run`")
         grid = Grid.load(grid_path)
         if recipes:
-            grid = grid.only([r.strip() for r in recipes.split(",") if r.strip()])
+            grid = grid.only(recipes)
         rows = progress(storage, grid, Path(workdir))
         if as_json:
             return emit_json(rows)

@@ -151,13 +151,17 @@ class Grid:
     def load(cls, path: str | Path | None) -> "Grid":
         if path is None:
             return cls()
-        data = read_yaml(path, "grid") or {}
+        return cls.from_mapping(read_yaml(path, "grid") or {}, str(path))
+
+    @classmethod
+    def from_mapping(cls, data: Any, source: str) -> "Grid":
+        """A grid from its YAML's mapping (each setting cast to its field's type); SOURCE names it in errors."""
         if not isinstance(data, dict):
-            raise SpecError(f"{path}: a grid file is a mapping of setting -> value")
+            raise SpecError(f"{source}: a grid file is a mapping of setting -> value")
         kinds = {f.name: f for f in fields(cls)}
         unknown = [k for k in data if k not in kinds]
         if unknown:
-            raise SpecError(f"{path}: unknown key(s) {unknown}; allowed: {', '.join(kinds)}")
+            raise SpecError(f"{source}: unknown key(s) {unknown}; allowed: {', '.join(kinds)}")
         values = {}
         for key, value in data.items():
             default = kinds[key].default
@@ -168,12 +172,15 @@ class Grid:
                 else:
                     values[key] = type(default)(value)
             except (TypeError, ValueError):
-                raise SpecError(f"{path}: {key}: {value!r} is not a valid {type(default).__name__}") from None
+                raise SpecError(f"{source}: {key}: {value!r} is not a valid {type(default).__name__}") from None
         return cls(**values)
 
-    def only(self, recipes: list[str]) -> "Grid":
+    def only(self, recipes: list[str] | str) -> "Grid":
         """The same grid measuring only `recipes` (some of its own, in its order): the studies and
-        results are the same, since the recipe list is not part of the grid's key."""
+        results are the same, since the recipe list is not part of the grid's key. A string is the
+        comma-separated list `--recipes` takes."""
+        if isinstance(recipes, str):
+            recipes = [r.strip() for r in recipes.split(",") if r.strip()]
         unknown = [r for r in recipes if r not in self.recipes]
         if unknown or not recipes:
             raise SpecError(f"--recipes {','.join(recipes) or '(none)'}: the grid measures {', '.join(self.recipes)}; "
@@ -731,8 +738,8 @@ if __name__ == "__main__":  # a worker: python -m planner.fidelity.grid STORAGE 
 
     transformers.utils.logging.disable_progress_bar()
     if sys.argv[1] == "--prepare":  # one original, portably (_prepare_portable): the grid's YAML on stdin, the records out
-        yaml_grid = Grid(**{k: tuple(v) if isinstance(v, list) else v for k, v in yaml.safe_load(sys.stdin.read()).items()})
-        print(json.dumps(_prepare_original(yaml_grid, sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))))
+        print(json.dumps(_prepare_original(Grid.from_mapping(yaml.safe_load(sys.stdin.read()), "stdin"), sys.argv[2], int(sys.argv[3]),
+                                           Path(sys.argv[4]))))  # fmt: skip
         sys.exit(0)
     url, directory, which = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     given = sys.argv[4:7]
@@ -740,7 +747,7 @@ if __name__ == "__main__":  # a worker: python -m planner.fidelity.grid STORAGE 
     try:
         grid = Grid.load(None if grid_arg == "-" else grid_arg)
         if recipes_arg:  # the recipes this run measures (a subset of the grid's; the studies are the same)
-            grid = grid.only(recipes_arg.split(","))
+            grid = grid.only(recipes_arg)
         run_phase(url, grid, directory, which, None if results_arg == "-" else Path(results_arg))
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)

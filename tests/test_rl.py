@@ -217,3 +217,52 @@ def test_router_collapse_detector_and_balance_loss_do_not_depend_on_k(rl_model, 
     dense = GRPO(tmp_path / "k4", collapse.config(2.0, seed=0, steps=2)).run()  # the strongest anti-balance push of the bracket
     assert all(r["aux_loss"] == 0.0 and math.isnan(r["collapse_max"]) and r["topk_share_max"] == pytest.approx(1.0) for r in dense)
     assert collapse.onset(dense) is None
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3-e256", "gpt_oss-e32", "nemotron_h-e128"])
+def test_fast_eager_experts_train_bitwise_as_transformers_eager(family):
+    """The unbind hooks change the time of a training step through the eager experts, never its
+    values: the same weights after two AdamW steps, with gated, biased and gate-less experts."""
+    import torch
+    import transformers
+
+    from planner.families import family_config
+    from planner.rl.experts import fast_eager_experts
+
+    config = transformers.AutoConfig.for_model(**family_config(family))
+
+    def trained(fast: bool) -> dict:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+        if fast:
+            assert fast_eager_experts(model) == sum(hasattr(m, "_is_expert_parallel") for m in model.modules()) > 0
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x = torch.randint(0, 256, (4, 32), generator=gen)
+            opt.zero_grad(set_to_none=True)
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+        with torch.no_grad():  # no hook's view outlives a pass, with or without gradients
+            model(input_ids=x)
+        assert not any(type(v).__name__ == "_Rows" for m in model.modules() for v in vars(m).values())
+        return model.state_dict()
+
+    fast, eager = trained(True), trained(False)
+    assert fast.keys() == eager.keys() and all(torch.equal(fast[k], eager[k]) for k in eager)
+
+
+def test_fast_eager_experts_release_the_rows_when_a_forward_raises():
+    import torch
+    import transformers
+
+    from planner.families import family_config
+    from planner.rl.experts import fast_eager_experts
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**family_config("qwen3_moe-e128")),
+                                                          experts_implementation="eager")  # fmt: skip
+    fast_eager_experts(model)
+    experts = next(m for m in model.modules() if hasattr(m, "_is_expert_parallel"))
+    with pytest.raises(RuntimeError):  # an expert index past E
+        experts(torch.zeros(3, model.config.hidden_size), torch.full((3, 8), 999), torch.ones(3, 8))
+    assert "gate_up_proj" not in vars(experts) and isinstance(experts.gate_up_proj, torch.nn.Parameter)

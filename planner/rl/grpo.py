@@ -10,8 +10,8 @@ gradient clipping; bf16 or fp16 autocast (fp16 with a static or dynamic loss sca
 non-finite loss or gradient skips the update (`nonfinite`; under fp16 also an `overflow`).
 Everything is seeded; on CPU with one thread a run repeats exactly.
 
-Under fp16 the policy runs transformers' eager per-expert path: on CPU, fp16 backward through
-grouped_mm fails.
+Under fp16 the policy runs transformers' eager per-expert path (on CPU, fp16 backward through
+grouped_mm fails), hooked by planner.rl.experts so that its backward does not grow with E squared.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from planner.files import write_csv_atomic, write_text_atomic
 from planner.hf import require_torch
 from planner.rl.corpus import prompt_windows
 from planner.rl.device import Device
+from planner.rl.experts import fast_eager_experts
 
 __all__ = ["RLConfig", "GRPO", "Models", "reward_lowercase", "write_metrics", "read_metrics"]
 
@@ -154,6 +155,8 @@ class Models:
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 self.path, dtype=torch.float32, local_files_only=True, use_safetensors=True, **kwargs
             ).to(self.device.name)
+            if experts == "eager":
+                fast_eager_experts(model)
             if self.initial is None:
                 self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
             self._models[key] = model

@@ -21,6 +21,7 @@ import numpy as np
 from planner.families import arch_family, family_config
 from planner.hf import require_torch
 from planner.rl.corpus import split_bytes
+from planner.rl.experts import fast_eager_experts
 
 __all__ = ["ModelRecipe", "make_model", "expert_similarity"]
 
@@ -98,6 +99,7 @@ def make_model(family: str, out_dir: Path, recipe: ModelRecipe = ModelRecipe(),
     if fam.grouped:
         dense_cfg.update(n_group=1, topk_group=1)
     dense = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**dense_cfg), experts_implementation="eager")
+    fast_eager_experts(dense)
     dense_losses = _train(dense, recipe.dense_steps, recipe, recipe.seed, progress and (lambda d, t: progress("dense", d, t)), device)
     dense.to("cpu")
     moe = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config), experts_implementation="eager")
@@ -112,6 +114,7 @@ def make_model(family: str, out_dir: Path, recipe: ModelRecipe = ModelRecipe(),
                 param.copy_(source[index] + noise)
             elif source is not None and source.shape == param.shape:
                 param.copy_(source)
+    fast_eager_experts(moe)
     moe_losses = _train(moe, recipe.moe_steps, recipe, recipe.seed + 2, progress and (lambda d, t: progress("moe", d, t)), device)
     moe.to("cpu").eval()
     out_dir = Path(out_dir)

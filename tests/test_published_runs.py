@@ -194,3 +194,25 @@ def test_every_published_run_clears_the_default_memory_margin_and_its_host_memor
     for run, row in zip(runs, rows):
         assert row["train_free"] >= DEFAULT_MEMORY_MARGIN and row["host_bytes_per_node"] <= row["host_limit_bytes_per_node"], row
         assert evaluate(load_model(run.model), load_accelerator(run.hardware), run.job, run.devices).feasible, run.id
+
+
+def test_rows_read_from_nemo_rl_recipes_are_the_recipes_jobs():
+    """Each validation row whose job was read by `planner job --from nemo-rl` from a vendored r0.6.0
+    recipe is that recipe's job but for what a config cannot hold (mean lengths and the layers per
+    pipeline stage), and names the recipe's device count."""
+    from dataclasses import replace
+
+    from planner.runs.trainers import job_from
+
+    recipes = Path(__file__).parent / "data" / "nemo-rl-r0.6.0" / "examples" / "configs" / "recipes" / "llm" / "performance"
+    checked = []
+    for run in load_runs(section="validation"):
+        named = [m.group(1) for s in run.sources for m in [re.search(r"performance/([\w.-]+\.yaml)", s)] if m]
+        if "read by `planner job --from nemo-rl`" not in run.assumed.get("job", "") or not named:
+            continue
+        job, cards, _ = job_from("nemo-rl", recipes / named[0])
+        expected = replace(job, prompt_tokens=run.job.prompt_tokens, response_tokens=run.job.response_tokens,
+                           train_layout=replace(job.train_layout, pipeline_layers=run.job.train_layout.pipeline_layers))  # fmt: skip
+        assert (cards, replace(expected, trainer=None)) == (run.devices, replace(run.job, trainer=None)), run.id
+        checked.append(run.id)
+    assert {"dsv3-gb200-256", "dsv3-h100-512-fp8-1off", "qwen3-30b-gb200-16-1off"} <= set(checked)

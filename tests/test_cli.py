@@ -170,7 +170,7 @@ def test_invalid_layout_names_every_factor(tmp_path):
     assert result.exit_code == 2
     out = result.output
     assert "tp=3 does not divide the 32 attention heads" in out
-    assert "tp=3 does not divide the 4 kv heads" in out
+    assert "tp=3 neither divides nor is a multiple of the 4 kv heads" in out
     assert "tp*pp*cp = 3*3*1 = 9 does not divide 16 devices" in out
     assert "ep=5 does not divide K=128 experts" in out
 

@@ -1,7 +1,10 @@
 """Parallel layouts as the frameworks accept them, as arrays for vectorised evaluation.
 
 Training (Megatron-Core rules): world = tp*pp*cp*dp; tp divides the attention heads and, for GQA,
-the kv heads (num_query_groups % tp == 0); pp <= layers; when pp does not divide the layers, stages
+either divides the kv heads or is a multiple of them (Megatron-Core 0.16 and later sub-shard the QKV
+activations when tp exceeds the query groups, PR #2565: NeMo RL ran Nemotron-3-Nano's 2 kv heads at
+TP8; older cores, as MindSpeed's, need num_query_groups % tp == 0, and the search proposes only such
+layouts, which every backend accepts); pp <= layers; when pp does not divide the layers, stages
 get floor/ceil shares (MindSpeed's pipeline_num_transformer_layers list expresses any such split,
 Megatron-Core's first/last-stage layer counts some of them) and the result says so; expert
 parallelism borrows ranks from tp*cp*dp (ep*etp divides it) and ep divides the expert count K;
@@ -128,8 +131,9 @@ def train_layout_problems(arch: Architecture, devices: int, lay: TrainLayout) ->
     out = []
     if a.num_heads % lay.tp:
         out.append(f"tp={lay.tp} does not divide the {a.num_heads} attention heads")
-    if a.kind == "gqa" and a.num_kv_heads % lay.tp:
-        out.append(f"tp={lay.tp} does not divide the {a.num_kv_heads} kv heads (num_query_groups % tp must be 0)")
+    if a.kind == "gqa" and a.num_kv_heads % lay.tp and lay.tp % a.num_kv_heads:
+        out.append(f"tp={lay.tp} neither divides nor is a multiple of the {a.num_kv_heads} kv heads (Megatron-Core: "
+                   "num_query_groups % tp == 0, or tp % num_query_groups == 0 from core 0.16)")  # fmt: skip
     model_par = lay.tp * lay.pp * lay.cp
     if devices % model_par:
         out.append(f"tp*pp*cp = {lay.tp}*{lay.pp}*{lay.cp} = {model_par} does not divide {devices} devices")
@@ -194,7 +198,8 @@ def enumerate_train(
     arch: Architecture, devices: int, *, max_tp: int, max_cp: int = 1, max_pp: int = MAX_SEARCH_PP
 ) -> TrainCandidates:
     """Every valid training layout on `devices` with tp and cp powers of two within the scale-up
-    domain, etp 1 or tp, pp up to `max_pp` and the layer count; built with array masks."""
+    domain, dividing the kv heads (the rule every Megatron-Core accepts), etp 1 or tp, pp up to
+    `max_pp` and the layer count; built with array masks."""
     a, k = arch.attention, arch.moe.num_experts
     heads = a.num_kv_heads if a.kind == "gqa" else a.num_heads
     tps = [t for t in _pow2_upto(min(max_tp, devices)) if a.num_heads % t == 0 and heads % t == 0]

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN
-from planner.cost.fit import fit_all, load_runs, memory_headroom, residual_table, update_mfu_checks, validation_effects, weight_sync_checks
+from planner.cost.fit import (expressed_rows, fit_all, load_runs, memory_headroom, residual_table, update_mfu_checks, validation_effects,
+                              weight_sync_checks)
 from planner.cost.knobs import knobs_path, load_knobs
 from planner.render import table
 from planner.summary import fmt_ratio, published_fit_rows, published_fit_summary, render_published_fit
@@ -73,7 +74,14 @@ def main() -> None:
     lines += ["", "Each row's effect against the fitted run it varies (its time over the base run's, published and predicted):", "",
               "| row | against | phase | published | predicted |", "|---|---|---|---:|---:|"]
     lines += [f"| {e['run']} | {e['base']} | {e['phase']} | {e['published']:.3f} | {e['predicted']:.3f} |" for e in effects]
-    headroom = memory_headroom(load_runs() + validation)
+    expressed = expressed_rows()
+    print()
+    print(table(["expressed row (not predicted)", "published step s", "training phases s", "share of the step"],
+                [[e["run"], e["published_step_s"], e["training_s"], f"{e['training_share']:.1%}"] for e in expressed]))
+    lines += ["", "## Expressed, not predicted (the model accepts the job; part of its step has no term in the model)", "",
+              "| row | published step s | training phases predicted s | share of the step | not modelled |", "|---|---:|---:|---:|---|"]
+    lines += [f"| {e['run']} | {e['published_step_s']} | {e['training_s']} | {e['training_share']:.1%} | {e['not_modelled']} |" for e in expressed]
+    headroom = memory_headroom(load_runs() + validation + load_runs(section="expressed"))
     gib = 2.0**30
     cells = [[h["run"], h["hardware"], h["devices"], f"{h['train_peak_bytes'] / gib:.1f}", f"{h['usable_bytes'] / gib:.1f}",
               f"{h['train_free']:.1%}", "yes" if h["train_free"] >= DEFAULT_MEMORY_MARGIN else "NO", f"{h['rollout_bytes'] / gib:.1f}",

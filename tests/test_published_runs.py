@@ -188,7 +188,7 @@ def test_every_published_run_clears_the_default_memory_margin_and_its_host_memor
     from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN, evaluate
     from planner.cost.fit import memory_headroom
 
-    runs = load_runs() + load_runs(section="validation")
+    runs = load_runs() + load_runs(section="validation") + load_runs(section="expressed")
     rows = memory_headroom(runs)
     assert [r["run"] for r in rows] == [r.id for r in runs]
     for run, row in zip(runs, rows):
@@ -197,22 +197,35 @@ def test_every_published_run_clears_the_default_memory_margin_and_its_host_memor
 
 
 def test_rows_read_from_nemo_rl_recipes_are_the_recipes_jobs():
-    """Each validation row whose job was read by `planner job --from nemo-rl` from a vendored r0.6.0
-    recipe is that recipe's job but for what a config cannot hold (mean lengths and the layers per
+    """Each validation or expressed row whose job was read by `planner job --from nemo-rl` from a
+    vendored recipe (r0.6.0, or the super-v3 branch's) is that recipe's job but for what a config cannot hold (mean lengths and the layers per
     pipeline stage), and names the recipe's device count."""
     from dataclasses import replace
 
     from planner.runs.trainers import job_from
 
-    recipes = Path(__file__).parent / "data" / "nemo-rl-r0.6.0" / "examples" / "configs" / "recipes" / "llm" / "performance"
+    data = Path(__file__).parent / "data"
     checked = []
-    for run in load_runs(section="validation"):
-        named = [m.group(1) for s in run.sources for m in [re.search(r"performance/([\w.-]+\.yaml)", s)] if m]
+    for run in load_runs(section="validation") + load_runs(section="expressed"):
+        named = [m.groups() for s in run.sources for m in [re.search(r"\((super-v3)\).*performance/([\w.-]+\.yaml)|performance/([\w.-]+\.yaml)", s)] if m]
         if "read by `planner job --from nemo-rl`" not in run.assumed.get("job", "") or not named:
             continue
-        job, cards, _ = job_from("nemo-rl", recipes / named[0])
+        branch, on_branch, on_release = named[0]
+        folder = data / ("nemo-rl-super-v3" if branch else "nemo-rl-r0.6.0") / "examples" / "configs" / "recipes" / "llm" / "performance"
+        job, cards, _ = job_from("nemo-rl", folder / (on_branch or on_release))
         expected = replace(job, prompt_tokens=run.job.prompt_tokens, response_tokens=run.job.response_tokens,
                            train_layout=replace(job.train_layout, pipeline_layers=run.job.train_layout.pipeline_layers))  # fmt: skip
         assert (cards, replace(expected, trainer=None)) == (run.devices, replace(run.job, trainer=None)), run.id
         checked.append(run.id)
-    assert {"dsv3-gb200-256", "dsv3-h100-512-fp8-1off", "qwen3-30b-gb200-16-1off"} <= set(checked)
+    assert {"dsv3-gb200-256", "dsv3-h100-512-fp8-1off", "qwen3-30b-gb200-16-1off", "nano-swe-h100-128-1off"} <= set(checked)
+
+
+def test_an_expressed_row_gives_its_training_phases_and_no_step():
+    """NeMo RL's Nemotron-3-Nano SWE agent row: the job is accepted at its layout (TP8 over 2 kv
+    heads), its training phases are predicted, and no step is: the agent loop has no term."""
+    from planner.cost.fit import expressed_rows
+
+    (row,) = expressed_rows()
+    assert row["run"] == "nano-swe-h100-128-1off" and row["feasible"] and "agent loop" in row["not_modelled"]
+    assert 0 < row["training_s"] < row["published_step_s"] and row["training_share"] == pytest.approx(row["training_s"] / 430.0, abs=1e-4)
+    assert "nano-swe-h100-128-1off" not in {r["run"] for r in residual_table(load_runs(section="validation"), stored_knobs())}

@@ -59,6 +59,7 @@ class PublishedRun:
     assumed: dict[str, str]
     switch_in: str = "step"  # where the published times count the switch: one of SWITCH_IN
     base: str | None = None  # a validation row: the fitted run it varies (its effect is the ratio of the two)
+    not_modelled: str = ""  # an `expressed` row: the part of its step the cost model has no term for
 
     @property
     def family(self) -> str:
@@ -70,8 +71,9 @@ def runs_path() -> Path:
 
 
 def load_runs(path: str | Path | None = None, section: str = "runs") -> list[PublishedRun]:
-    """The published runs the knobs are fitted to (`runs`), or the rows that only check them
-    (`validation`)."""
+    """The published runs the knobs are fitted to (`runs`), the rows that only check them
+    (`validation`), or those the cost model accepts as jobs but cannot predict (`expressed`: part of
+    their step has no term in the model, named in `not_modelled`)."""
     from planner.errors import SpecError
     from planner.files import read_yaml
 
@@ -98,6 +100,7 @@ def load_runs(path: str | Path | None = None, section: str = "runs") -> list[Pub
                 assumed=dict(r.get("assumed", {})),
                 switch_in=_switch_in(r, where),
                 base=r.get("base"),
+                not_modelled=str(r.get("not_modelled", "")),
             )
         )
     return out
@@ -275,6 +278,25 @@ def memory_headroom(runs: list[PublishedRun]) -> list[dict[str, Any]]:
             "rollout_bytes": memory["rollout"]["total"], "host_bytes_per_node": result.host_memory_bytes_per_node,
             "host_limit_bytes_per_node": result.host_memory_limit_bytes_per_node,
         })  # fmt: skip
+    return rows
+
+
+TRAINING_PHASES = ("reference", "old_logprob", "update")
+
+
+def expressed_rows(path: str | Path | None = None) -> list[dict[str, Any]]:
+    """The `expressed` rows: each job at its published layout and device count, the training
+    phases the model predicts for it and their share of the published step (the rest is what the
+    row's `not_modelled` names), never a predicted step."""
+    from planner.cost.knobs import load_knobs
+
+    rows = []
+    for run in load_runs(path, section="expressed"):
+        result = predict(run, load_knobs(run.family))
+        training = sum(result.phase_times_s.get(p, 0.0) for p in TRAINING_PHASES) if result.feasible else math.inf
+        rows.append({"run": run.id, "published_step_s": run.published["step"], "feasible": result.feasible,
+                     "training_s": round(training, 2), "training_share": round(training / run.published["step"], 4),
+                     "not_modelled": run.not_modelled})  # fmt: skip
     return rows
 
 

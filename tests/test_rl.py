@@ -135,6 +135,41 @@ def test_margin_brackets_the_critical_knob(models, name):
             assert fires(value + resolution) and not fires(value - resolution)
 
 
+def test_overflow_probe_reuses_the_forward_bit_for_bit(models):
+    """critical_knob's fp16 bisection runs one forward per seed and a backward per knob: each knob's
+    gradients are those of a fresh forward and backward, bit for bit, below and above the crossing."""
+    import torch
+
+    from planner.rl.grpo import GRPO
+    from planner.rl.recipes import recipe
+
+    r = recipe("fp16-overflow")
+    trainer = GRPO(models, r.config(r.lo, seed=0, **SMALL))
+    batch = trainer._batch(0)
+    shared = trainer.overflow_probe(batch)
+    params = [(n, p) for n, p in trainer.policy.named_parameters() if p.requires_grad]
+
+    def grads(probe, knob):
+        seen: dict = {}
+        hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: seen.__setitem__(n, p.grad.clone())) for n, p in params]
+        try:
+            fault = probe(knob)
+        finally:
+            for h in hooks:
+                h.remove()
+        return fault, seen
+
+    faults = set()
+    for knob in (r.hi, r.lo, 0.5 * (r.lo + r.hi), r.hi):  # out of order, and one knob twice
+        fault, kept = grads(shared, knob)
+        fresh_fault, fresh = grads(trainer.overflow_probe(batch), knob)
+        assert fault == fresh_fault == trainer.probe_overflow(batch, knob)
+        assert kept.keys() == fresh.keys() and len(kept) == len(params)
+        assert all(torch.equal(kept[n].view(torch.int32), fresh[n].view(torch.int32)) for n in kept)  # NaN and inf bits too
+        faults.add(fault)
+    assert faults == {True, False}  # both sides of the crossing were compared
+
+
 @pytest.mark.slow
 def test_margin_brackets_a_dynamic_recipe(models):
     """entropy collapse: each bisection probe is a short GRPO run (seeded, so a re-run repeats it)."""

@@ -83,10 +83,7 @@ def critical_knob(models: Models, recipe: Recipe, seeds: list[int], *, iters: in
     for seed in seeds:
         if recipe.name == "fp16-overflow":
             trainer = GRPO(models, recipe.config(recipe.lo, seed=seed, **extra))
-            batch = trainer._batch(seed)
-
-            def fault(knob, trainer=trainer, batch=batch):
-                return trainer.probe_overflow(batch, knob)
+            fault = trainer.overflow_probe(trainer._batch(seed))  # one forward, a backward per knob
 
         elif recipe.name == "rollout-mismatch":
 

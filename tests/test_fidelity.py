@@ -611,7 +611,7 @@ def test_a_grid_run_a_recipe_at_a_time_fills_the_same_studies_and_merges(mini_gr
     assert first.exit_code == 0, first.output
     assert {r["recipe"] for r in read_dataset(out)} == {"fp16-overflow"}
     assert _trials(storage, grid.only(["rollout-mismatch"]), "proxies") == []  # nothing of the other recipe was measured
-    fp16 = read_dataset(out)
+    fp16, fp16_lines = read_dataset(out), out.read_text().splitlines()
     second = run_cli("calibrate", "run", "--grid", path, "--storage", storage, "--workdir", work, "-o", out, "--recipes", "rollout-mismatch",
                      "--merge")  # fmt: skip
     assert second.exit_code == 0, second.output
@@ -619,6 +619,7 @@ def test_a_grid_run_a_recipe_at_a_time_fills_the_same_studies_and_merges(mini_gr
     assert sorted(r["recipe"] for r in both) == ["fp16-overflow"] * 2 + ["rollout-mismatch"] * 2
     same = lambda rows: json.dumps(rows, sort_keys=True)  # noqa: E731  (NaN labels compare equal as text)
     assert same([r for r in both if r["recipe"] == "fp16-overflow"]) == same(fp16)
+    assert set(fp16_lines) <= set(out.read_text().splitlines())  # the kept rows written back as they were read, integers too
     meta = json.loads(out.with_suffix(".json").read_text())
     assert sorted(n["recipe"] for n in meta["noise_floor"]) == ["fp16-overflow", "rollout-mismatch"]
     assert [g["grid"]["recipes"] for g in meta["grids"]] == [["fp16-overflow"], ["rollout-mismatch"]]  # both runs' commands

@@ -149,8 +149,8 @@ def read_dataset(path: Path) -> list[dict]:
                 if k in TEXT_COLUMNS:
                     row[k] = v
                 else:
-                    try:
-                        row[k] = float(v) if v != "" else float("nan")
+                    try:  # an integer stays one, so rows kept by a merge are written back as they were read
+                        row[k] = float("nan") if v == "" else int(v) if v.lstrip("-").isdigit() else float(v)
                     except ValueError:
                         row[k] = v
             rows.append(row)

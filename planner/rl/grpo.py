@@ -425,8 +425,8 @@ class GRPO:
         """probe_overflow of one batch at many scales: the forward pass and the loss are computed once
         and their graph kept, and each call runs the backward of the loss scaled by 2^scale_log2. The
         forward does not depend on the scale and is deterministic, so each call's gradients are the
-        ones a fresh forward would give, bit for bit (tests/test_rl.py checks it), at 40% less time
-        per probe on the calibration models."""
+        ones a fresh forward would give, bit for bit (tests/test_rl.py checks it); a bisection runs
+        3.5x faster on a 512-expert calibration proxy, 1.6-2.4x on the 16-256-expert ones."""
         torch, cfg = self.torch, self.cfg
         ids, _, rewards = batch
         adv = self._advantages(rewards)

@@ -563,21 +563,50 @@ def test_running_a_dynamic_recipe_on_more_originals_keeps_the_measured_studies()
     assert len(grid_units(one, records, "fp16-overflow", "originals")) == 6  # static recipes run on every original
 
 
-def test_variance_components_fall_back_to_anova_which_equals_reml_on_balanced_groups():
-    """Where MixedLM's information matrix is singular, the between/within SDs come from the one-way
-    ANOVA method of moments; on a balanced design with a positive between-group variance the two
-    are the same estimator (REML = ANOVA there), so they agree on planted data."""
-    from planner.fidelity.learners import _anova_components, _variance_components
+def _reml_loglik(y: np.ndarray, groups: np.ndarray, between: float, within: float) -> float:
+    """The REML log-likelihood of a random intercept per group, from its definition (dense matrices)."""
+    z = (groups[:, None] == np.unique(groups)[None]).astype(float)
+    v = within**2 * np.eye(len(y)) + between**2 * z @ z.T
+    vi, x = np.linalg.inv(v), np.ones((len(y), 1))
+    xvx = x.T @ vi @ x
+    r = y - x @ np.linalg.solve(xvx, x.T @ vi @ y)
+    return -0.5 * (np.linalg.slogdet(v)[1] + np.linalg.slogdet(xvx)[1] + r @ vi @ r)
+
+
+def test_variance_components_are_the_reml_optimum():
+    """The between/within SDs maximise the REML likelihood (checked from its definition): on balanced
+    groups they are the one-way ANOVA estimates (REML = ANOVA there); statsmodels' MixedLM reaches the
+    same point inside the parameter space and nowhere a higher likelihood (near the boundary its
+    optimiser stops short)."""
+    import warnings
+
+    from statsmodels.regression.mixed_linear_model import MixedLM
+
+    from planner.fidelity.learners import _variance_components
 
     rng = np.random.default_rng(0)
     groups = np.repeat(np.arange(6), 20)
     y = rng.normal(0.0, 0.5, 6)[groups] + rng.normal(0.0, 0.2, groups.size)  # between SD 0.5, within 0.2
-    reml, anova = _variance_components(y, groups), _anova_components(y, groups)
-    assert anova == pytest.approx(reml, rel=1e-3)
-    assert 0.15 < anova[1] < 0.25  # the within SD planted
-    # identical groups: no between-group variance, and the within SD is the rows' own
-    flat = np.tile(np.array([0.1, -0.1]), 6)
-    assert _anova_components(flat, np.repeat(np.arange(3), 4))[0] == 0.0
+    means = y.reshape(6, 20).mean(1)
+    msw = ((y.reshape(6, 20) - means[:, None]) ** 2).sum() / (120 - 6)
+    msb = 20 * ((means - y.mean()) ** 2).sum() / 5
+    assert _variance_components(y, groups) == pytest.approx((np.sqrt((msb - msw) / 20), np.sqrt(msw)), rel=1e-6)
+    for seed, between in ((1, 1.0), (2, 0.3), (3, 0.05), (4, 0.0)):
+        r = np.random.default_rng(seed)
+        g = r.integers(0, 8, 90)  # unbalanced
+        y = r.normal(0.0, between, 8)[g] + r.normal(0.0, 0.5, g.size)
+        b, w = _variance_components(y, g)
+        best = _reml_loglik(y, g, b, w)
+        for db, dw in ((0.01, 0), (-0.01, 0), (0, 0.01), (0, -0.01)):
+            if b + db >= 0:
+                assert _reml_loglik(y, g, b + db, w + dw) < best + 1e-9
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit = MixedLM(y, np.ones((g.size, 1)), groups=g).fit(reml=True)
+        sm = (np.sqrt(max(float(np.asarray(fit.cov_re)[0, 0]), 0.0)), np.sqrt(fit.scale))
+        assert _reml_loglik(y, g, *sm) <= best + 1e-9
+        if between >= 0.3:
+            assert (b, w) == pytest.approx(sm, rel=1e-3)
 
 
 def test_a_between_original_variance_on_the_boundary_is_exactly_zero():
@@ -589,7 +618,7 @@ def test_a_between_original_variance_on_the_boundary_is_exactly_zero():
     within = np.random.default_rng(1).normal(0.0, 0.3, 8)
     y = np.tile(within - within.mean(), 5)  # every original's residuals alike: no spread between them
     between, sd = _variance_components(y, groups)
-    assert between == 0.0 and sd == pytest.approx(np.std(y, ddof=1), rel=1e-3)  # REML with no groups: the sample SD
+    assert between == 0.0 and sd == pytest.approx(np.std(y, ddof=1), rel=1e-12)  # REML with no groups: the sample SD
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -186,13 +186,19 @@ class _Evaluator:
         if self.job.train_layout is not None:
             check_train_layout(self.arch, devices, self.job.train_layout)
             return TrainCandidates.single(devices, self.job.train_layout)
-        return enumerate_train(self.arch, devices, max_tp=_max_tp(self.accel), max_cp=_max_cp(self.job))
+        cache = self.__dict__.setdefault("_train_candidates", {})
+        if devices not in cache:
+            cache[devices] = enumerate_train(self.arch, devices, max_tp=_max_tp(self.accel), max_cp=_max_cp(self.job))
+        return cache[devices]
 
     def rollout_candidates(self, devices: int) -> RolloutCandidates:
         if self.job.rollout_layout is not None:
             check_rollout_layout(self.arch, devices, self.job.rollout_layout)
             return RolloutCandidates.single(devices, self.job.rollout_layout)
-        return enumerate_rollout(self.arch, devices, max_tp=_max_tp(self.accel))
+        cache = self.__dict__.setdefault("_rollout_candidates", {})
+        if devices not in cache:
+            cache[devices] = enumerate_rollout(self.arch, devices, max_tp=_max_tp(self.accel))
+        return cache[devices]
 
     def run(self, devices: int) -> CostResult:
         accel = self.accel
@@ -263,12 +269,10 @@ class _Evaluator:
         reasons = self._no_layouts(tc, train_devices, rc, rollout_devices)
         if reasons:
             return self._infeasible(devices, [where + r for r in reasons], len(tc) + len(rc))
-        te = m.train(tc)
-        ti, reasons = self._fit_train(tc, te, te.update_s + te.reference_s + te.old_logprob_s + te.values_s + te.switch_gather_s)
+        te, ti, reasons = self._pool_train(train_devices, tc)
         if ti is None:
             return self._infeasible(devices, [where + r for r in reasons], len(tc) + len(rc), self._train_layout(tc, reasons.best))
-        re = self._pool_rollout(rc)
-        ri, reasons = self._fit_rollout(rc, re, 0.0)
+        re, ri, reasons = self._pool_rollout_fit(rollout_devices, rc)
         if ri is None:
             return self._infeasible(devices, [where + r for r in reasons], len(tc) + len(rc), self._train_layout(tc, ti), rc.layout(reasons.best))
         phases = self._phases(te, ti, re, ri)
@@ -287,6 +291,23 @@ class _Evaluator:
         result = self._result(devices, tc, te, ti, rc, re, ri, phases, memory, overlap=overlap, pools=pools)
         result.notes.insert(0, self._pools_note(pools))
         return result
+
+    def _pool_train(self, devices: int, tc):
+        """A training pool's estimate and its fitting layout (or the reasons none fits), once per
+        pool size: the splits of every device count the search tries share their pool sizes."""
+        cache = self.__dict__.setdefault("_train_pools", {})
+        if devices not in cache:
+            te = self.model.train(tc)
+            cache[devices] = (te, *self._fit_train(tc, te, te.update_s + te.reference_s + te.old_logprob_s + te.values_s + te.switch_gather_s))
+        return cache[devices]
+
+    def _pool_rollout_fit(self, devices: int, rc):
+        """A rollout pool's estimate and its fitting layout (or the reasons none fits), once per pool size."""
+        cache = self.__dict__.setdefault("_rollout_pools", {})
+        if devices not in cache:
+            re = self._pool_rollout(rc)
+            cache[devices] = (re, *self._fit_rollout(rc, re, 0.0))
+        return cache[devices]
 
     def _pool_rollout(self, rc):
         """The rollout pool's time per step. With partial rollout the engine takes the sequences of up
@@ -611,9 +632,22 @@ def evaluate(arch: Architecture, accel: Accelerator, job: Job, devices: int, kno
              memory_margin: float = DEFAULT_MEMORY_MARGIN) -> CostResult:  # fmt: skip
     """Cost at `devices` devices, with the job's layouts or the best feasible ones (training phases
     leave `memory_margin` of usable memory free)."""
-    if devices < 1:
-        raise SpecError(f"--cards must be >= 1, got {devices}")
-    return _Evaluator(arch, accel, job, knobs, memory_margin).run(devices)
+    return evaluator(arch, accel, job, knobs, memory_margin=memory_margin)(devices)
+
+
+def evaluator(arch: Architecture, accel: Accelerator, job: Job, knobs: Knobs | None = None, *,
+              memory_margin: float = DEFAULT_MEMORY_MARGIN) -> Callable[[int], CostResult]:  # fmt: skip
+    """`evaluate` of one model, accelerator and job as a function of the device count, for callers
+    that try many counts: the layouts enumerated and the separate pools' estimates per pool size are
+    kept between calls (a search over counts and pool splits meets the same pool sizes again)."""
+    ev = _Evaluator(arch, accel, job, knobs, memory_margin)
+
+    def run(devices: int) -> CostResult:
+        if devices < 1:
+            raise SpecError(f"--cards must be >= 1, got {devices}")
+        return ev.run(devices)
+
+    return run
 
 
 def min_devices(

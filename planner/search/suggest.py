@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from planner.arch import Architecture
 from planner.catalog import load_accelerator, load_model_config
-from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN, CostResult, candidate_device_counts, evaluate, infeasible, min_devices
+from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN, CostResult, candidate_device_counts, evaluate, evaluator, infeasible, min_devices
 from planner.cost.hardware import Accelerator
 from planner.errors import PlannerError, SpecError
 from planner.search.budget import Budget, budget_kind, parse_budget
@@ -345,6 +345,7 @@ class Suggester:
         self.scales = job_scales(request.job, request.job_bounds, self.job_support, self.job_joint)
         self._onsets: dict[tuple[int, str], Onset] = {}
         self._costs: dict[tuple, CostResult] = {}
+        self._evaluators: dict[tuple, Any] = {}  # (experts, recompute, offload, scale) -> evaluate at a device count
         self._fidelity: dict[tuple, dict] = {}
         self._minimum: dict[int, CostResult | None] = {}
         limit = self.budget.max_devices if self.budget.max_devices is not None else request.max_devices
@@ -425,8 +426,11 @@ class Suggester:
             job = replace(JobScale.from_key(scale).apply(self.request.job), recompute=recompute)
             job = replace(job, colocated=False, offload=OFFLOADS["none"]) if offload == POOLS else replace(job, offload=OFFLOADS[offload])
             try:
-                self._costs[key] = evaluate(arch, self.accel, job, devices, memory_margin=self.request.memory_margin)
-            except PlannerError as exc:  # a job-fixed layout that cannot run on this count
+                run = self._evaluators.get(key[:1] + key[2:])
+                if run is None:  # one per proxy and job: it keeps what the device counts share
+                    run = self._evaluators[key[:1] + key[2:]] = evaluator(arch, self.accel, job, memory_margin=self.request.memory_margin)
+                self._costs[key] = run(devices)
+            except PlannerError as exc:  # a job that cannot run, or a job-fixed layout that cannot run on this count
                 self._costs[key] = infeasible(arch, self.accel, job, devices, [str(exc)])
         return self._costs[key]
 

@@ -184,7 +184,10 @@ class FidelityEstimator:
 
     @classmethod
     def fit(cls, rows: list[dict], *, info: dict | None = None, validate: bool = True,
-            transfer_points: list[dict] | None = None) -> "FidelityEstimator":  # fmt: skip
+            transfer_points: list[dict] | None = None, report: dict | None = None) -> "FidelityEstimator":  # fmt: skip
+        """Fit on `rows`; with `validate`, the gates come from leaving one original out
+        (planner.fidelity.validate.cross_validate), or from `report`, such a report of the same rows
+        made already."""
         from planner.fidelity.dataset import production_rows
         from planner.fidelity.labels import TOLERANCE_LOG2
         from planner.fidelity.learners import fit_shift
@@ -233,7 +236,7 @@ class FidelityEstimator:
         if validate:
             from planner.fidelity.validate import cross_validate, ke_gate, skill_gate
 
-            report = cross_validate(every, schemes=("original",))
+            report = report or cross_validate(every, schemes=("original",))
             for recipe, entry in recipes.items():
                 entry["job_holdout"] = report["recipes"][recipe]["job_holdout"]
                 entry["gate"] = skill_gate(report, recipe)

@@ -181,12 +181,18 @@ class _Evaluator:
         self.train_limit = self.usable * (1 - memory_margin)  # a safety margin left free in the training phases
         self.memory_margin = memory_margin
         self.host_limit = accel.host_memory_bytes_per_node * HOST_USABLE_FRACTION
+        # kept between device counts (see `evaluator`): layouts enumerated, and each separate pool's
+        # estimate and fitting layout, by device count
+        self._train_candidates: dict[int, TrainCandidates] = {}
+        self._rollout_candidates: dict[int, RolloutCandidates] = {}
+        self._train_pools: dict[int, tuple] = {}
+        self._rollout_pools: dict[int, tuple] = {}
 
     def train_candidates(self, devices: int) -> TrainCandidates:
         if self.job.train_layout is not None:
             check_train_layout(self.arch, devices, self.job.train_layout)
             return TrainCandidates.single(devices, self.job.train_layout)
-        cache = self.__dict__.setdefault("_train_candidates", {})
+        cache = self._train_candidates
         if devices not in cache:
             cache[devices] = enumerate_train(self.arch, devices, max_tp=_max_tp(self.accel), max_cp=_max_cp(self.job))
         return cache[devices]
@@ -195,7 +201,7 @@ class _Evaluator:
         if self.job.rollout_layout is not None:
             check_rollout_layout(self.arch, devices, self.job.rollout_layout)
             return RolloutCandidates.single(devices, self.job.rollout_layout)
-        cache = self.__dict__.setdefault("_rollout_candidates", {})
+        cache = self._rollout_candidates
         if devices not in cache:
             cache[devices] = enumerate_rollout(self.arch, devices, max_tp=_max_tp(self.accel))
         return cache[devices]
@@ -295,7 +301,7 @@ class _Evaluator:
     def _pool_train(self, devices: int, tc):
         """A training pool's estimate and its fitting layout (or the reasons none fits), once per
         pool size: the splits of every device count the search tries share their pool sizes."""
-        cache = self.__dict__.setdefault("_train_pools", {})
+        cache = self._train_pools
         if devices not in cache:
             te = self.model.train(tc)
             cache[devices] = (te, *self._fit_train(tc, te, te.update_s + te.reference_s + te.old_logprob_s + te.values_s + te.switch_gather_s))
@@ -303,7 +309,7 @@ class _Evaluator:
 
     def _pool_rollout_fit(self, devices: int, rc):
         """A rollout pool's estimate and its fitting layout (or the reasons none fits), once per pool size."""
-        cache = self.__dict__.setdefault("_rollout_pools", {})
+        cache = self._rollout_pools
         if devices not in cache:
             re = self._pool_rollout(rc)
             cache[devices] = (re, *self._fit_rollout(rc, re, 0.0))

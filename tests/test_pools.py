@@ -194,3 +194,19 @@ def test_suggest_proposes_separate_pools_where_they_beat_every_colocated_setting
     assert f"{best['step_time_s']:,.0f} s a step against {min(colocated):,.0f} s colocated" in best["placement"]
     assert "faster by" in best["placement"]
     assert all((p["placement"] is not None) == (p["offload"] == POOLS) for p in plans)
+
+
+def test_an_evaluator_kept_across_device_counts_gives_what_evaluate_gives(setup):
+    """`evaluator` keeps the layouts and each pool size's estimate between device counts (a search
+    over counts meets the same pool sizes again): every count, asked again and in another order,
+    gives the result a fresh `evaluate` gives."""
+    from planner.cost.evaluate import evaluator
+
+    arch, accel = setup
+    for job in (replace(JOB, colocated=False, max_staleness=1), JOB):
+        run = evaluator(arch, accel, job)
+        for devices in (16, 32, 24, 16, 32):
+            kept, fresh = run(devices), evaluate(arch, accel, job, devices)
+            assert kept.to_json() == fresh.to_json(), (job.colocated, devices)
+    with pytest.raises(SpecError, match="--cards must be >= 1"):
+        evaluator(arch, accel, JOB)(0)

@@ -38,17 +38,9 @@ def mixedlm_components(residuals, groups) -> tuple[float, float]:
     return (0.0 if between < BOUNDARY * fit.scale else float(np.sqrt(between))), float(np.sqrt(fit.scale))
 
 
-def reml_loglik(y: np.ndarray, groups: np.ndarray, between: float, within: float) -> float:
-    z = (groups[:, None] == np.unique(groups)[None]).astype(float)
-    v = within**2 * np.eye(len(y)) + between**2 * z @ z.T
-    vi, x = np.linalg.inv(v), np.ones((len(y), 1))
-    xvx = x.T @ vi @ x
-    r = y - x @ np.linalg.solve(xvx, x.T @ vi @ y)
-    return float(-0.5 * (np.linalg.slogdet(v)[1] + np.linalg.slogdet(xvx)[1] + r @ vi @ r))
-
-
 def main() -> None:
     from planner.fidelity import learners
+    from planner.fidelity.learners import reml_loglik
     from planner.render import table
 
     rng = np.random.default_rng(0)

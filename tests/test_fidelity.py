@@ -563,16 +563,6 @@ def test_running_a_dynamic_recipe_on_more_originals_keeps_the_measured_studies()
     assert len(grid_units(one, records, "fp16-overflow", "originals")) == 6  # static recipes run on every original
 
 
-def _reml_loglik(y: np.ndarray, groups: np.ndarray, between: float, within: float) -> float:
-    """The REML log-likelihood of a random intercept per group, from its definition (dense matrices)."""
-    z = (groups[:, None] == np.unique(groups)[None]).astype(float)
-    v = within**2 * np.eye(len(y)) + between**2 * z @ z.T
-    vi, x = np.linalg.inv(v), np.ones((len(y), 1))
-    xvx = x.T @ vi @ x
-    r = y - x @ np.linalg.solve(xvx, x.T @ vi @ y)
-    return -0.5 * (np.linalg.slogdet(v)[1] + np.linalg.slogdet(xvx)[1] + r @ vi @ r)
-
-
 def test_variance_components_are_the_reml_optimum():
     """The between/within SDs maximise the REML likelihood (checked from its definition): on balanced
     groups they are the one-way ANOVA estimates (REML = ANOVA there); statsmodels' MixedLM reaches the
@@ -582,7 +572,7 @@ def test_variance_components_are_the_reml_optimum():
 
     from statsmodels.regression.mixed_linear_model import MixedLM
 
-    from planner.fidelity.learners import _variance_components
+    from planner.fidelity.learners import _variance_components, reml_loglik
 
     rng = np.random.default_rng(0)
     groups = np.repeat(np.arange(6), 20)
@@ -596,15 +586,15 @@ def test_variance_components_are_the_reml_optimum():
         g = r.integers(0, 8, 90)  # unbalanced
         y = r.normal(0.0, between, 8)[g] + r.normal(0.0, 0.5, g.size)
         b, w = _variance_components(y, g)
-        best = _reml_loglik(y, g, b, w)
+        best = reml_loglik(y, g, b, w)
         for db, dw in ((0.01, 0), (-0.01, 0), (0, 0.01), (0, -0.01)):
             if b + db >= 0:
-                assert _reml_loglik(y, g, b + db, w + dw) < best + 1e-9
+                assert reml_loglik(y, g, b + db, w + dw) < best + 1e-9
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fit = MixedLM(y, np.ones((g.size, 1)), groups=g).fit(reml=True)
         sm = (np.sqrt(max(float(np.asarray(fit.cov_re)[0, 0]), 0.0)), np.sqrt(fit.scale))
-        assert _reml_loglik(y, g, *sm) <= best + 1e-9
+        assert reml_loglik(y, g, *sm) <= best + 1e-9
         if between >= 0.3:
             assert (b, w) == pytest.approx(sm, rel=1e-3)
 

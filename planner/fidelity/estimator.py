@@ -236,7 +236,7 @@ class FidelityEstimator:
         if validate:
             from planner.fidelity.validate import cross_validate, ke_gate, skill_gate
 
-            report = report or cross_validate(every, schemes=("original",))
+            report = report if report is not None else cross_validate(every, schemes=("original",))
             for recipe, entry in recipes.items():
                 entry["job_holdout"] = report["recipes"][recipe]["job_holdout"]
                 entry["gate"] = skill_gate(report, recipe)

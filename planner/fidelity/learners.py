@@ -17,7 +17,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from planner.fidelity.model import MIN_ROWS, SIGNS, ShiftModel, design, training_rows
 
-__all__ = ["ShiftRegressor", "ALPHAS", "fit_shift"]
+__all__ = ["ShiftRegressor", "ALPHAS", "fit_shift", "reml_loglik"]
 
 ALPHAS = (0.1, 1.0, 10.0, 100.0, 1000.0)  # ridge penalties tried when alpha is None
 
@@ -75,6 +75,19 @@ def _variance_components(residuals: np.ndarray, groups) -> tuple[float, float]:
         return 0.0, float(np.sqrt(((y - y.mean()) ** 2).sum() / (len(y) - 1)))
     within = float(criterion(log_ratio)[1]) / (len(y) - 1)
     return float(np.sqrt(ratio * within)), float(np.sqrt(within))
+
+
+def reml_loglik(y: np.ndarray, groups: np.ndarray, between: float, within: float) -> float:
+    """The REML log-likelihood of a random intercept per group at SDs (between, within), from its
+    definition with dense matrices: what _variance_components maximises, for its checks (tests,
+    benchmarks/variance_components.py), never on a fit's path."""
+    y, groups = np.asarray(y, dtype=float), np.asarray(groups)
+    z = (groups[:, None] == np.unique(groups)[None]).astype(float)
+    v = within**2 * np.eye(len(y)) + between**2 * z @ z.T
+    vi, x = np.linalg.inv(v), np.ones((len(y), 1))
+    xvx = x.T @ vi @ x
+    r = y - x @ np.linalg.solve(xvx, x.T @ vi @ y)
+    return float(-0.5 * (np.linalg.slogdet(v)[1] + np.linalg.slogdet(xvx)[1] + r @ vi @ r))
 
 
 class ShiftRegressor(RegressorMixin, BaseEstimator):

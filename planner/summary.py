@@ -36,6 +36,20 @@ def validation_text(v: dict | None) -> str:
             f"out of the fit (worst {v['worst_step']:.0%}; `planner fit-knobs` lists them)")
 
 
+def feature_validation_lines(rows: list[dict]) -> list[str]:
+    """One line per job feature that no fitted run has (planner.cost.fit.feature_validation): the
+    published rows behind it, out of sample."""
+    out = []
+    for v in rows:
+        if not v["runs"]:
+            out.append(f"{v['feature']}: no published {v['family']} run has it, so its step time is not validated on {v['family']}")
+            continue
+        outside = ", ".join(f"{rid} x{ratio:.2f}" for rid, ratio in v["outside"].items())
+        out.append(f"{v['feature']}: {v['runs_within_25']} of {v['runs']} published {v['family']} runs with it within 25% of their step "
+                   f"time (none of them in the fit; worst {v['worst_step']:.0%}" + (f"; outside: {outside})" if outside else ")"))
+    return out
+
+
 def published_fit_rows(fit: dict[str, Any]) -> list[dict[str, Any]]:
     """Per run and published phase of a `planner fit-knobs` result: published seconds, the prediction
     of the knobs fitted to every run ("fitted") and of knobs refitted without the run ("left_out")."""

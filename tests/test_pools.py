@@ -194,6 +194,50 @@ def test_suggest_proposes_separate_pools_where_they_beat_every_colocated_setting
     assert f"{best['step_time_s']:,.0f} s a step against {min(colocated):,.0f} s colocated" in best["placement"]
     assert "faster by" in best["placement"]
     assert all((p["placement"] is not None) == (p["offload"] == POOLS) for p in plans)
+    backing = json.loads(result.stdout)["feature_validation"]
+    assert [v["feature"] for v in backing] == ["separate pools"] and backing[0]["family"] == "nvidia" and backing[0]["runs"] > 0
+
+
+def test_what_no_fitted_run_has_is_backed_by_the_validation_rows_that_have_it(tmp_path):
+    """A job with separate pools, speculative decoding or an FP8 rollout rests on the published
+    validation rows with the same feature (no fitted run has one: checked here), each predicted with
+    the stored knobs; the counts and the rows outside 25% follow from those predictions, a family
+    without such a row says so, and `planner cost` prints it all."""
+    import json
+
+    from click.testing import CliRunner
+
+    from planner.cli import main
+    from planner.cost.fit import JOB_FEATURES, feature_validation, load_runs, predict
+    from planner.cost.knobs import load_knobs
+    from planner.specs import Speculative
+
+    assert not [(r.id, name) for r in load_runs() for name, has in JOB_FEATURES.items() if has(r.job)]
+    assert feature_validation(Job(), "nvidia") == []
+    pools = replace(Job(), colocated=False, max_staleness=1)
+    [v] = feature_validation(pools, "nvidia")
+    rows = [r for r in load_runs(section="validation") if r.family == "nvidia" and not r.job.colocated]
+    ratios = {r.id: predict(r, load_knobs("nvidia")).step_time_s / r.published["step"] for r in rows}
+    assert v["feature"] == "separate pools" and v["runs"] == len(rows) >= 5
+    assert v["runs_within_25"] == sum(abs(x - 1) <= 0.25 for x in ratios.values())
+    assert v["outside"] == {k: round(x, 3) for k, x in ratios.items() if abs(x - 1) > 0.25}
+    assert v["worst_step"] == pytest.approx(max(abs(x - 1) for x in ratios.values()))
+    spec = replace(Job(), speculative=Speculative(method="sam", draft_tokens=3, accept_length=2.0))
+    [ascend] = feature_validation(spec, "ascend")
+    assert ascend["runs"] == 1 and ascend["feature"] == "speculative decoding"
+    [nvidia] = feature_validation(spec, "nvidia")
+    assert nvidia["runs"] == 0
+    from planner.summary import feature_validation_lines
+    assert "not validated on nvidia" in feature_validation_lines([nvidia])[0]
+    job = tmp_path / "job.yaml"
+    job.write_text("prompts_per_step: 64\nsamples_per_prompt: 16\ncolocated: false\nmax_staleness: 1\n")
+    args = ["cost", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--cards", "32", "--job", str(job), "--memory-margin", "0"]
+    text = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert text.exit_code == 0, text.output
+    assert f"separate pools: {v['runs_within_25']} of {v['runs']} published nvidia runs with it within 25%" in text.output
+    assert all(rid in text.output for rid in v["outside"])
+    out = CliRunner().invoke(main, [*args, "--json"], catch_exceptions=False)
+    assert json.loads(out.stdout)["feature_validation"] == json.loads(json.dumps([v]))
 
 
 def test_an_evaluator_kept_across_device_counts_gives_what_evaluate_gives(setup):

@@ -57,10 +57,10 @@ def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_
     """Memory per device, step time by RL phase and accelerator-hours of MODEL."""
     from planner.catalog import load_accelerator, load_model
     from planner.cost.evaluate import evaluate, min_devices
-    from planner.cost.fit import step_validation
+    from planner.cost.fit import feature_validation, step_validation
     from planner.cost.knobs import knobs_path
     from planner.specs import load_job
-    from planner.summary import render_cost, render_terms, validation_text
+    from planner.summary import feature_validation_lines, render_cost, render_terms, validation_text
 
     def body():
         if (cards is None) == (not min_cards):
@@ -90,14 +90,15 @@ def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_
             except PlannerError as exc:
                 result.reasons.append(str(exc))
         validation = step_validation(accel.family)
+        features = feature_validation(result.job or job, accel.family)
         if as_json:
-            emit_json({**result.to_json(), "knobs_file": str(knobs_path()), "step_time_validation": validation})
+            emit_json({**result.to_json(), "knobs_file": str(knobs_path()), "step_time_validation": validation, "feature_validation": features})
         else:
             click.echo(render_cost(result))
             if explain and result.feasible:
                 click.echo("\n" + render_terms(result))
             click.echo(f"efficiency knobs: {knobs_path()}")
-            click.echo(validation_text(validation))
+            click.echo("\n".join([validation_text(validation), *feature_validation_lines(features)]))
         if not result.feasible:
             if not as_json:
                 click.echo("error: infeasible: " + "; ".join(result.reasons), err=True)

@@ -37,7 +37,7 @@ from planner.cost.knobs import KNOB_BOUNDS, PRIOR, Knobs, knobs_path
 from planner.errors import SpecError
 from planner.specs import Job
 
-__all__ = ["PublishedRun", "load_runs", "predict", "fit", "fit_all", "leave_one_out", "residual_table", "validation_effects", "update_mfu_checks", "weight_sync_checks", "loo_summary", "step_validation", "PHASES"]
+__all__ = ["PublishedRun", "load_runs", "predict", "fit", "fit_all", "leave_one_out", "residual_table", "validation_effects", "update_mfu_checks", "weight_sync_checks", "loo_summary", "step_validation", "feature_validation", "JOB_FEATURES", "PHASES"]
 
 PHASES = ("rollout", "reference", "old_logprob", "update", "switch", "step")
 PRIOR_WEIGHT = 0.05
@@ -390,6 +390,35 @@ def step_validation(family: str | None = None, path: str | Path | None = None) -
     if not any(r.get("phase") == "step" and r.get("ratio") is not None for r in rows):
         return None
     return {"family": family, **loo_summary(rows)}
+
+
+# What a job may have that no fitted run has: a step with one of these rests only on the published
+# validation rows that have it too (none of them in the fit, so each is an out-of-sample check)
+JOB_FEATURES = {
+    "separate pools": lambda job: not job.colocated,
+    "speculative decoding": lambda job: job.speculative is not None,
+    "FP8 rollout": lambda job: job.rollout_precision == "fp8",
+}
+
+
+def feature_validation(job: Job, family: str, path: str | Path | None = None) -> list[dict[str, Any]]:
+    """For each of JOB_FEATURES that `job` has, the published validation rows of `family` that have
+    it, their step predicted with the knobs in use against the published one: how many within 25%,
+    the worst, and every row outside."""
+    from planner.cost.knobs import load_knobs
+
+    wanted = [name for name, has in JOB_FEATURES.items() if has(job)]
+    if not wanted:
+        return []
+    rows = [r for r in load_runs(path, section="validation") if r.family == family and "step" in r.published]
+    knobs = load_knobs(family) if rows else None
+    out = []
+    for name in wanted:
+        ratios = {r.id: predict(r, knobs).step_time_s / r.published["step"] for r in rows if JOB_FEATURES[name](r.job)}
+        out.append({"feature": name, "family": family, "runs": len(ratios), "runs_within_25": sum(abs(v - 1) <= 0.25 for v in ratios.values()),
+                    "worst_step": max((abs(v - 1) for v in ratios.values()), default=math.nan),
+                    "outside": {rid: round(v, 3) for rid, v in ratios.items() if abs(v - 1) > 0.25}})  # fmt: skip
+    return out
 
 
 @lru_cache(maxsize=4)

@@ -6,14 +6,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from planner.cost.fit import step_validation
+from planner.cost.fit import feature_validation, step_validation
 from planner.fidelity.estimator import family_text
 from planner.plan import Plan
 from planner.render import table
 from planner.search.reproduction import JobScale, split_text
 from planner.search.suggest import OFFLOADS, Option, Suggestion, calibration_files, figures, reduction
 from planner.stats.store import plan_key
-from planner.summary import validation_text
+from planner.summary import feature_validation_lines, validation_text
 from planner.units import gib
 
 __all__ = ["render_suggestion", "suggestion_json", "plan_of", "fidelity_text"]
@@ -144,7 +144,15 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
     lines.append(f"{s.trials} trials, {len(s.options)} distinct points evaluated ({how}), {s.seconds:.1f} s"
                  + (f"; the best first appeared at trial {s.best_trial}" if s.best_trial is not None else ""))  # fmt: skip
     lines.append(calibration_line())
+    lines.extend(feature_validation_lines(best_features(s)))
     return "\n".join(lines)
+
+
+def best_features(s: Suggestion) -> list[dict[str, Any]]:
+    """What backs the best plan's step where its job has what no fitted run has (separate pools,
+    speculative decoding, an FP8 rollout): planner.cost.fit.feature_validation."""
+    job = s.best.cost.job if s.best else None
+    return feature_validation(job, s.accelerator.family) if job is not None else []
 
 
 def job_search_text(s: Suggestion) -> str:
@@ -245,6 +253,7 @@ def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
         "warnings": s.warnings,
         "calibration_files": calibration_files(),
         "step_time_validation": step_validation(),
+        "feature_validation": best_features(s),
         "fault_relevant_factors": s.factors,
         "device_counts": s.device_counts,
         "trials": s.trials,

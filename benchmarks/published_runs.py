@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN
-from planner.cost.fit import (expressed_rows, fit_all, load_runs, memory_headroom, residual_table, update_mfu_checks, validation_effects,
-                              weight_sync_checks)
+from planner.cost.fit import (expressed_rows, fit_all, load_runs, loo_summary, memory_headroom, residual_table, update_mfu_checks,
+                              validation_effects, weight_sync_checks)
 from planner.cost.knobs import knobs_path, load_knobs
 from planner.render import table
 from planner.summary import fmt_ratio, published_fit_rows, published_fit_summary, render_published_fit
@@ -65,7 +65,12 @@ def main() -> None:
     print()
     print(table(["validation row (not fitted)", "phase", "published s", "predicted s", "ratio"],
                 [[r["run"], r["phase"], f"{r['published_s']:,.1f}", f"{r['predicted_s']:,.1f}", r["ratio"]] for r in rows]))
-    lines += ["", "## Validation rows (mechanisms the fit never saw, predicted with the fitted knobs)", "",
+    steps = [abs(r["ratio"] - 1) <= 0.25 for r in rows if r["phase"] == "step"]
+    loo = loo_summary(fit["leave_one_out"])
+    tally = (f"{sum(steps)} of {len(steps)} validation rows within 25% on the step; with each fitted run left out of the fit in turn, "
+             f"{sum(steps) + loo['runs_within_25']} of {len(steps) + loo['runs']} published runs.")
+    print(tally)
+    lines += ["", "## Validation rows (mechanisms the fit never saw, predicted with the fitted knobs)", "", tally, "",
               "| row | phase | published s | predicted s | ratio |", "|---|---|---:|---:|---:|"]
     lines += [f"| {r['run']} | {r['phase']} | {r['published_s']:,.2f} | {r['predicted_s']:,.2f} | {r['ratio']} |" for r in rows]
     effects = validation_effects(validation)

@@ -198,7 +198,7 @@ def test_every_published_run_clears_the_default_memory_margin_and_its_host_memor
 
 def test_rows_read_from_nemo_rl_recipes_are_the_recipes_jobs():
     """Each validation or expressed row whose job was read by `planner job --from nemo-rl` from a
-    vendored recipe (r0.6.0, or the super-v3 branch's) is that recipe's job but for what a config cannot hold (mean lengths and the layers per
+    vendored recipe (r0.5.0, r0.6.0, or the super-v3 branch's) is that recipe's job but for what a config cannot hold (mean lengths and the layers per
     pipeline stage), and names the recipe's device count."""
     from dataclasses import replace
 
@@ -207,17 +207,17 @@ def test_rows_read_from_nemo_rl_recipes_are_the_recipes_jobs():
     data = Path(__file__).parent / "data"
     checked = []
     for run in load_runs(section="validation") + load_runs(section="expressed"):
-        named = [m.groups() for s in run.sources for m in [re.search(r"\((super-v3)\).*performance/([\w.-]+\.yaml)|performance/([\w.-]+\.yaml)", s)] if m]
+        named = [m.groups() for s in run.sources for m in [re.search(r"performance/([\w.-]+\.yaml) \(tests/data/([\w.-]+)", s)] if m]
         if "read by `planner job --from nemo-rl`" not in run.assumed.get("job", "") or not named:
             continue
-        branch, on_branch, on_release = named[0]
-        folder = data / ("nemo-rl-super-v3" if branch else "nemo-rl-r0.6.0") / "examples" / "configs" / "recipes" / "llm" / "performance"
-        job, cards, _ = job_from("nemo-rl", folder / (on_branch or on_release))
+        recipe, vendored = named[0]
+        job, cards, _ = job_from("nemo-rl", data / vendored / "examples" / "configs" / "recipes" / "llm" / "performance" / recipe)
         expected = replace(job, prompt_tokens=run.job.prompt_tokens, response_tokens=run.job.response_tokens,
                            train_layout=replace(job.train_layout, pipeline_layers=run.job.train_layout.pipeline_layers))  # fmt: skip
         assert (cards, replace(expected, trainer=None)) == (run.devices, replace(run.job, trainer=None)), run.id
         checked.append(run.id)
     assert {"dsv3-gb200-256", "dsv3-h100-512-fp8-1off", "qwen3-30b-gb200-16-1off", "nano-swe-h100-128-1off"} <= set(checked)
+    assert {r.id for r in load_runs(section="validation") if r.id.endswith("-v05")} <= set(checked)
 
 
 def test_an_expressed_row_gives_its_training_phases_and_no_step():

@@ -226,7 +226,7 @@ def test_what_no_fitted_run_has_is_backed_by_the_validation_rows_that_have_it(tm
     [ascend] = feature_validation(spec, "ascend")
     assert ascend["runs"] == 1 and ascend["feature"] == "speculative decoding"
     [nvidia] = feature_validation(spec, "nvidia")
-    assert nvidia["runs"] == 0
+    assert nvidia["runs"] == 0 and nvidia["worst_step"] is None and nvidia["outside"] == {}
     from planner.summary import feature_validation_lines
     assert "not validated on nvidia" in feature_validation_lines([nvidia])[0]
     job = tmp_path / "job.yaml"

@@ -416,7 +416,7 @@ def feature_validation(job: Job, family: str, path: str | Path | None = None) ->
     for name in wanted:
         ratios = {r.id: predict(r, knobs).step_time_s / r.published["step"] for r in rows if JOB_FEATURES[name](r.job)}
         out.append({"feature": name, "family": family, "runs": len(ratios), "runs_within_25": sum(abs(v - 1) <= 0.25 for v in ratios.values()),
-                    "worst_step": max((abs(v - 1) for v in ratios.values()), default=math.nan),
+                    "worst_step": max((abs(v - 1) for v in ratios.values()), default=None),
                     "outside": {rid: round(v, 3) for rid, v in ratios.items() if abs(v - 1) > 0.25}})  # fmt: skip
     return out
 

@@ -49,10 +49,10 @@ def refuse_existing(path: str | Path, force: bool, note: str = "") -> Path:
     return p
 
 
-def new_output(path: str | Path, force: bool) -> Path:
+def new_output(path: str | Path, force: bool, note: str = "") -> Path:
     """An output file `path` that may be written: its folder exists, and it is new unless --force.
     Checked before any long work, so that a run is never lost to a typo in -o."""
-    p = refuse_existing(path, force)
+    p = refuse_existing(path, force, note)
     if not p.resolve().parent.is_dir():
         raise SpecError(f"{p}: folder {p.resolve().parent} does not exist")
     return p

@@ -717,3 +717,24 @@ def test_each_verl_export_composes_with_that_releases_hydra_config(plans, tmp_pa
             assert actor["dtype"] == resolved["actor_rollout_ref"]["rollout"]["dtype"] == "float16"
         with pytest.raises(Exception, match="bogus"), initialize_config_dir(config_dir=str(folder), version_base=None):
             compose(config_name="ppo_megatron_trainer", overrides=[*overrides, "actor_rollout_ref.actor.bogus=1"])
+
+
+def test_a_config_of_another_trainer_or_of_no_devices_is_refused_and_job_writes_its_file_with_json(tmp_path):
+    """verl's shipped defaults fill what a verl script leaves out, so a file that sets none of verl's
+    job keys (another trainer's config) is refused and named as that trainer's, not read as verl's
+    defaults; a config that multiplies to no devices is refused; `job -o F --json` writes F and
+    prints the job, and `-o` into a missing folder fails before anything is read."""
+    nemo = NEMO_CONFIGS / "grpo_math_qwen30ba3b_megatron.yaml"
+    result = run_cli("job", "--from", "verl", nemo)
+    assert result.exit_code == 2 and "not a verl config" in result.output and "--from nemo-rl" in result.output
+    script = VERL_SCRIPTS / "run_qwen30_a3b_megatron_vllm.sh"
+    zero = tmp_path / "zero.sh"
+    zero.write_text(script.read_text().replace("trainer.nnodes=$NODES", "trainer.nnodes=0"))
+    result = run_cli("job", "--from", "verl", zero)
+    assert result.exit_code == 2 and "0 devices" in result.output, result.output
+    out = tmp_path / "job.yaml"
+    result = run_cli("job", "--from", "verl", script, "-o", out, "--json")
+    assert result.exit_code == 0 and out.is_file()
+    assert json.loads(result.stdout)["job"] == yaml.safe_load(out.read_text())
+    missing = run_cli("job", "--from", "verl", script, "-o", tmp_path / "nowhere" / "job.yaml")
+    assert missing.exit_code == 2 and "does not exist" in missing.output and ".part" not in missing.output

@@ -8,7 +8,7 @@ import click
 
 from planner.cli.common import DEFAULT_HARDWARE, DEFAULT_MODEL, DEMO_EXPERTS, calibrated, emit_json, memory_margin_option, parse_ints, run_body
 from planner.errors import InfeasibleError, PlannerError, SpecError
-from planner.files import refuse_existing
+from planner.files import new_output
 from planner.search.budget import MAX_DEVICES
 
 @click.command()
@@ -139,7 +139,7 @@ def fit_knobs(runs_path, output, force) -> None:
 
     def body():
         if output:
-            refuse_existing(output, force)
+            new_output(output, force)
         runs = load_runs(runs_path)
         click.echo(f"fitting knobs to {len(runs)} runs, then refitting without each run in turn ...", err=True)
         result = fit_all(runs, progress=lambda n, total, run: click.echo(f"  left out and predicted {n + 1}/{total}: {run}", err=True),

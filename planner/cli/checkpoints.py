@@ -33,7 +33,7 @@ def stats(checkpoint, calib_text, calib_tokens, seq_len, experts, methods, weigh
     from planner.summary import render_stats
 
     def body():
-        refuse_existing(output, force)
+        new_output(output, force)
         ckpt = Checkpoint(checkpoint)
         ks = parse_ints(experts) or default_experts(ckpt.arch)
         text = Path(calib_text).read_text(errors="replace") if calib_text else None

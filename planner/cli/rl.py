@@ -14,7 +14,7 @@ import click
 
 from planner.cli.common import emit_json, parse_ints, progress_line, run_body
 from planner.errors import SpecError
-from planner.files import refuse_existing, write_text_atomic
+from planner.files import new_output, refuse_existing, write_text_atomic
 from planner.render import label_text, table
 
 DATASET = "calibration/fidelity_dataset.csv"  # shown as the default; the files themselves are the package's
@@ -245,7 +245,7 @@ def calibrate_run(grid_path, storage, workers, workdir, results, output, merge, 
     def body():
         out = packaged(output, DATASET)
         if not merge:
-            refuse_existing(out, force, f" (the grid itself resumes from {storage}; --merge adds a family's rows to it)")
+            new_output(out, force, f" (the grid itself resumes from {storage}; --merge adds a family's rows to it)")
         if workers < 1:
             raise SpecError(f"--workers must be at least 1, got {workers}")
         grid = Grid.load(grid_path)
@@ -300,7 +300,7 @@ def calibrate_fit(dataset, output, force) -> None:
 
     def body():
         output_path = packaged(output, ESTIMATOR)
-        refuse_existing(output_path, force)
+        new_output(output_path, force)
         estimator = fit(packaged(dataset, DATASET, must_exist=True), output_path)
         rows = [[recipe, family, f["originals"], f["rows"], f["routing_shape"], e["gates"][family]["reason"]]
                 for recipe, e in estimator.recipes.items() for family, f in e["families"].items()]  # fmt: skip

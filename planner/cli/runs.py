@@ -47,13 +47,13 @@ def _write_or_print(text: str, output: str | None, done: str) -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 def export(plan_path, trainer, model_path, routing_replay, verl_version, output, force) -> None:
     """The config that launches PLAN's proxy run in verl (Hydra overrides), MindSpeed-RL or NeMo RL (YAML)."""
-    from planner.files import refuse_existing
+    from planner.files import new_output
     from planner.plan import load_plan
     from planner.runs.trainers import export_plan
 
     def body():
         if output:
-            refuse_existing(output, force)
+            new_output(output, force)
         text, _ = export_plan(load_plan(plan_path), trainer, model_path, routing_replay=routing_replay, version=verl_version)
         _write_or_print(text, output, f"wrote {output}")
 
@@ -70,17 +70,19 @@ def job(trainer, config, output, force, as_json) -> None:
     """planner's job file (with its layouts) from a trainer's config: a YAML config or Hydra overrides."""
     import yaml
 
-    from planner.files import refuse_existing
+    from planner.files import new_output, write_text_atomic
     from planner.runs.trainers import job_from
 
     def body():
         if output:
-            refuse_existing(output, force)
+            new_output(output, force)
         spec, cards, notes = job_from(trainer, config)
         data = spec.to_dict()
-        if as_json:
-            return emit_json({"job": data, "devices": cards, "notes": notes})
         text = f"# from {trainer} config {config}: {cards} devices\n" + "".join(f"# {n}\n" for n in notes) + yaml.safe_dump(data, sort_keys=False)
+        if as_json:
+            if output:
+                write_text_atomic(output, text)
+            return emit_json({"job": data, "devices": cards, "notes": notes, "output": output})
         _write_or_print(text, output, f"wrote {output} ({cards} devices)")
 
     run_body(body)
@@ -107,13 +109,13 @@ def probe(original, proxy, recipe_name, seeds, iters, device, sequences, seq_len
 
     from planner.cli.common import parse_ints
     from planner.errors import SpecError
-    from planner.files import refuse_existing, write_text_atomic
+    from planner.files import new_output, write_text_atomic
     from planner.render import table
     from planner.rl.probe import probe_pair
 
     def body():
         if output:
-            refuse_existing(output, force)
+            new_output(output, force)
         text = None
         if calib_text:
             text = Path(calib_text).read_text(errors="replace")

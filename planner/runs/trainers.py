@@ -656,6 +656,10 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
              "set them from your data"]  # fmt: skip
     f = _read_flat(path, notes)
     raw_keys = set(f)
+    if trainer == "verl" and not raw_keys & set(_REQUIRED[trainer]):  # else verl's shipped defaults would stand in for every key
+        others = [t for t in _REQUIRED if t != trainer and raw_keys & set(_REQUIRED[t])]
+        raise SpecError(f"{path}: not a verl config: it sets none of the keys a verl job is read from ({', '.join(_REQUIRED[trainer][:4])}, ...)"
+                        + (f"; it reads as a {others[0]} config (--from {others[0]})" if others else ""))  # fmt: skip
     fully_async = trainer == "verl" and any(k.startswith("async_training.") or k.startswith("rollout.nnodes") for k in raw_keys)
     shipped = None
     if trainer == "verl":  # what the script leaves out is verl's own default, from the config verl ships
@@ -809,6 +813,8 @@ def job_from(trainer: str, path: str | Path) -> tuple[Any, int, list[str]]:
     elif kw["skip_old_logprob"] and updates > 1:
         notes.append(f"bypass mode with {updates} optimizer steps per RL step: the rollout's log-probs stand in for the old policy's "
                      "in every step, so no old log-prob pass runs")  # fmt: skip
+    if cards < 1:
+        raise SpecError(f"{path}: the config gives {cards} devices (its device and node counts multiplied); a job needs at least one")
     return Job(**kw), cards, notes
 
 

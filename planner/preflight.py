@@ -171,8 +171,11 @@ class _Context:
             job = dataclasses.replace(job, train_layout=TrainLayout.from_dict(dep["train_layout"]),
                                       rollout_layout=RolloutLayout.from_dict(dep["rollout_layout"]))  # fmt: skip
         margin = float(self.data.get("memory_margin", DEFAULT_MEMORY_MARGIN))  # kept free in the training phases, as `suggest` does
-        if dep.get("num_cards"):
-            return evaluate(arch, self.accel, job, int(dep["num_cards"]), memory_margin=margin)
+        if dep.get("num_cards") is not None:
+            cards = dep["num_cards"]
+            if isinstance(cards, bool) or not isinstance(cards, int) or cards < 1:
+                raise SpecError(f"the plan's deployment.num_cards is {cards!r}: a whole number of devices, at least 1")
+            return evaluate(arch, self.accel, job, cards, memory_margin=margin)
         return min_devices(arch, self.accel, job, memory_margin=margin)
 
 

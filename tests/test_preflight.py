@@ -86,6 +86,7 @@ BAD = {
     "memory": (lambda p: (base_request(), _deployment(p, num_cards=1, train_layout={"tp": 1, "pp": 1, "ep": 1, "cp": 1, "etp": 1},
                                                        rollout_layout={"tp": 1, "dp": 1, "ep": 1})), "does not fit"),  # fmt: skip
     "budget": (lambda p: (base_request(budget="2npu"), p), "budget is 2 npus"),
+    "host memory": (lambda p: (base_request(), _deployment(p, num_cards=0)), "num_cards is 0: a whole number of devices, at least 1"),
     "fidelity": (lambda p: (base_request(fault={"type": "grad-overflow", "settings": dict(GOOD_SETTINGS)}), p),
                  "fp16 loss-scale overflow but the job trains in bf16"),
     "reproduction": (lambda p: (base_request(job={"prompts_per_step": 32, "samples_per_prompt": 16}), p),

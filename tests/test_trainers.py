@@ -145,6 +145,10 @@ def test_export_names_the_cluster_shape_and_the_expert_map(plans, tmp_path):
     assert "routing replay" not in plain and "router_replay" not in "".join(flat)  # no replay asked: no word of it
 
 
+def data_of(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
 def test_export_and_job_refuse_what_they_cannot_write(plans, tmp_path):
     plain = tmp_path / "plain.yaml"
     data = yaml.safe_load(plans[0].read_text())
@@ -154,6 +158,15 @@ def test_export_and_job_refuse_what_they_cannot_write(plans, tmp_path):
     assert result.exit_code == 2 and "no deployment" in result.output
     result = run_cli("export", plans[0], "--to", "mindspeed-rl", "--model-path", "/p", "--routing-replay")
     assert result.exit_code == 2 and "no router replay key" in result.output
+    # a plan edited by hand is checked against the model before a config that cannot launch is written
+    for edit, said in (({"experts": 1000}, "rule 1 <= K <= E: K=1000"), ({"experts": 4}, "rule top_k <= K"),
+                       ({"deployment": {**data_of(plans[0])["deployment"], "num_cards": 0}}, "num_cards is 0"),
+                       ({"deployment": {**data_of(plans[0])["deployment"], "train_layout": {"tp": 3, "pp": 1, "ep": 1, "cp": 1, "etp": 1}}},
+                        "tp=3 does not divide the 32 attention heads")):  # fmt: skip
+        edited = tmp_path / "edited.yaml"
+        edited.write_text(yaml.safe_dump({**data_of(plans[0]), **edit}, sort_keys=False))
+        result = run_cli("export", edited, "--to", "verl", "--model-path", "/p")
+        assert result.exit_code == 2 and said in result.output, result.output
     out = tmp_path / "v.txt"
     assert run_cli("export", plans[0], "--to", "verl", "--model-path", "/p", "-o", out).exit_code == 0
     again = run_cli("export", plans[0], "--to", "verl", "--model-path", "/p", "-o", out)

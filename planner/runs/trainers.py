@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import yaml
 
@@ -77,11 +77,36 @@ def _deployment(plan, model_path: str) -> Deployment:
     except PlannerError:  # a plan of a model whose config is not here: the exports that need it say so
         config = {}
     text = config.get("text_config", config)
+    _check_deployment(plan, d)
     return Deployment(job=Job.from_dict(d["job"], "plan deployment.job"), train=TrainLayout.from_dict(d["train_layout"]),
                       rollout=RolloutLayout.from_dict(d["rollout_layout"]), cards=int(d["num_cards"]), per_node=accel.devices_per_node,
                       model_path=model_path, name=_MINDSPEED_MODELS.get(str(plan.model), Path(str(plan.model)).name.replace("-", "_").replace(".", "_")),
                       device_family=accel.family, experts=int(plan.experts), model_type=text.get("model_type"),
                       layers=int(text.get("num_hidden_layers", 0)))  # fmt: skip
+
+
+def _check_deployment(plan, d: Mapping[str, Any]) -> None:
+    """The plan's pruning rules and its deployment's device count and layouts, checked against the
+    model before a config that could not launch is written (a plan edited by hand, or of another
+    model). A model whose config is not here goes unchecked: the exports that need it say so."""
+    from planner.catalog import load_model
+    from planner.cost.layouts import rollout_layout_problems, train_layout_problems
+    from planner.specs import RolloutLayout, TrainLayout
+
+    cards = d.get("num_cards")
+    if isinstance(cards, bool) or not isinstance(cards, int) or cards < 1:
+        raise SpecError(f"the plan's deployment.num_cards is {cards!r}: a whole number of devices, at least 1")
+    try:
+        arch = load_model(str(plan.model))
+    except PlannerError:  # a checkpoint on another machine: `planner build` and preflight check the plan against it
+        return
+    plan.check(arch)
+    proxy = arch.with_experts(plan.experts)
+    problems = train_layout_problems(proxy, cards, TrainLayout.from_dict(d["train_layout"]))
+    if d.get("rollout_layout"):
+        problems += rollout_layout_problems(proxy, cards, RolloutLayout.from_dict(d["rollout_layout"]))
+    if problems:
+        raise SpecError(f"the plan's layouts cannot run K={plan.experts} of {plan.model} on {cards} devices: " + "; ".join(problems))
 
 
 def _mini_batch(j) -> int:

@@ -142,6 +142,25 @@ def test_malformed_config_names_missing_field(tmp_path):
     assert "missing required field 'hidden_size'" in result.output
 
 
+def test_non_finite_numbers_in_a_config_are_usage_errors(tmp_path):
+    """Python's JSON reader takes NaN and Infinity: a size or factor that is one is named, not a traceback."""
+    from planner.catalog import load_model_config
+
+    config = load_model_config("qwen3-30b-a3b")[1]
+    path = tmp_path / "config.json"
+    for key, value, said in (("hidden_size", "NaN", "'hidden_size' must be an integer, got nan"),
+                             ("num_experts", "Infinity", "'num_experts' must be an integer, got inf")):  # fmt: skip
+        path.write_text(json.dumps({**config, key: 0}).replace(f'"{key}": 0', f'"{key}": {value}'))
+        for args in (["inspect", str(path)], ["cost", str(path), "--cards", "16", "--json"]):
+            result = CliRunner().invoke(main, args)
+            assert result.exit_code == 2 and said in result.output, result.output
+        assert json.loads(result.stdout)["exit_code"] == 2
+    path.write_text(json.dumps({**config, "model_type": "deepseek_v3", "routed_scaling_factor": -1.0, "n_routed_experts": 8,
+                                "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2}))
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert result.exit_code == 2 and "'routed_scaling_factor' must be a positive number, got -1.0" in result.output, result.output
+
+
 def test_invalid_json_config_says_where(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "mixtral", "hidden_size": }')

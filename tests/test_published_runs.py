@@ -229,3 +229,38 @@ def test_an_expressed_row_gives_its_training_phases_and_no_step():
     assert row["run"] == "nano-swe-h100-128-1off" and row["feasible"] and "agent loop" in row["not_modelled"]
     assert 0 < row["training_s"] < row["published_step_s"] and row["training_share"] == pytest.approx(row["training_s"] / 430.0, abs=1e-4)
     assert "nano-swe-h100-128-1off" not in {r["run"] for r in residual_table(load_runs(section="validation"), stored_knobs())}
+
+
+def test_sigterm_stops_fit_knobs_and_its_refit_workers_at_once(tmp_path):
+    """`timeout`, Slurm and Kubernetes stop a job with SIGTERM to the process they started: fit-knobs
+    exits with 128 + 15 within seconds, its leave-one-out workers die with it (none left computing
+    the queue), and no output is written."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from planner.cost.fit import runs_path
+
+    runs = yaml.safe_load(runs_path().read_text())
+    small = tmp_path / "runs.yaml"
+    small.write_text(yaml.safe_dump({"runs": runs["runs"][:6]}, sort_keys=False))
+    out = tmp_path / "knobs.json"
+    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "fit-knobs", "--runs", str(small), "-o", str(out)],
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.time() + 300
+    workers: list[int] = []
+    while proc.poll() is None and time.time() < deadline and not workers:
+        time.sleep(0.01)
+        workers = [int(p) for p in children.read_text().split()] if children.exists() else []
+    assert proc.poll() is None and workers, "fit-knobs finished before its workers could be interrupted"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM and "interrupted (SIGTERM)" in err, err
+    time.sleep(1.0)
+    alive = [w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
+    assert not alive, f"refit workers still running after the parent stopped: {alive}"
+    assert not out.exists() and not list(tmp_path.glob("*.part"))

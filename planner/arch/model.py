@@ -7,6 +7,7 @@ keeps"). Pure Python.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -322,11 +323,17 @@ class _Reader:
 
     def int_(self, key: str, default: Any = _MISSING, *, minimum: int = 0) -> int:
         value = self.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or int(value) != value:
             raise ConfigError(f"{self.label}: field {key!r} must be an integer, got {value!r}")
         if value < minimum:
             raise ConfigError(f"{self.label}: field {key!r} must be >= {minimum}, got {value}")
         return int(value)
+
+    def _positive(self, key: str, default: float) -> float:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{self.label}: field {key!r} must be a positive number, got {value!r}")
+        return float(value)
 
     def flag(self, key: str | None, default: bool = False) -> bool:
         if key is None:
@@ -367,7 +374,7 @@ class _Reader:
             norm_topk_prob=self._norm_topk(),
             n_group=self._group("n_group"),
             topk_group=self._group("topk_group"),
-            routed_scaling_factor=float(self.get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=self._positive("routed_scaling_factor", 1.0),
             experts_key=f.experts_key,
         )
         if moe.grouped and num_experts % moe.n_group:

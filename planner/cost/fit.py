@@ -322,28 +322,49 @@ def residual_table(runs: list[PublishedRun], knobs_by_family: dict[str, Knobs]) 
     return rows
 
 
-def _held_out(runs: list[PublishedRun], n: int) -> list[dict[str, Any]]:
+def _held_out(runs: list[PublishedRun], n: int) -> tuple[int, list[dict[str, Any]]]:
     held = runs[n]
     knobs, _ = fit(runs[:n] + runs[n + 1:])
     if held.family not in knobs:  # its family's only run: its own priors, the shared knobs as fitted
         shared = {name: getattr(next(iter(knobs.values())), name) for name in SHARED_KNOBS} if knobs else {}
         knobs[held.family] = replace(PRIOR[held.family], **shared)
-    return residual_table([held], {held.family: knobs[held.family]})
+    return n, residual_table([held], {held.family: knobs[held.family]})
+
+
+def _worker_signals() -> None:
+    """A refit worker leaves Ctrl-C to the parent (which stops the pool) and dies on SIGTERM, instead
+    of the parent's handler turning either into an exception it would report and carry on after;
+    the signals the parent blocked while forking it are let through once these are set."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def leave_one_out(runs: list[PublishedRun], progress=None, *, only: list[str] | None = None) -> list[dict[str, Any]]:
     """For each run (or each run whose id is in `only`): refit without it, predict it. One row per
-    run and published phase. The refits are independent: one process per CPU runs them."""
+    run and published phase. The refits are independent: one process per CPU runs them, and an
+    interrupted parent terminates them (the pool's exit) rather than waiting for the queue."""
+    import multiprocessing
     import os
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    import signal
+    from functools import partial
 
     held = [n for n, r in enumerate(runs) if only is None or r.id in only]
     results: dict[int, list] = {}
-    with ProcessPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(held)))) as pool:
-        futures = {pool.submit(_held_out, runs, n): n for n in held}
-        for done, future in enumerate(as_completed(futures)):
-            n = futures[future]
-            results[n] = future.result()
+    # no signal while the workers are forked (a fork would inherit it half-handled); one that comes
+    # meanwhile is raised once they exist, inside the pool's block, whose exit terminates them
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        pool = multiprocessing.Pool(max(1, min(os.cpu_count() or 1, len(held))), initializer=_worker_signals)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        raise
+    with pool:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for done, (n, rows) in enumerate(pool.imap_unordered(partial(_held_out, runs), held)):
+            results[n] = rows
             if progress:
                 progress(done, len(held), runs[n].id)
     return [row for n in held for row in results[n]]

@@ -161,6 +161,18 @@ def test_non_finite_numbers_in_a_config_are_usage_errors(tmp_path):
     assert result.exit_code == 2 and "'routed_scaling_factor' must be a positive number, got -1.0" in result.output, result.output
 
 
+def test_option_errors_under_json_are_json(tmp_path):
+    """A value click refuses while reading the options comes, under --json, as the JSON object of
+    every other error (exit 2); without --json, click's usage text as before."""
+    for args, said in ((["cost", "qwen3-30b-a3b", "--cards", "0", "--json"], "'--cards': 0 is not in the range"),
+                       (["suggest", "--budget", "16npu", "--stats", str(tmp_path / "missing"), "--json"], "'--stats'")):  # fmt: skip
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and said in json.loads(result.stdout)["error"], result.output
+        assert json.loads(result.stdout)["exit_code"] == 2
+    plain = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--cards", "0"])
+    assert plain.exit_code == 2 and "Usage: " in plain.output
+
+
 def test_invalid_json_config_says_where(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "mixtral", "hidden_size": }')

@@ -9,7 +9,9 @@ from one another; this module makes the main group and adds their commands. The 
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 
 import click
 
@@ -18,7 +20,29 @@ from planner.cli import catalog, checkpoints, rl, runs, search
 __all__ = ["main"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """The main group: under --json, a usage error that click finds while reading the options (a
+    value out of range, a path that does not exist) comes as the JSON object every other error
+    comes as, with exit code 2, instead of click's usage text."""
+
+    def main(self, args=None, **extra):
+        args = list(sys.argv[1:] if args is None else args)
+        if "--json" not in args:
+            return super().main(args, **extra)
+        try:
+            super().main(args, standalone_mode=False, **extra)
+        except click.exceptions.Exit as exc:  # --help, --version
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(json.dumps({"error": exc.format_message(), "exit_code": exc.exit_code}))
+            sys.exit(exc.exit_code)
+        except click.exceptions.Abort:
+            click.echo(json.dumps({"error": "aborted", "exit_code": 1}))
+            sys.exit(1)
+        sys.exit(0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 @click.version_option(package_name="planner")
 def main(verbose: int) -> None:

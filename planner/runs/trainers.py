@@ -102,11 +102,15 @@ def _check_deployment(plan, d: Mapping[str, Any]) -> None:
         return
     plan.check(arch)
     proxy = arch.with_experts(plan.experts)
-    problems = train_layout_problems(proxy, cards, TrainLayout.from_dict(d["train_layout"]))
+    job = d.get("job") or {}
+    pool = job.get("rollout_devices") if job.get("colocated") is False else None  # separate pools: the rest train
+    train, rollout = (cards - pool, pool) if pool else (cards, cards)
+    problems = train_layout_problems(proxy, train, TrainLayout.from_dict(d["train_layout"]))
     if d.get("rollout_layout"):
-        problems += rollout_layout_problems(proxy, cards, RolloutLayout.from_dict(d["rollout_layout"]))
+        problems += rollout_layout_problems(proxy, rollout, RolloutLayout.from_dict(d["rollout_layout"]))
     if problems:
-        raise SpecError(f"the plan's layouts cannot run K={plan.experts} of {plan.model} on {cards} devices: " + "; ".join(problems))
+        where = f"{train} training and {rollout} rollout devices" if pool else f"{cards} devices"
+        raise SpecError(f"the plan's layouts cannot run K={plan.experts} of {plan.model} on {where}: " + "; ".join(problems))
 
 
 def _mini_batch(j) -> int:

@@ -158,6 +158,9 @@ def test_export_and_job_refuse_what_they_cannot_write(plans, tmp_path):
     assert result.exit_code == 2 and "no deployment" in result.output
     result = run_cli("export", plans[0], "--to", "mindspeed-rl", "--model-path", "/p", "--routing-replay")
     assert result.exit_code == 2 and "no router replay key" in result.output
+    for path in ("/my models/q", "", "/p/$HOME"):
+        result = run_cli("export", plans[0], "--to", "verl", "--model-path", path)
+        assert result.exit_code == 2 and "--model-path" in result.output, result.output
     # a plan edited by hand is checked against the model before a config that cannot launch is written
     for edit, said in (({"experts": 1000}, "rule 1 <= K <= E: K=1000"), ({"experts": 4}, "rule top_k <= K"),
                        ({"deployment": {**data_of(plans[0])["deployment"], "num_cards": 0}}, "num_cards is 0"),

@@ -457,6 +457,9 @@ def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = F
         raise SpecError(f"unknown trainer {trainer!r}; one of {', '.join(TRAINERS)}")
     if version is not None and trainer != "verl":
         raise SpecError(f"--verl-version is for --to verl, not {trainer}")
+    if not model_path.strip() or re.search(r"[\s'\"$`\\]", model_path):
+        raise SpecError(f"--model-path {model_path!r}: give the checkpoint's path without spaces, quotes, $, ` or backslashes (the "
+                        "exported file's values are read back word by word, e.g. by $(grep -v '^#' FILE) for verl)")  # fmt: skip
     d = _deployment(plan, model_path)
     if "fp8" in (d.job.precision, d.job.rollout_precision):
         raise SpecError(f"this plan runs FP8 (training {d.job.precision}, rollout {d.job.rollout_precision}); each trainer sets FP8 with "

@@ -25,10 +25,24 @@ def read_text(path: Path, what: str, hint: str = "") -> str:
         raise SpecError(f"{path}: not a {what} in UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}){hint}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a mapping that gives one key twice (PyYAML keeps the last;
+    OmegaConf, which the trainers read their configs with, refuses it too)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path, what: str, hint: str = "") -> Any:
     p = Path(path)
     try:
-        return yaml.safe_load(read_text(p, what, hint))
+        return yaml.load(read_text(p, what, hint), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as exc:
         raise SpecError(f"{p}: not valid YAML: {exc}") from None
 

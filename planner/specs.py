@@ -474,6 +474,8 @@ class Job:
                 kw[key] = None if value is None else _int(value, at)
             elif key in ("rollout_memory_utilization", "expert_imbalance", "reward_s", "rollout_oversampling", "optimizer_offload_fraction"):
                 kw[key] = _num(value, at)
+            elif key == "trainer_version" and isinstance(value, float):  # YAML reads 0.10 as 0.1
+                raise SpecError(f"{at}: {value!r} is a number; write the release as text, quoted ('0.10'), so YAML keeps its digits")
             elif key in ("trainer", "trainer_version"):
                 kw[key] = None if value is None else str(value)
             else:

@@ -65,3 +65,14 @@ def test_user_profile_rejects_zero_rates(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_accelerator(str(path))
     assert "hbm_tb_per_s must be a finite positive number, got 0" in str(err.value)
+
+
+def test_user_profile_rejects_a_fraction_of_a_device_per_node(tmp_path):
+    path = tmp_path / "half.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "x", "family": "nvidia", "hbm_gib": 80, "reserved_gib": 0.5, "hbm_tb_per_s": 3.35,
+        "intra_node_gb_per_s": 300, "inter_node_gb_per_s": 25, "devices_per_node": 3.5, "peak_bf16_tflops": 300,
+    }))
+    with pytest.raises(ConfigError) as err:
+        load_accelerator(str(path))
+    assert "devices_per_node must be a whole number, got 3.5" in str(err.value)

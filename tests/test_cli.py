@@ -173,6 +173,19 @@ def test_option_errors_under_json_are_json(tmp_path):
     assert plain.exit_code == 2 and "Usage: " in plain.output
 
 
+def test_a_key_given_twice_and_a_release_written_as_a_number_are_refused(tmp_path):
+    """PyYAML keeps the last of two equal keys and reads 0.10 as 0.1: a job file with either is
+    refused with the key and its line, or with the quoting that keeps the release's digits."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("prompts_per_step: 64\nsamples_per_prompt: 8\nprompts_per_step: 32\n")
+    result = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--cards", "16", "--job", str(twice)])
+    assert result.exit_code == 2 and "key 'prompts_per_step' is given twice" in result.output and "line 3" in result.output
+    number = tmp_path / "number.yaml"
+    number.write_text("trainer: verl\ntrainer_version: 0.10\n")
+    result = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--cards", "16", "--job", str(number)])
+    assert result.exit_code == 2 and "quoted ('0.10')" in result.output
+
+
 def test_invalid_json_config_says_where(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "mixtral", "hidden_size": }')

@@ -157,7 +157,10 @@ class Accelerator:
         family = str(data["family"])
         if family not in ("ascend", "nvidia"):
             raise ConfigError(f"{where}: family must be ascend or nvidia (knobs are fitted per family), got {family!r}")
-        per_node = int(num("devices_per_node"))
+        per_node = num("devices_per_node")
+        if per_node != int(per_node):
+            raise ConfigError(f"{where}: devices_per_node must be a whole number, got {per_node}")
+        per_node = int(per_node)
         hbm = num("hbm_gib") * GIB
         reserved = num("reserved_gib", positive=False) * GIB
         if reserved >= hbm:

@@ -39,6 +39,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def duplicate_key(text: str) -> str | None:
+    """Where a YAML text gives a key twice in one mapping ("key 'k' is given twice at line N"), else None."""
+    try:
+        yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.constructor.ConstructorError as exc:
+        if exc.problem and "given twice" in exc.problem:
+            return f"{exc.problem} at line {exc.problem_mark.line + 1}"
+    except yaml.YAMLError:
+        pass
+    return None
+
+
 def read_yaml(path: str | Path, what: str, hint: str = "") -> Any:
     p = Path(path)
     try:

@@ -754,3 +754,13 @@ def test_a_config_of_another_trainer_or_of_no_devices_is_refused_and_job_writes_
     assert json.loads(result.stdout)["job"] == yaml.safe_load(out.read_text())
     missing = run_cli("job", "--from", "verl", script, "-o", tmp_path / "nowhere" / "job.yaml")
     assert missing.exit_code == 2 and "does not exist" in missing.output and ".part" not in missing.output
+    # NeMo RL's super-v3 SWE recipe gives logger.wandb twice, which OmegaConf (NeMo RL's loader) refuses
+    from omegaconf import OmegaConf
+
+    from planner.runs.trainers import job_from
+
+    swe = Path(__file__).parent / "data" / "nemo-rl-super-v3" / "examples/configs/recipes/llm/performance/grpo-nemotron-nano-16n8g-async-1off-swe.yaml"
+    with pytest.raises(yaml.constructor.ConstructorError, match="duplicate key"):
+        OmegaConf.load(swe)
+    _, _, notes = job_from("nemo-rl", swe)
+    assert any("key 'wandb' is given twice at line 309" in n and "OmegaConf" in n for n in notes), notes

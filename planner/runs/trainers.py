@@ -526,6 +526,8 @@ def _read_flat(path: Path, notes: list[str] | None = None) -> dict[str, Any]:
     if isinstance(data, dict) and not any("=" in str(k) for k in data):
         if "defaults" in data and isinstance(data["defaults"], (str, list)):
             data = _inherited(path, notes)
+        else:
+            _note_duplicates(path, text, notes)
         return flatten(data)
     if looks_like_script(text):
         raw, unresolved = script_overrides(text)
@@ -545,16 +547,32 @@ def _read_flat(path: Path, notes: list[str] | None = None) -> dict[str, Any]:
     return flat
 
 
+def _note_duplicates(path: Path, text: str, notes: list[str] | None) -> None:
+    """A trainer config that gives a key twice is read with the last value, as PyYAML does, and
+    named: the trainers' own loader (OmegaConf) refuses such a file."""
+    from planner.files import duplicate_key
+
+    where = duplicate_key(text)
+    if where and notes is not None:
+        notes.append(f"{path.name}: {where}: read with the last value here, but the trainers' loader (OmegaConf) refuses such a "
+                     "file: keep one")  # fmt: skip
+
+
 def _inherited(path: Path, notes: list[str] | None, depth: int = 0) -> dict[str, Any]:
     """A YAML config with its `defaults:` parents merged under it, the way NeMo RL loads its configs
     (nemo_rl/utils/config.py): parents are paths relative to the file (a list merges in order), the
     child's keys win and merge into the parents' mappings, a mapping marked `_override_: true`
     replaces the parents' instead, and a mandatory value (`???`) leaves the parent's."""
-    from planner.files import read_yaml
+    from planner.files import read_text
 
     if depth > 20:
         raise SpecError(f"{path}: more than 20 levels of defaults: inheritance (a cycle?)")
-    data = read_yaml(path, "trainer config")
+    text = read_text(path, "trainer config")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    _note_duplicates(path, text, notes)
     if not isinstance(data, dict):
         raise SpecError(f"{path}: a config file is a mapping, got {type(data).__name__}")
     parents = data.pop("defaults", None)

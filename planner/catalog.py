@@ -115,6 +115,8 @@ def load_model_config(ref: str) -> tuple[str, dict]:
     if model_id is not None:
         model = catalog_models()[model_id]
         return model.id, _read_json(_data_dir() / model.config_file)
+    if not str(ref).strip():
+        raise UnknownModelError(f"no model given (an empty name): a catalog id ({', '.join(sorted(catalog_models()))}) or a path")
     path = Path(ref).expanduser()
     if path.is_dir():
         config = path / "config.json"

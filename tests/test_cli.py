@@ -186,6 +186,13 @@ def test_a_key_given_twice_and_a_release_written_as_a_number_are_refused(tmp_pat
     assert result.exit_code == 2 and "quoted ('0.10')" in result.output
 
 
+def test_an_empty_model_name_and_no_k_values_are_usage_errors():
+    result = CliRunner().invoke(main, ["cost", "", "--cards", "8"])
+    assert result.exit_code == 2 and "no model given (an empty name)" in result.output
+    result = CliRunner().invoke(main, ["demo", "--experts", ",,"])
+    assert result.exit_code == 2 and "give the proxies' K values" in result.output
+
+
 def test_invalid_json_config_says_where(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "mixtral", "hidden_size": }')

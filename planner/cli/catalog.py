@@ -122,6 +122,8 @@ def demo(model, hardware, job_path, experts, memory_margin, as_json) -> None:
 
     def body():
         ks = parse_ints(experts)
+        if not ks:
+            raise SpecError(f"--experts {experts!r}: give the proxies' K values, comma-separated (e.g. 32,64)")
         comparison = compare_proxies(model, load_accelerator(hardware), load_job(job_path), ks, memory_margin=memory_margin)
         emit_json(comparison.to_json()) if as_json else click.echo(render_comparison(comparison))
 

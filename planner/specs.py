@@ -167,7 +167,11 @@ class Speculative:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "speculative") -> "Speculative":
         check_keys(data, [f.name for f in fields(cls)], where, required=("accept_length",))
-        return cls(**data)
+        try:
+            return cls(**data)
+        except SpecError as exc:  # named at `where` (the job file's key), with the bound's reason
+            bound = " (at most draft_tokens + 1: the drafts and the bonus token)" if "accept_length" in str(exc) else ""
+            raise SpecError(f"{where}.{str(exc).removeprefix('speculative.')}{bound}") from None
 
 
 @dataclass(frozen=True, kw_only=True)

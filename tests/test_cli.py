@@ -180,6 +180,10 @@ def test_a_key_given_twice_and_a_release_written_as_a_number_are_refused(tmp_pat
     twice.write_text("prompts_per_step: 64\nsamples_per_prompt: 8\nprompts_per_step: 32\n")
     result = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--cards", "16", "--job", str(twice)])
     assert result.exit_code == 2 and "key 'prompts_per_step' is given twice" in result.output and "line 3" in result.output
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("speculative: {method: sam, draft_tokens: 3, accept_length: 9}\n")
+    result = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--cards", "16", "--job", str(spec)])
+    assert result.exit_code == 2 and f"{spec}.speculative.accept_length: must lie in [1.0, 4.0], got 9 (at most draft_tokens + 1" in result.output
     number = tmp_path / "number.yaml"
     number.write_text("trainer: verl\ntrainer_version: 0.10\n")
     result = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--cards", "16", "--job", str(number)])

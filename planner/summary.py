@@ -32,8 +32,12 @@ def validation_text(v: dict | None) -> str:
     if v is None:
         return "step times: uncalibrated (the knobs file holds no leave-one-run-out check; `planner fit-knobs` writes one)"
     who = f"published {v['family']} runs" if v["family"] else "published runs"
-    return (f"step times out of sample: {v['runs_within_25']} of {v['runs']} {who} within 25% of their step time when left "
+    text = (f"step times out of sample: {v['runs_within_25']} of {v['runs']} {who} within 25% of their step time when left "
             f"out of the fit (worst {v['worst_step']:.0%}; `planner fit-knobs` lists them)")
+    if v.get("accelerators") and not v["accelerator_measured"]:
+        text += (f"; none of them ran on {v['accelerator']} (they ran on {', '.join(v['accelerators'])}): its step times rest on its "
+                 "profile's sourced rates and the fractions fitted on those")
+    return text
 
 
 def feature_validation_lines(rows: list[dict]) -> list[str]:

@@ -87,7 +87,10 @@ def test_cost_min_cards_on_atlas_a3_reports_both_units():
 
 
 def test_cost_says_what_backs_its_step_times(tmp_path):
-    """The leave-one-run-out check of the knobs in use, for the accelerator's family; none: uncalibrated."""
+    """The leave-one-run-out check of the knobs in use, for the accelerator's family, and whether any
+    of those runs ran on the accelerator; none: uncalibrated."""
+    from planner.cost.fit import load_runs
+
     knobs = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "knobs.json").read_text())
     steps = [r for r in knobs["leave_one_out"] if r["phase"] == "step" and r["family"] == "ascend"]
     within = sum(abs(r["ratio"] - 1) <= 0.25 for r in steps)
@@ -95,6 +98,10 @@ def test_cost_says_what_backs_its_step_times(tmp_path):
     assert f"step times out of sample: {within} of {len(steps)} published ascend runs within 25%" in text
     data = json.loads(run("cost", "deepseek-v3", "--hardware", "atlas-a3", "--min-cards", "--json").output)
     assert data["step_time_validation"]["runs"] == len(steps) and data["step_time_validation"]["runs_within_25"] == within
+    assert data["step_time_validation"]["accelerator_measured"] and "none of them ran on" not in text
+    ran_on = sorted({r.hardware for r in load_runs() if r.family == "nvidia"})
+    text = run("cost", "qwen3-30b-a3b", "--hardware", "h800", "--cards", "16").output
+    assert f"none of them ran on h800 (they ran on {', '.join(ran_on)})" in text
     (tmp_path / "k.json").write_text(json.dumps({k: v for k, v in knobs.items() if k != "leave_one_out"}))
     text = run("cost", "deepseek-v3", "--hardware", "atlas-a3", "--min-cards", "--knobs", tmp_path / "k.json").output
     assert "step times: uncalibrated" in text

@@ -89,7 +89,7 @@ def cost(model, hardware, cards, min_cards, job_path, experts, max_cards, knobs_
                 )
             except PlannerError as exc:
                 result.reasons.append(str(exc))
-        validation = step_validation(accel.family)
+        validation = step_validation(accel.family, accelerator=accel.id)
         features = feature_validation(result.job or job, accel.family)
         if as_json:
             emit_json({**result.to_json(), "knobs_file": str(knobs_path()), "step_time_validation": validation, "feature_validation": features})

@@ -403,14 +403,21 @@ def loo_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "runs": len(step), "worst_phase": max(phases, default=math.nan)}
 
 
-def step_validation(family: str | None = None, path: str | Path | None = None) -> dict | None:
+def step_validation(family: str | None = None, path: str | Path | None = None, accelerator: str | None = None) -> dict | None:
     """What backs the step times: the knobs file's leave-one-run-out check (each published run's step
     total predicted by a fit without that run), over every run or one accelerator family's. None
-    when the file holds no such check."""
+    when the file holds no such check. With `accelerator`, also the accelerators those runs ran on
+    (as the packaged published runs name them) and whether it is one of them."""
     rows = [r for r in _leave_one_out(str(path or knobs_path())) if family is None or r.get("family") == family]
     if not any(r.get("phase") == "step" and r.get("ratio") is not None for r in rows):
         return None
-    return {"family": family, **loo_summary(rows)}
+    out = {"family": family, **loo_summary(rows)}
+    if accelerator is not None:
+        ran_on = {run.id: run.hardware for run in load_runs()}
+        chips = sorted({ran_on[r["run"]] for r in rows if r["run"] in ran_on})
+        if chips:
+            out.update(accelerator=accelerator, accelerators=chips, accelerator_measured=accelerator in chips)
+    return out
 
 
 # What a job may have that no fitted run has: a step with one of these rests only on the published

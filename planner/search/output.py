@@ -143,7 +143,7 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
            else f"NSGA-II over a space of {s.space_points} points, too large to enumerate")  # fmt: skip
     lines.append(f"{s.trials} trials, {len(s.options)} distinct points evaluated ({how}), {s.seconds:.1f} s"
                  + (f"; the best first appeared at trial {s.best_trial}" if s.best_trial is not None else ""))  # fmt: skip
-    lines.append(calibration_line())
+    lines.append(calibration_line(s.accelerator))
     lines.extend(feature_validation_lines(best_features(s)))
     return "\n".join(lines)
 
@@ -228,9 +228,15 @@ def reproduction_lines(s: Suggestion, best: Option) -> list[str]:
     return lines
 
 
-def calibration_line() -> str:
+def calibration_line(accelerator=None) -> str:
+    """The calibration files in use and what backs the step times: over every published run, or over
+    the runs of `accelerator`'s family (saying whether any ran on it)."""
     files = calibration_files()
-    return f"calibration files: knobs {files['knobs']}; fidelity estimator {files['estimator']}\n{validation_text(step_validation())}"
+    return f"calibration files: knobs {files['knobs']}; fidelity estimator {files['estimator']}\n{validation_text(_step_validation(accelerator))}"
+
+
+def _step_validation(accelerator=None) -> dict | None:
+    return step_validation(accelerator.family, accelerator=accelerator.id) if accelerator is not None else step_validation()
 
 
 def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
@@ -252,7 +258,7 @@ def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
         "diagnosis": s.diagnosis,
         "warnings": s.warnings,
         "calibration_files": calibration_files(),
-        "step_time_validation": step_validation(),
+        "step_time_validation": _step_validation(s.accelerator),
         "feature_validation": best_features(s),
         "fault_relevant_factors": s.factors,
         "device_counts": s.device_counts,

@@ -20,6 +20,7 @@ import yaml
 from planner.arch import Architecture
 from planner.cost.hardware import Accelerator
 from planner.errors import ConfigError, UnknownModelError
+from planner.files import read_yaml
 
 __all__ = [
     "catalog_accelerators",
@@ -162,10 +163,7 @@ def load_accelerator(ref: str) -> Accelerator:
         return accels[ref.strip().lower()]
     path = Path(ref).expanduser()
     if path.is_file():
-        try:
-            data = yaml.safe_load(_text(path))
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        data = read_yaml(path, "accelerator profile")
         if isinstance(data, dict) and isinstance(data.get("accelerators"), dict) and data["accelerators"]:
             accel_id, entry = next(iter(data["accelerators"].items()))
             return Accelerator.from_dict(str(accel_id), entry, where=f"{path}:{accel_id}")

@@ -32,6 +32,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden, as YAML means
+                continue
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
@@ -51,10 +53,11 @@ def duplicate_key(text: str) -> str | None:
     return None
 
 
-def read_yaml(path: str | Path, what: str, hint: str = "") -> Any:
+def read_yaml(path: str | Path, what: str, hint: str = "", *, unique: bool = True) -> Any:
+    """A YAML file (safe loading); with `unique`, a key given twice in one mapping is an error."""
     p = Path(path)
     try:
-        return yaml.load(read_text(p, what, hint), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+        return yaml.load(read_text(p, what, hint), Loader=_UniqueKeyLoader if unique else yaml.SafeLoader)  # noqa: S506 (SafeLoaders)
     except yaml.YAMLError as exc:
         raise SpecError(f"{p}: not valid YAML: {exc}") from None
 

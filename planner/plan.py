@@ -18,7 +18,7 @@ from planner.arch import Architecture
 from planner.errors import PlanError, SpecError
 from planner.files import read_yaml
 
-__all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "METHODS", "SELECTION_METHODS", "BAD_METHODS", "CONTROL_METHODS"]
+__all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "deployment_cards", "METHODS", "SELECTION_METHODS", "BAD_METHODS", "CONTROL_METHODS"]
 
 PLAN_SCHEMA = "planner.plan/1"
 # the last two are deliberately bad plans, for calibration: the estimator has to learn what an
@@ -233,6 +233,14 @@ def _span(ids: list[int]) -> str:
     if ids == list(range(ids[0], ids[-1] + 1)):
         return f"{ids[0]}..{ids[-1]}"
     return str(ids[:8]) + ("..." if len(ids) > 8 else "")
+
+
+def deployment_cards(deployment: Mapping[str, Any]) -> int:
+    """A plan deployment's device count (num_cards), checked: a whole number, at least 1."""
+    cards = deployment.get("num_cards")
+    if isinstance(cards, bool) or not isinstance(cards, int) or cards < 1:
+        raise SpecError(f"the plan's deployment.num_cards is {cards!r}: a whole number of devices, at least 1")
+    return cards
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -162,6 +162,7 @@ class _Context:
     def _load_cost(self):
         """The proxy at the plan's deployment (its card count and layouts when it names them)."""
         from planner.cost.evaluate import evaluate, min_devices
+        from planner.plan import deployment_cards
         from planner.specs import RolloutLayout, TrainLayout
 
         dep, plan = self.deployment, self.plan
@@ -172,10 +173,7 @@ class _Context:
                                       rollout_layout=RolloutLayout.from_dict(dep["rollout_layout"]))  # fmt: skip
         margin = float(self.data.get("memory_margin", DEFAULT_MEMORY_MARGIN))  # kept free in the training phases, as `suggest` does
         if dep.get("num_cards") is not None:
-            cards = dep["num_cards"]
-            if isinstance(cards, bool) or not isinstance(cards, int) or cards < 1:
-                raise SpecError(f"the plan's deployment.num_cards is {cards!r}: a whole number of devices, at least 1")
-            return evaluate(arch, self.accel, job, cards, memory_margin=margin)
+            return evaluate(arch, self.accel, job, deployment_cards(dep), memory_margin=margin)
         return min_devices(arch, self.accel, job, memory_margin=margin)
 
 

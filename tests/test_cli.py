@@ -191,6 +191,11 @@ def test_a_key_given_twice_and_a_release_written_as_a_number_are_refused(tmp_pat
     spec.write_text("speculative: {method: sam, draft_tokens: 3, accept_length: 9}\n")
     result = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--cards", "16", "--job", str(spec)])
     assert result.exit_code == 2 and f"{spec}.speculative.accept_length: must lie in [1.0, 4.0], got 9 (at most draft_tokens + 1" in result.output
+    merged = tmp_path / "merged.yaml"  # YAML merge keys still merge, an override after them included
+    merged.write_text("base: &b {tp: 1, pp: 1, ep: 8, cp: 1}\ntrain_layout:\n  <<: *b\n  tp: 2\n")
+    from planner.files import read_yaml
+
+    assert read_yaml(merged, "job")["train_layout"] == {"tp": 2, "pp": 1, "ep": 8, "cp": 1}
     number = tmp_path / "number.yaml"
     number.write_text("trainer: verl\ntrainer_version: 0.10\n")
     result = CliRunner().invoke(main, ["cost", "qwen3-30b-a3b", "--cards", "16", "--job", str(number)])

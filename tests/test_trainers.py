@@ -164,6 +164,8 @@ def test_export_and_job_refuse_what_they_cannot_write(plans, tmp_path):
     # a plan edited by hand is checked against the model before a config that cannot launch is written
     for edit, said in (({"experts": 1000}, "rule 1 <= K <= E: K=1000"), ({"experts": 4}, "rule top_k <= K"),
                        ({"deployment": {**data_of(plans[0])["deployment"], "num_cards": 0}}, "num_cards is 0"),
+                       ({"deployment": {**data_of(plans[0])["deployment"], "job": {**data_of(plans[0])["deployment"]["job"], "colocated": False,
+                                                                                  "rollout_devices": 4}}}, "leaves none of its 4 to train on"),
                        ({"deployment": {**data_of(plans[0])["deployment"], "train_layout": {"tp": 3, "pp": 1, "ep": 1, "cp": 1, "etp": 1}}},
                         "tp=3 does not divide the 32 attention heads")):  # fmt: skip
         edited = tmp_path / "edited.yaml"

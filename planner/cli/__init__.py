@@ -30,16 +30,14 @@ class _Group(click.Group):
         if "--json" not in args:
             return super().main(args, **extra)
         try:
-            super().main(args, standalone_mode=False, **extra)
-        except click.exceptions.Exit as exc:  # --help, --version
-            sys.exit(exc.exit_code)
+            code = super().main(args, standalone_mode=False, **extra)  # an Exit (--help, --version) comes back as its code
         except click.ClickException as exc:
             click.echo(json.dumps({"error": exc.format_message(), "exit_code": exc.exit_code}))
             sys.exit(exc.exit_code)
         except click.exceptions.Abort:
             click.echo(json.dumps({"error": "aborted", "exit_code": 1}))
             sys.exit(1)
-        sys.exit(0)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

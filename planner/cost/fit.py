@@ -29,12 +29,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from planner.catalog import load_accelerator, load_model
 from planner.cost.evaluate import CostResult, evaluate
 from planner.cost.knobs import KNOB_BOUNDS, PRIOR, Knobs, knobs_path
-from planner.errors import SpecError
+from planner.errors import PlannerError, SpecError
+from planner.files import read_yaml
 from planner.specs import Job
 
 __all__ = ["PublishedRun", "load_runs", "predict", "fit", "fit_all", "leave_one_out", "residual_table", "validation_effects", "update_mfu_checks", "weight_sync_checks", "loo_summary", "step_validation", "feature_validation", "JOB_FEATURES", "PHASES"]
@@ -74,9 +73,6 @@ def load_runs(path: str | Path | None = None, section: str = "runs") -> list[Pub
     """The published runs the knobs are fitted to (`runs`), the rows that only check them
     (`validation`), or those the cost model accepts as jobs but cannot predict (`expressed`: part of
     their step has no term in the model, named in `not_modelled`)."""
-    from planner.errors import SpecError
-    from planner.files import read_yaml
-
     where = Path(path or runs_path())
     data = read_yaml(where, "published runs")
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list) or not data["runs"]:
@@ -111,7 +107,7 @@ def update_mfu_checks(path: str | Path | None = None) -> list[dict[str, Any]]:
     from planner.cost.layouts import TrainCandidates
     from planner.cost.model import CostModel
 
-    data = yaml.safe_load(Path(path or runs_path()).read_text())
+    data = read_yaml(path or runs_path(), "published runs")
     rows = []
     for check in data.get("mfu_checks", []):
         arch, accel = load_model(check["model"]), load_accelerator(check["hardware"])
@@ -133,7 +129,7 @@ def weight_sync_checks(path: str | Path | None = None, knobs: dict[str, Knobs] |
     at. `knobs`: per family (default: the stored fit)."""
     from planner.cost.knobs import load_knobs
 
-    data = yaml.safe_load(Path(path or runs_path()).read_text())
+    data = read_yaml(path or runs_path(), "published runs")
     runs = {run.id: run for section in ("runs", "validation") for run in load_runs(path, section=section)}
     rows = []
     for check in data.get("sync_checks", []):
@@ -344,29 +340,39 @@ def _worker_signals() -> None:
 
 def leave_one_out(runs: list[PublishedRun], progress=None, *, only: list[str] | None = None) -> list[dict[str, Any]]:
     """For each run (or each run whose id is in `only`): refit without it, predict it. One row per
-    run and published phase. The refits are independent: one process per CPU runs them, and an
-    interrupted parent terminates them (the pool's exit) rather than waiting for the queue."""
-    import multiprocessing
+    run and published phase. The refits are independent: one process per CPU runs them. An
+    interrupted parent terminates them instead of waiting for the queue; a worker that dies (killed,
+    out of memory) fails the whole call (BrokenProcessPool) instead of leaving its refit undone."""
     import os
     import signal
-    from functools import partial
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
 
     held = [n for n, r in enumerate(runs) if only is None or r.id in only]
     results: dict[int, list] = {}
-    # no signal while the workers are forked (a fork would inherit it half-handled); one that comes
-    # meanwhile is raised once they exist, inside the pool's block, whose exit terminates them
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    pool = ProcessPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, len(held))), initializer=_worker_signals)
     try:
-        pool = multiprocessing.Pool(max(1, min(os.cpu_count() or 1, len(held))), initializer=_worker_signals)
-    except BaseException:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        raise
-    with pool:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        for done, (n, rows) in enumerate(pool.imap_unordered(partial(_held_out, runs), held)):
+        # no signal while the workers are forked (a fork would inherit it half-handled); one that
+        # comes meanwhile is raised at the unmask, inside this block
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            futures = {pool.submit(_held_out, runs, n): n for n in held}
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for done, future in enumerate(as_completed(futures)):
+            n, rows = future.result()
             results[n] = rows
             if progress:
                 progress(done, len(held), runs[n].id)
+    except BaseException as exc:
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.terminate()  # the executor has no public terminate before Python 3.14
+        pool.shutdown(wait=False, cancel_futures=True)
+        if isinstance(exc, BrokenProcessPool):
+            raise PlannerError(f"a leave-one-out refit worker died ({exc}; killed, or out of memory?): nothing was written; "
+                               "run the command again") from None  # fmt: skip
+        raise
+    pool.shutdown()
     return [row for n in held for row in results[n]]
 
 
@@ -412,11 +418,10 @@ def step_validation(family: str | None = None, path: str | Path | None = None, a
     if not any(r.get("phase") == "step" and r.get("ratio") is not None for r in rows):
         return None
     out = {"family": family, **loo_summary(rows)}
-    if accelerator is not None:
-        ran_on = {run.id: run.hardware for run in load_runs()}
-        chips = sorted({ran_on[r["run"]] for r in rows if r["run"] in ran_on})
-        if chips:
-            out.update(accelerator=accelerator, accelerators=chips, accelerator_measured=accelerator in chips)
+    ran_on = {run.id: run.hardware for run in load_runs()} if accelerator is not None else {}
+    if ran_on and {r["run"] for r in rows} <= set(ran_on):  # a user's fit of other runs: where they ran is not known here
+        chips = sorted({ran_on[r["run"]] for r in rows})
+        out.update(accelerator=accelerator, accelerators=chips, accelerator_measured=accelerator in chips)
     return out
 
 
@@ -438,7 +443,7 @@ def feature_validation(job: Job, family: str, path: str | Path | None = None) ->
     wanted = [name for name, has in JOB_FEATURES.items() if has(job)]
     if not wanted:
         return []
-    rows = [r for r in load_runs(path, section="validation") if r.family == family and "step" in r.published]
+    rows = [r for r in load_runs(path, section="validation") if r.family == family and r.published.get("step", 0) > 0]
     knobs = load_knobs(family) if rows else None
     out = []
     for name in wanted:

@@ -77,33 +77,34 @@ def _deployment(plan, model_path: str) -> Deployment:
     except PlannerError:  # a plan of a model whose config is not here: the exports that need it say so
         config = {}
     text = config.get("text_config", config)
-    _check_deployment(plan, d)
-    return Deployment(job=Job.from_dict(d["job"], "plan deployment.job"), train=TrainLayout.from_dict(d["train_layout"]),
+    job = Job.from_dict(d["job"], "plan deployment.job")
+    _check_deployment(plan, d, job)
+    return Deployment(job=job, train=TrainLayout.from_dict(d["train_layout"]),
                       rollout=RolloutLayout.from_dict(d["rollout_layout"]), cards=int(d["num_cards"]), per_node=accel.devices_per_node,
                       model_path=model_path, name=_MINDSPEED_MODELS.get(str(plan.model), Path(str(plan.model)).name.replace("-", "_").replace(".", "_")),
                       device_family=accel.family, experts=int(plan.experts), model_type=text.get("model_type"),
                       layers=int(text.get("num_hidden_layers", 0)))  # fmt: skip
 
 
-def _check_deployment(plan, d: Mapping[str, Any]) -> None:
+def _check_deployment(plan, d: Mapping[str, Any], job) -> None:
     """The plan's pruning rules and its deployment's device count and layouts, checked against the
     model before a config that could not launch is written (a plan edited by hand, or of another
     model). A model whose config is not here goes unchecked: the exports that need it say so."""
     from planner.catalog import load_model
     from planner.cost.layouts import rollout_layout_problems, train_layout_problems
+    from planner.plan import deployment_cards
     from planner.specs import RolloutLayout, TrainLayout
 
-    cards = d.get("num_cards")
-    if isinstance(cards, bool) or not isinstance(cards, int) or cards < 1:
-        raise SpecError(f"the plan's deployment.num_cards is {cards!r}: a whole number of devices, at least 1")
+    cards = deployment_cards(d)
+    if not job.colocated and job.rollout_devices is not None and not 0 < job.rollout_devices < cards:
+        raise SpecError(f"the plan's rollout pool of {job.rollout_devices} devices leaves none of its {cards} to train on")
     try:
         arch = load_model(str(plan.model))
     except PlannerError:  # a checkpoint on another machine: `planner build` and preflight check the plan against it
         return
-    plan.check(arch)
+    plan.check(arch, sorted(plan.layers) if plan.mtp == "prune" else None)  # pruned MTP layers: kept sets the trunk lacks
     proxy = arch.with_experts(plan.experts)
-    job = d.get("job") or {}
-    pool = job.get("rollout_devices") if job.get("colocated") is False else None  # separate pools: the rest train
+    pool = None if job.colocated else job.rollout_devices  # separate pools: the rest train
     train, rollout = (cards - pool, pool) if pool else (cards, cards)
     problems = train_layout_problems(proxy, train, TrainLayout.from_dict(d["train_layout"]))
     if d.get("rollout_layout"):
@@ -457,9 +458,11 @@ def export_plan(plan, trainer: str, model_path: str, *, routing_replay: bool = F
         raise SpecError(f"unknown trainer {trainer!r}; one of {', '.join(TRAINERS)}")
     if version is not None and trainer != "verl":
         raise SpecError(f"--verl-version is for --to verl, not {trainer}")
-    if not model_path.strip() or re.search(r"[\s'\"$`\\]", model_path):
+    if not model_path.strip():
+        raise SpecError("--model-path is empty: give where the built proxy checkpoint lies on the training cluster")
+    if trainer != "nemo-rl" and re.search(r"[\s'\"$`\\]", model_path):  # NeMo RL's is a quoted YAML value
         raise SpecError(f"--model-path {model_path!r}: give the checkpoint's path without spaces, quotes, $, ` or backslashes (the "
-                        "exported file's values are read back word by word, e.g. by $(grep -v '^#' FILE) for verl)")  # fmt: skip
+                        f"{trainer} export's values are read back word by word, e.g. by $(grep -v '^#' FILE) for verl)")  # fmt: skip
     d = _deployment(plan, model_path)
     if "fp8" in (d.job.precision, d.job.rollout_precision):
         raise SpecError(f"this plan runs FP8 (training {d.job.precision}, rollout {d.job.rollout_precision}); each trainer sets FP8 with "
@@ -563,16 +566,12 @@ def _inherited(path: Path, notes: list[str] | None, depth: int = 0) -> dict[str,
     (nemo_rl/utils/config.py): parents are paths relative to the file (a list merges in order), the
     child's keys win and merge into the parents' mappings, a mapping marked `_override_: true`
     replaces the parents' instead, and a mandatory value (`???`) leaves the parent's."""
-    from planner.files import read_text
+    from planner.files import read_text, read_yaml
 
     if depth > 20:
         raise SpecError(f"{path}: more than 20 levels of defaults: inheritance (a cycle?)")
-    text = read_text(path, "trainer config")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
-    _note_duplicates(path, text, notes)
+    data = read_yaml(path, "trainer config", unique=False)
+    _note_duplicates(path, read_text(path, "trainer config"), notes)
     if not isinstance(data, dict):
         raise SpecError(f"{path}: a config file is a mapping, got {type(data).__name__}")
     parents = data.pop("defaults", None)

@@ -220,6 +220,10 @@ def test_detectors_on_constructed_signals():
     logged = {"grad_norm": nan_grad, "grad_norm:logged_nonfinite": steps == 7}
     assert {f.fault: f.onset for f in detect(steps, absent)}["non-finite"] is None  # a missing value is not a NaN
     assert {f.fault: f.onset for f in detect(steps, logged)}["non-finite"] == 7
+    everywhere = {"grad_norm": np.full(20, math.nan), "grad_norm:logged_nonfinite": np.ones(20, bool)}  # NaN from the first step
+    assert {f.fault: f.onset for f in detect(steps, everywhere)}["non-finite"] == steps[0]
+    never = {"grad_norm": np.full(20, math.nan), "grad_norm:logged_nonfinite": np.zeros(20, bool)}  # never logged: no metric
+    assert {f.fault: f.onset for f in detect(steps, never)}["non-finite"] is None
     ratio = np.r_[np.full(8, 1.01), np.full(12, 1.2)]  # NeMo's multiplicative error: ideal 1
     assert {f.fault: f.onset for f in detect(steps, {"mismatch_prob_ratio": ratio}, ideal={"mismatch_prob_ratio": 1.0})}["rollout-mismatch"] == 8
     # NeMo RL's documented line, 1.05: a steady 1.04 is no fault however noisy the start, 1.06 is one at once

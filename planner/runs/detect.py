@@ -103,8 +103,14 @@ def overflow(steps: np.ndarray, m: Signals) -> Finding:
     return _missing("fp16-overflow", "overflow or loss_scale_log2")
 
 
+def _logged_nonfinite(m: Signals, name: str) -> bool:
+    """The reader saw NAME logged as NaN/inf at some step (a metric NaN from its first step is there)."""
+    flags = m.get(f"{name}:logged_nonfinite")
+    return flags is not None and bool(np.asarray(flags, dtype=bool).any())
+
+
 def nonfinite(steps: np.ndarray, m: Signals) -> Finding:
-    names = [n for n in ("grad_norm", "loss", "nonfinite") if _has(m, n)]
+    names = [n for n in ("grad_norm", "loss", "nonfinite") if _has(m, n) or _logged_nonfinite(m, n)]
     if not names:
         return _missing("non-finite", "grad_norm, loss or nonfinite")
     hits = []

@@ -307,26 +307,35 @@ def write_report(r: Report, out_dir: str | Path, *, force: bool = False) -> Path
     if not r.costs:
         raise SpecError("neither the original nor any proxy fits within the search bound: " + "; ".join(r.skipped.values()))
     tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        _replaceable(tmp)
+    if tmp.exists():  # a run killed before it could clean up (an interrupted one removes its own)
+        _replaceable(tmp, partial=True)
         shutil.rmtree(tmp)
-    (tmp / "figures").mkdir(parents=True)
-    for name, draw in FIGURES.items():
-        draw(r, tmp / "figures" / name)
-    markdown = _markdown(r)
-    (tmp / "report.md").write_text(markdown)
-    (tmp / "report.html").write_text(_html(markdown, f"{r.request.model} proxy capacity plan"))
-    data = {"costs": {k: c.to_json() for k, c in r.costs.items()}, "skipped": r.skipped, "suggestion": suggestion_json(r.suggestion)}
-    (tmp / "report.json").write_text(json.dumps(data, indent=1, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+    try:
+        (tmp / "figures").mkdir(parents=True)
+        for name, draw in FIGURES.items():
+            draw(r, tmp / "figures" / name)
+        markdown = _markdown(r)
+        (tmp / "report.md").write_text(markdown)
+        (tmp / "report.html").write_text(_html(markdown, f"{r.request.model} proxy capacity plan"))
+        data = {"costs": {k: c.to_json() for k, c in r.costs.items()}, "skipped": r.skipped, "suggestion": suggestion_json(r.suggestion)}
+        (tmp / "report.json").write_text(json.dumps(data, indent=1, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+    except BaseException:  # Ctrl-C, SIGTERM, a full disk: nothing half-written is kept
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out.exists():
         shutil.rmtree(out)
     tmp.replace(out)
     return out
 
 
-def _replaceable(path: Path) -> None:
-    """Only a report directory (or an empty one) is ever deleted to make room for a new report."""
-    if path.is_dir() and any(path.iterdir()) and not (path / "report.md").is_file():
+REPORT_FILES = {"figures", "report.md", "report.html", "report.json"}
+
+
+def _replaceable(path: Path, partial: bool = False) -> None:
+    """Only a report directory (or an empty one) is ever deleted to make room for a new report; with
+    `partial`, also a report's unfinished one (nothing but a report's own files)."""
+    ours = path.is_dir() and {p.name for p in path.iterdir()} <= REPORT_FILES
+    if path.is_dir() and any(path.iterdir()) and not (path / "report.md").is_file() and not (partial and ours):
         raise SpecError(f"{path} is not a report directory (no report.md); refusing to replace it")
     if path.exists() and not path.is_dir():
         raise SpecError(f"{path} exists and is not a directory")

@@ -55,6 +55,31 @@ def test_report_writes_markdown_html_and_figures(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_interrupted_report_leaves_nothing_and_a_killed_ones_leftover_is_replaced(tmp_path, monkeypatch):
+    """Ctrl-C while the figures are drawn removes OUT.tmp (a rerun, with or without --force, is not
+    refused by it); a leftover OUT.tmp holding only a report's own files (a run killed outright) is
+    replaced, while one holding anything else is refused."""
+    import planner.report
+
+    out = tmp_path / "rep"
+
+    def interrupted(r, path):
+        path.write_bytes(b"half a figure")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setitem(planner.report.FIGURES, "memory.png", interrupted)
+        result = run_cli("report", "--budget", "8npu", "--trials", "20", "-o", out)
+    assert result.exit_code == 130 and "interrupted (SIGINT)" in result.output, result.output
+    assert not out.exists() and not (tmp_path / "rep.tmp").exists()
+    (tmp_path / "rep.tmp" / "figures").mkdir(parents=True)  # what a SIGKILL leaves
+    assert run_cli("report", "--budget", "8npu", "--trials", "20", "-o", out).exit_code == 0 and (out / "report.md").is_file()
+    (tmp_path / "other.tmp").mkdir()
+    (tmp_path / "other.tmp" / "notes.txt").write_text("mine")
+    refused = run_cli("report", "--budget", "8npu", "--trials", "20", "-o", tmp_path / "other")
+    assert refused.exit_code == 2 and "not a report directory" in refused.output
+
+
 def test_check_predicts_memory_and_labels_the_proxy(rl_model, tmp_path):
     model = rl_model[0]
     assert run_cli("plan", model, "--experts", "16", "-o", tmp_path / "plan.yaml").exit_code == 0

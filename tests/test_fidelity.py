@@ -378,6 +378,9 @@ def test_two_workers_share_one_sqlite_study(mini_grid, tmp_path):
     assert "6 of 6 grid points complete" in run_cli("calibrate", "status", "--grid", path, "--storage", storage, "--workdir", work).output
     one = run_cli("calibrate", "status", "--grid", path, "--storage", storage, "--workdir", work, "--recipes", "rollout-mismatch").output
     assert "3 of 3 grid points complete" in one and "fp16-overflow" not in one  # a run of some recipes, as `calibrate run --recipes`
+    typo = f"sqlite:///{tmp_path / 'typo.db'}"  # a read never makes a new, empty database and reports 0 points done
+    missing = run_cli("calibrate", "status", "--grid", path, "--storage", typo, "--workdir", work)
+    assert missing.exit_code == 2 and "no such database file" in missing.output and not (tmp_path / "typo.db").exists()
 
     # a family's grid merged into a dataset of other families: theirs stay, this family's grid rows are replaced
     from planner.fidelity.calibrate import merged

@@ -271,6 +271,8 @@ def calibrate_status(grid_path, storage, workdir, recipes, as_json) -> None:
     def body():
         if not (Path(workdir) / "models.json").is_file():
             raise SpecError(f"{workdir} holds no prepared grid (no models.json); pass the --workdir of `calibrate run`")
+        if storage.startswith("sqlite:///") and not Path(storage[len("sqlite:///"):]).is_file():  # a read: never make a new database
+            raise SpecError(f"--storage {storage}: no such database file; pass the --storage of `calibrate run`")
         grid = Grid.load(grid_path)
         if recipes:
             grid = grid.only(recipes)

@@ -209,6 +209,15 @@ def test_an_empty_model_name_and_no_k_values_are_usage_errors():
     assert result.exit_code == 2 and "give the proxies' K values" in result.output
 
 
+def test_seeds_are_distinct_and_non_negative(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    result = CliRunner().invoke(main, ["probe", str(tmp_path / "a"), str(tmp_path / "b"), "--recipe", "rollout-mismatch", "--seeds=-1,2"])
+    assert result.exit_code == 2 and "seeds are non-negative integers, got -1" in result.output
+    result = CliRunner().invoke(main, ["rl", "margin", str(tmp_path / "a"), "--recipe", "rollout-mismatch", "--seeds", "0,0"])
+    assert result.exit_code == 2 and "a seed is given twice" in result.output
+
+
 def test_invalid_json_config_says_where(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "mixtral", "hidden_size": }')

@@ -119,6 +119,17 @@ def progress_line(label: str):
     return report
 
 
+def parse_seeds(text: str | None) -> list[int]:
+    """--seeds: distinct non-negative integers (each seed is one measurement: a repeat would count twice)."""
+    seeds = parse_ints(text)
+    bad = [s for s in seeds if s < 0]
+    if bad:
+        raise SpecError(f"--seeds {text!r}: seeds are non-negative integers, got {bad[0]}")
+    if len(set(seeds)) < len(seeds):
+        raise SpecError(f"--seeds {text!r}: a seed is given twice (each seed is its own measurement)")
+    return seeds
+
+
 def parse_ints(text: str | None) -> list[int]:
     try:
         return [int(x) for x in str(text).split(",") if x.strip()] if text else []

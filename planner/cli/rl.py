@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from planner.cli.common import emit_json, parse_ints, progress_line, run_body
+from planner.cli.common import emit_json, parse_seeds, progress_line, run_body
 from planner.errors import SpecError
 from planner.files import new_output, refuse_existing, write_text_atomic
 from planner.render import label_text, table
@@ -193,7 +193,7 @@ def rl_margin(model_dir, recipe_name, seeds, iters, steps, device, output, force
         if output:
             out = Path(output)
             refuse_existing(out / "margin.json", force)
-        seed_list = parse_ints(seeds)
+        seed_list = parse_seeds(seeds)
         if not seed_list:
             raise SpecError("--seeds: give at least one seed")
         n = iters if iters is not None else DEFAULT_ITERS[r.kind]

@@ -107,7 +107,7 @@ def probe(original, proxy, recipe_name, seeds, iters, device, sequences, seq_len
     import json
     from pathlib import Path
 
-    from planner.cli.common import parse_ints
+    from planner.cli.common import parse_seeds
     from planner.errors import SpecError
     from planner.files import new_output, write_text_atomic
     from planner.render import table
@@ -122,7 +122,7 @@ def probe(original, proxy, recipe_name, seeds, iters, device, sequences, seq_len
             if not text.strip():
                 raise SpecError(f"--calib-text {calib_text} is empty")
         say = (lambda s: None) if as_json else (lambda s: click.echo(s, err=True))
-        result = probe_pair(original, proxy, recipe_name, seeds=parse_ints(seeds), iters=iters, device=device, sequences=sequences,
+        result = probe_pair(original, proxy, recipe_name, seeds=parse_seeds(seeds), iters=iters, device=device, sequences=sequences,
                             seq_len=seq_len, calib_text=text, say=say)  # fmt: skip
         if output:
             write_text_atomic(output, json.dumps(json_safe(result), indent=2))  # NaN as null: strict JSON

@@ -224,6 +224,22 @@ def test_calibrate_add_updates_the_dataset_and_a_refit_changes_predictions(rl_mo
                   "--recipe", "entropy-collapse", "--dataset", dataset)  # fmt: skip
     assert bad.exit_code == 2 and "--recipe entropy-collapse, but the runs' records name ['rollout-mismatch']" in bad.output
     assert len(read_dataset(dataset)) == n + 1  # nothing half-written
+    # another CSV, or another JSON beside it, is not a dataset to add to: refused, left as it was
+    people = tmp_path / "people.csv"
+    people.write_text("name,score\nx,1\n")
+    other = run_cli("calibrate", "add", "--original", tmp_path / "a", "--proxy", tmp_path / "b", "--plan", tmp_path / "plan.yaml",
+                    "--dataset", people)  # fmt: skip
+    assert other.exit_code == 2 and "not a calibration dataset" in other.output and people.read_text() == "name,score\nx,1\n"
+    fresh = tmp_path / "fresh.csv"
+    fresh.with_suffix(".json").write_text('{"name": "my notes"}')
+    other = run_cli("calibrate", "add", "--original", tmp_path / "a", "--proxy", tmp_path / "b", "--plan", tmp_path / "plan.yaml",
+                    "--dataset", fresh)  # fmt: skip
+    assert other.exit_code == 2 and "not the dataset's provenance file" in other.output and not fresh.exists()
+    assert fresh.with_suffix(".json").read_text() == '{"name": "my notes"}'
+    cut = tmp_path / "cut.csv"
+    cut.write_text(dataset.read_text()[:3000])
+    report = run_cli("calibrate", "report", "--dataset", cut)
+    assert report.exit_code == 2 and "fields where the header has" in report.output
 
 
 @pytest.mark.slow

@@ -345,6 +345,9 @@ def add_pair(dataset: Path, original_dir: Path, proxy_dir: Path, plan_path: Path
     rows.append(row)
     meta_path = dataset.with_suffix(".json")
     meta = read_json(meta_path, "dataset provenance") if meta_path.is_file() else {}
+    if not isinstance(meta, dict) or (meta_path.is_file() and not {"rows", "columns", "added", "grid", "grids", "command"} & set(meta)):
+        raise SpecError(f"{meta_path}: not the dataset's provenance file (a planner calibration dataset keeps its commands, grids "
+                        "and added pairs there); nothing was added")  # fmt: skip
     meta.pop("rows", None), meta.pop("columns", None), meta.pop("versions", None)
     meta.setdefault("added", []).append({"original": str(original_dir), "proxy": str(proxy_dir), "plan": str(plan_path),
                                          "replica": str(replica_dir) if replica_dir else None, "recipe": recipe_name})  # fmt: skip

@@ -141,17 +141,33 @@ def _version(package: str) -> str | None:
 
 
 def read_dataset(path: Path) -> list[dict]:
+    """The rows of a calibration dataset CSV; a file that is not one (another CSV, a row cut short,
+    not text) is a SpecError naming the problem, before anything is merged into it or fitted."""
+    from planner.errors import SpecError
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            missing = [c for c in ID_COLUMNS if c not in (reader.fieldnames or [])]
+            if missing:
+                raise SpecError(f"{path}: not a calibration dataset (no {', '.join(missing)} column{'s' if len(missing) > 1 else ''}; "
+                                "see calibration/README.md, 'Dataset schema')")  # fmt: skip
+            raws = list(reader)
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path}: not a calibration dataset (not UTF-8 text at byte {exc.start})") from None
     rows = []
-    with open(path) as fh:
-        for raw in csv.DictReader(fh):
-            row: dict[str, Any] = {}
-            for k, v in raw.items():
-                if k in TEXT_COLUMNS:
+    for line, raw in enumerate(raws, start=2):
+        if None in raw or None in raw.values():
+            fields = sum(v is not None for k, v in raw.items() if k is not None) + len(raw.get(None) or [])
+            raise SpecError(f"{path}: row {line} has {fields} fields where the header has {len(reader.fieldnames)} (cut short, or a stray comma?)")
+        row: dict[str, Any] = {}
+        for k, v in raw.items():
+            if k in TEXT_COLUMNS:
+                row[k] = v
+            else:
+                try:  # an integer stays one, so rows kept by a merge are written back as they were read
+                    row[k] = float("nan") if v == "" else int(v) if v.lstrip("-").isdigit() else float(v)
+                except ValueError:
                     row[k] = v
-                else:
-                    try:  # an integer stays one, so rows kept by a merge are written back as they were read
-                        row[k] = float("nan") if v == "" else int(v) if v.lstrip("-").isdigit() else float(v)
-                    except ValueError:
-                        row[k] = v
-            rows.append(row)
+        rows.append(row)
     return rows

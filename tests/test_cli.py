@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,25 @@ def test_seeds_are_distinct_and_non_negative(tmp_path):
     assert result.exit_code == 2 and "seeds are non-negative integers, got -1" in result.output
     result = CliRunner().invoke(main, ["rl", "margin", str(tmp_path / "a"), "--recipe", "rollout-mismatch", "--seeds", "0,0"])
     assert result.exit_code == 2 and "a seed is given twice" in result.output
+
+
+def test_knobs_and_counts_of_the_rl_commands_are_bounded(tmp_path):
+    """A recipe's knob that overflows a float or leaves the number format, and counts of zero, are
+    usage errors naming the bound (were tracebacks, or a run at -7 mantissa bits)."""
+    from planner.errors import SpecError
+    from planner.rl.recipes import recipe
+
+    for name, knob, said in (("fp16-overflow", 1e300, "not a finite number"), ("fp16-overflow", float("nan"), "not a finite number"),
+                             ("router-collapse", 1e9, "not a finite number"), ("rollout-mismatch", 30.0, "rollout_mantissa_bits must lie in [0, 23]"),
+                             ("fp16-overflow", 200.0, "loss_scale_log2 must lie in [-126, 127]")):  # fmt: skip
+        with pytest.raises(SpecError, match=re.escape(said)):
+            recipe(name).config(knob, seed=0)
+    (tmp_path / "m").mkdir()
+    for args in (["rl", "make-models", str(tmp_path / "mm"), "--dense-steps", "0"], ["rl", "margin", str(tmp_path / "m"), "--recipe",
+                                                                                     "rollout-mismatch", "--iters", "0"]):  # fmt: skip
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and "Invalid value" in result.output, result.output
+    assert not (tmp_path / "mm").exists()
 
 
 def test_invalid_json_config_says_where(tmp_path):

@@ -92,6 +92,14 @@ class RLConfig:
             raise SpecError(f"mini_batches={self.mini_batches} exceeds the {self.prompts * self.group} sequences of a step")
         if not (self.temperature > 0 and 0 < self.clip_eps < 1 and self.lr >= 0):
             raise SpecError(f"need temperature > 0, 0 < clip_eps < 1 and lr >= 0; got {self.temperature}, {self.clip_eps}, {self.lr}")
+        # the fault recipes' knobs (a recipe's --knob lands here): finite, and inside what the number formats hold
+        if not all(math.isfinite(v) for v in (self.lr, self.balance_coef, self.temperature)):
+            raise SpecError(f"lr, balance_coef and temperature must be finite; got {self.lr}, {self.balance_coef}, {self.temperature}")
+        if self.loss_scale_log2 is not None and not -126 <= self.loss_scale_log2 <= 127:
+            raise SpecError(f"loss_scale_log2 must lie in [-126, 127] (a loss scale fp32 holds), got {self.loss_scale_log2}")
+        if self.rollout_mantissa_bits is not None and not 0 <= self.rollout_mantissa_bits <= 23:
+            raise SpecError(f"rollout_mantissa_bits must lie in [0, 23] (fp32's mantissa; the rollout-mismatch knob 23 - bits in "
+                            f"[0, 23]), got {self.rollout_mantissa_bits}")  # fmt: skip
 
 
 def _dtype(torch, name: str):

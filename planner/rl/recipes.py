@@ -10,6 +10,7 @@ dynamic recipes need a short training run per probe.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -35,6 +36,8 @@ class Recipe:
 
     def config(self, knob: float, *, seed: int, steps: int | None = None, **extra) -> RLConfig:
         settings = {**self.base, **extra, "seed": seed, "steps": self.steps if steps is None else steps}
+        if not math.isfinite(knob) or abs(knob) > 300:  # the log10 knobs would overflow a float; RLConfig bounds the rest
+            raise SpecError(f"{self.name}: knob {knob} is not a finite number of at most 300 in magnitude (its bracket: {self.lo} to {self.hi})")
         if self.name == "fp16-overflow":
             settings["loss_scale_log2"] = knob
         elif self.name == "rollout-mismatch":

@@ -53,13 +53,17 @@ def duplicate_key(text: str) -> str | None:
     return None
 
 
+def parse_yaml(text: str, where: str | Path, *, unique: bool = True) -> Any:
+    """YAML text read from `where` (safe loading); with `unique`, a key given twice in one mapping is an error."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader if unique else yaml.SafeLoader)  # noqa: S506 (SafeLoaders)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{where}: not valid YAML: {exc}") from None
+
+
 def read_yaml(path: str | Path, what: str, hint: str = "", *, unique: bool = True) -> Any:
     """A YAML file (safe loading); with `unique`, a key given twice in one mapping is an error."""
-    p = Path(path)
-    try:
-        return yaml.load(read_text(p, what, hint), Loader=_UniqueKeyLoader if unique else yaml.SafeLoader)  # noqa: S506 (SafeLoaders)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{p}: not valid YAML: {exc}") from None
+    return parse_yaml(read_text(Path(path), what, hint), path, unique=unique)
 
 
 def read_json(path: str | Path, what: str, hint: str = "") -> Any:

@@ -56,23 +56,20 @@ def test_user_profile_errors_name_the_key(tmp_path):
     assert "unknown key(s) 'hbm_gb'" in str(err.value) and "hbm_gib" in str(err.value)
 
 
-def test_user_profile_rejects_zero_rates(tmp_path):
-    path = tmp_path / "zero.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "x", "family": "nvidia", "hbm_gib": 80, "reserved_gib": 0.5, "hbm_tb_per_s": 0,
-        "intra_node_gb_per_s": 300, "inter_node_gb_per_s": 25, "devices_per_node": 8, "peak_bf16_tflops": 300,
-    }))
-    with pytest.raises(ConfigError) as err:
-        load_accelerator(str(path))
-    assert "hbm_tb_per_s must be a finite positive number, got 0" in str(err.value)
+def _write_profile(tmp_path, **changes):
+    """A user profile that is complete but for `changes`."""
+    profile = {"name": "x", "family": "nvidia", "hbm_gib": 80, "reserved_gib": 0.5, "hbm_tb_per_s": 3.35,
+               "intra_node_gb_per_s": 300, "inter_node_gb_per_s": 25, "devices_per_node": 8, "peak_bf16_tflops": 300}
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump({**profile, **changes}))
+    return path
 
 
-def test_user_profile_rejects_a_fraction_of_a_device_per_node(tmp_path):
-    path = tmp_path / "half.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "x", "family": "nvidia", "hbm_gib": 80, "reserved_gib": 0.5, "hbm_tb_per_s": 3.35,
-        "intra_node_gb_per_s": 300, "inter_node_gb_per_s": 25, "devices_per_node": 3.5, "peak_bf16_tflops": 300,
-    }))
+@pytest.mark.parametrize("key, value, message", [
+    ("hbm_tb_per_s", 0, "hbm_tb_per_s must be a finite positive number, got 0"),
+    ("devices_per_node", 3.5, "devices_per_node must be a whole number, got 3.5"),
+])
+def test_user_profile_rejects_impossible_values(tmp_path, key, value, message):
     with pytest.raises(ConfigError) as err:
-        load_accelerator(str(path))
-    assert "devices_per_node must be a whole number, got 3.5" in str(err.value)
+        load_accelerator(str(_write_profile(tmp_path, **{key: value})))
+    assert message in str(err.value)

@@ -388,6 +388,19 @@ def test_weight_map_escaping_the_directory(sharded_source, tmp_path):
     _bad(sharded_source, tmp_path, "escapes the checkpoint directory")
 
 
+def test_a_single_file_beside_an_index_is_read_as_transformers_loads_it(sharded_source, tmp_path):
+    """A folder with model.safetensors and a sharded index (other weights) beside it: transformers'
+    from_pretrained loads the single file, and so does the reader."""
+    single = save_tiny(tmp_path / "other", family_config("qwen3_moe"), sharded=False, seed=1) / "model.safetensors"
+    (sharded_source / "model.safetensors").write_bytes(single.read_bytes())
+    ckpt = Checkpoint(sharded_source)
+    assert set(ckpt.shards) == {"model.safetensors"}
+    name = "model.layers.0.mlp.gate.weight"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(sharded_source).state_dict()[name]
+    with safe_open(single, "pt") as fh:
+        assert torch.equal(loaded, fh.get_tensor(name))
+
+
 def test_shape_disagreeing_with_config(sharded_source, tmp_path):
     config = json.loads((sharded_source / "config.json").read_text())
     config["moe_intermediate_size"] = 40

@@ -431,6 +431,9 @@ def test_users_own_knobs_and_estimator_files_are_used_and_named(tmp_path):
     assert result.exit_code == 2 and "ascend.train_mfu = 3.0 is outside [0.02, 0.6]" in result.output
     result = run("preflight", str(tmp_path / "r.yaml"), "--estimator", str(mine))
     assert result.exit_code == 2 and "not a fidelity estimator file" in result.output
+    bad.write_text("[1, 2]")
+    result = run("suggest", "--budget", "8npu", "--estimator", str(bad))
+    assert result.exit_code == 2 and "not a fidelity estimator file (a JSON list, not an object)" in result.output
 
 
 def test_storage_and_published_runs_errors_are_one_line(tmp_path):

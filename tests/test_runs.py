@@ -239,8 +239,11 @@ def test_unreadable_runs_are_usage_errors(tmp_path):
     (tmp_path / "two" / "b.csv").write_text("step,x\n0,1\n")
     (tmp_path / "odd.csv").write_text("step,foo/bar\n0,1\n1,2\n")
     (tmp_path / "bad.jsonl").write_text('{"step": 0, "data": {"actor/grad_norm": 1.0}}\nnot json\n{"step": 1, "data": {"actor/grad_norm": 1.0}}\n')
+    (tmp_path / "huge.csv").write_text("step,actor/grad_norm\n1,1.0\n1e31,50\n")  # would wrap round as an int64 step
+    (tmp_path / "half.csv").write_text("step,actor/grad_norm\n1,1.0\n1.5,1.0\n")
     for target, words in (("missing", "no such run"), ("empty", "no run metrics here"), ("notes.log", "no step metrics found"),
-                          ("two", "2 candidate metric files"), ("odd.csv", "no known metric"), ("bad.jsonl", "bad.jsonl:2: not a JSON line")):  # fmt: skip
+                          ("two", "2 candidate metric files"), ("odd.csv", "no known metric"), ("bad.jsonl", "bad.jsonl:2: not a JSON line"),
+                          ("huge.csv", "step 1e+31 is not a step number"), ("half.csv", "step 1.5 is not a step number")):  # fmt: skip
         result = run_cli("detect", tmp_path / target)
         assert result.exit_code == 2 and words in result.output, (target, result.output)
 

@@ -259,18 +259,44 @@ def test_when_no_proxy_qualifies_it_says_which_rule_removed_each_and_writes_no_p
     assert data["plans"] == []
 
 
+@pytest.fixture(scope="module")
+def tiny_stats(tmp_path_factory):
+    """A tiny qwen3_moe checkpoint (8 experts, top-2) and its stats file with one plan, K=4/agglomerative."""
+    from checkpoints import family_config, save_tiny
+
+    where = tmp_path_factory.mktemp("tiny-stats")
+    source = save_tiny(where / "src", family_config("qwen3_moe"), sharded=False)
+    stats = where / "stats.json"
+    made = run_cli("stats", source, "--experts", "4", "--methods", "agglomerative", "--calib-tokens", "256", "--seq-len", "64", "-o", stats)
+    assert made.exit_code == 0, made.output
+    return source, stats
+
+
 @pytest.mark.slow
-def test_a_rejected_plan_is_in_no_table_and_no_front(tmp_path):
+def test_a_stats_file_of_another_model_or_cut_short_is_a_usage_error(tiny_stats, tmp_path):
+    """The stats of an 8-expert top-2 checkpoint given with Qwen3-30B-A3B: every field of the routing
+    shape that differs is named. A file without its checkpoint record is named as cut short."""
+    _, stats = tiny_stats
+    result = run_cli("suggest", "--budget", "8npu", "--model", "qwen3-30b-a3b", "--stats", stats)
+    assert result.exit_code == 2
+    assert "the stats file is of another model" in result.output
+    assert "num_experts 8 against 128" in result.output and "top_k 2 against 8" in result.output
+    doc = json.loads(stats.read_text())
+    del doc["checkpoint"]
+    cut = tmp_path / "cut.json"
+    cut.write_text(json.dumps(doc))
+    result = run_cli("suggest", "--budget", "8npu", "--model", "qwen3-30b-a3b", "--stats", cut, "--json")
+    assert result.exit_code == 2 and "without fingerprint, path (cut short or edited?)" in json.loads(result.stdout)["error"]
+
+
+@pytest.mark.slow
+def test_a_rejected_plan_is_in_no_table_and_no_front(tiny_stats, tmp_path):
     """A stats file whose only plan drops more routing mass than a random plan of its K would (planted
     here: 0.9 of the mass where K=4 of 8 drops 0.5 at random): the plan is rejected, so it is neither
     ranked nor on the Pareto front, the rejection is printed, and the original is not written as the plan."""
-    from checkpoints import family_config, save_tiny
-
-    source = save_tiny(tmp_path / "src", family_config("qwen3_moe"), sharded=False)
+    source, measured = tiny_stats
     stats = tmp_path / "stats.json"
-    made = run_cli("stats", source, "--experts", "4", "--methods", "agglomerative", "--calib-tokens", "256", "--seq-len", "64", "-o", stats)
-    assert made.exit_code == 0, made.output
-    doc = json.loads(stats.read_text())
+    doc = json.loads(measured.read_text())
     doc["plans"]["K=4/agglomerative"]["summary"]["frequency_dropped"]["mean"] = 0.9
     stats.write_text(json.dumps(doc))
     out = tmp_path / "plan.yaml"

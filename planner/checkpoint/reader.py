@@ -135,6 +135,12 @@ class Checkpoint:
         return self.path / norm
 
     def _read_shards(self) -> dict[str, ShardHeader]:
+        # a single file wins over an index beside it, as transformers' from_pretrained loads them
+        single = self.path / SINGLE_NAME
+        if single.is_file():
+            header = read_header(single)
+            self.weight_map = {n: SINGLE_NAME for n in header.tensors}
+            return {SINGLE_NAME: header}
         index = self.path / INDEX_NAME
         if index.is_file():
             try:
@@ -154,11 +160,6 @@ class Checkpoint:
                     raise CheckpointError(f"{index}: shard {name} is missing ({count} tensors map to it)")
                 shards[name] = read_header(path)
             return shards
-        single = self.path / SINGLE_NAME
-        if single.is_file():
-            header = read_header(single)
-            self.weight_map = {n: SINGLE_NAME for n in header.tensors}
-            return {SINGLE_NAME: header}
         pickles = [p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
         hint = f" (found {', '.join(sorted(pickles)[:3])}: pickled weights are never loaded; convert them to safetensors)" if pickles else ""
         raise CheckpointError(f"{self.path}: no {SINGLE_NAME} or {INDEX_NAME}{hint}")

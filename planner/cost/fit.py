@@ -418,7 +418,7 @@ def step_validation(family: str | None = None, path: str | Path | None = None, a
     if not any(r.get("phase") == "step" and r.get("ratio") is not None for r in rows):
         return None
     out = {"family": family, **loo_summary(rows)}
-    ran_on = {run.id: run.hardware for run in load_runs()} if accelerator is not None else {}
+    ran_on = _packaged_hardware() if accelerator is not None else {}
     if ran_on and {r["run"] for r in rows} <= set(ran_on):  # a user's fit of other runs: where they ran is not known here
         chips = sorted({ran_on[r["run"]] for r in rows})
         out.update(accelerator=accelerator, accelerators=chips, accelerator_measured=accelerator in chips)
@@ -452,6 +452,12 @@ def feature_validation(job: Job, family: str, path: str | Path | None = None) ->
                     "worst_step": max((abs(v - 1) for v in ratios.values()), default=None),
                     "outside": {rid: round(v, 3) for rid, v in ratios.items() if abs(v - 1) > 0.25}})  # fmt: skip
     return out
+
+
+@lru_cache(maxsize=1)
+def _packaged_hardware() -> dict[str, str]:
+    """The accelerator each packaged fitted run ran on, by run id."""
+    return {run.id: run.hardware for run in load_runs()}
 
 
 @lru_cache(maxsize=4)

@@ -529,6 +529,8 @@ class FidelityEstimator:
 
     @classmethod
     def from_json(cls, data: dict) -> "FidelityEstimator":
+        if not isinstance(data, dict):
+            raise ValueError(f"not a fidelity estimator file (a JSON {type(data).__name__}, not an object); fit one with `planner calibrate fit`")
         if data.get("schema") != SCHEMA:
             raise ValueError(f"not a fidelity estimator file of this version (schema {data.get('schema')!r}, want {SCHEMA}; refit it "
                              "with `planner calibrate fit`)")  # fmt: skip

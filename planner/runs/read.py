@@ -314,6 +314,8 @@ def read_run(path: str | Path) -> Run:
     for r in records:
         if r.get(step_key) is None or not math.isfinite(r[step_key]):
             continue
+        if r[step_key] != int(r[step_key]) or abs(r[step_key]) >= 2**53:  # past 2**53 a float no longer holds every whole number
+            raise SpecError(f"{where}: {step_key} {r[step_key]!r} is not a step number (a whole number below 2**53)")
         # a step that logs no training metric (verl's and NeMo RL's validation before training, an
         # evaluator's own records) is not a training step: it would be missing values everywhere
         (rows if mapped & set(r) else skipped).append(r)

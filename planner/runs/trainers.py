@@ -528,7 +528,7 @@ def _read_flat(path: Path, notes: list[str] | None = None) -> dict[str, Any]:
         data = None
     if isinstance(data, dict) and not any("=" in str(k) for k in data):
         if "defaults" in data and isinstance(data["defaults"], (str, list)):
-            data = _inherited(path, notes)
+            data = _inherited(path, notes, text=text)
         else:
             _note_duplicates(path, text, notes)
         return flatten(data)
@@ -561,17 +561,18 @@ def _note_duplicates(path: Path, text: str, notes: list[str] | None) -> None:
                      "file: keep one")  # fmt: skip
 
 
-def _inherited(path: Path, notes: list[str] | None, depth: int = 0) -> dict[str, Any]:
+def _inherited(path: Path, notes: list[str] | None, depth: int = 0, text: str | None = None) -> dict[str, Any]:
     """A YAML config with its `defaults:` parents merged under it, the way NeMo RL loads its configs
     (nemo_rl/utils/config.py): parents are paths relative to the file (a list merges in order), the
     child's keys win and merge into the parents' mappings, a mapping marked `_override_: true`
     replaces the parents' instead, and a mandatory value (`???`) leaves the parent's."""
-    from planner.files import read_text, read_yaml
+    from planner.files import parse_yaml, read_text
 
     if depth > 20:
         raise SpecError(f"{path}: more than 20 levels of defaults: inheritance (a cycle?)")
-    data = read_yaml(path, "trainer config", unique=False)
-    _note_duplicates(path, read_text(path, "trainer config"), notes)
+    text = read_text(path, "trainer config") if text is None else text
+    data = parse_yaml(text, path, unique=False)
+    _note_duplicates(path, text, notes)
     if not isinstance(data, dict):
         raise SpecError(f"{path}: a config file is a mapping, got {type(data).__name__}")
     parents = data.pop("defaults", None)

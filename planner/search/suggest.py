@@ -46,7 +46,7 @@ from planner.search.budget import Budget, budget_kind, parse_budget
 from planner.search.reproduction import JobBounds, JobScale, Onset, job_scales, onset, split, with_workload
 from planner.specs import Job, Offload
 from planner.plan import BAD_METHODS
-from planner.stats.store import plan_key, plan_statistics, stale_note
+from planner.stats.store import check_stats_model, plan_key, plan_statistics, stale_note
 from planner.units import plural
 
 __all__ = ["FAULTS", "OFFLOADS", "POOLS", "RECOMPUTES", "DEFAULT_STEPS", "Request", "Option", "Suggestion", "Suggester", "suggest", "proposable", "saves",
@@ -393,9 +393,7 @@ class Suggester:
         stats = self.request.stats
         if not stats:
             return [DEFAULT_METHOD]
-        fp = stats.get("checkpoint", {})
-        if fp.get("num_experts") != self.arch.original_num_experts:
-            raise SpecError(f"the stats file is of a model with {fp.get('num_experts')} experts per layer; {self.name} has {self.arch.original_num_experts}")
+        check_stats_model(stats, self.arch, self.name)
         # deliberately bad plans (calibration baselines) are never proposed
         methods = sorted({key.split("/")[1] for key in stats.get("plans", {})} - set(BAD_METHODS))
         return methods or [DEFAULT_METHOD]

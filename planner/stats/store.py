@@ -8,6 +8,7 @@ different fingerprint) is refused.
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import numpy as np
 from planner.errors import SpecError
 from planner.files import read_json, refuse_existing, write_text_atomic
 
-__all__ = ["STATS_SCHEMA", "save_stats", "load_stats", "plan_key", "plan_statistics"]
+__all__ = ["STATS_SCHEMA", "save_stats", "load_stats", "check_stats_model", "plan_key", "plan_statistics"]
 
 STATS_SCHEMA = "planner.stats/1"
 
@@ -52,6 +53,20 @@ def _decode(obj: Any) -> Any:
 STATISTICS_VERSION = 2
 
 
+# what a stats file records of its model's routing shape, and the Architecture attribute each is
+_SHAPE = {"model_type": lambda a: a.model_type, "num_experts": lambda a: a.original_num_experts, "top_k": lambda a: a.moe.top_k,
+          "n_group": lambda a: a.moe.n_group, "scoring": lambda a: a.moe.scoring, "num_layers": lambda a: a.num_layers}
+
+
+def check_stats_model(stats: dict, arch: Any, name: str) -> None:
+    """Refuse a stats file measured on a model of another shape than `arch` (every field that differs named)."""
+    ck = stats["checkpoint"]
+    differ = [f"{key} {ck[key]!r} against {get(arch)!r}" for key, get in _SHAPE.items() if key in ck and ck[key] != get(arch)]
+    if differ:
+        raise SpecError(f"the stats file is of another model ({ck.get('path')}) than {name}: {'; '.join(differ)}; "
+                        f"run planner stats on {name}'s checkpoint")  # fmt: skip
+
+
 def plan_key(experts: int, method: str) -> str:
     """The key of one plan in a stats file and everywhere plans are named: 'K=32/agglomerative'."""
     return f"K={experts}/{method}"
@@ -84,7 +99,15 @@ def load_stats(path: str | Path, *, fingerprint: str | None = None) -> dict:
     doc = read_json(p, "stats file")
     if not isinstance(doc, dict) or doc.get("schema") != STATS_SCHEMA:
         raise SpecError(f"{p}: schema {doc.get('schema') if isinstance(doc, dict) else None!r} is not {STATS_SCHEMA}")
-    stats = _decode(doc)
+    ck = doc.get("checkpoint")
+    missing = [k for k in ("fingerprint", "path") if not isinstance(ck, dict) or k not in ck]
+    missing += [k for k in ("layers", "plans") if not isinstance(doc.get(k), dict)]
+    if missing:
+        raise SpecError(f"{p}: a {STATS_SCHEMA} file without {', '.join(missing)} (cut short or edited?); run planner stats again")
+    try:
+        stats = _decode(doc)
+    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise SpecError(f"{p}: an array in the stats file does not decode ({type(exc).__name__}: {exc}); run planner stats again") from None
     have = stats["checkpoint"]["fingerprint"]
     if fingerprint is not None and have != fingerprint:
         raise SpecError(

@@ -287,6 +287,38 @@ def test_fast_eager_experts_train_bitwise_as_transformers_eager(family):
     assert fast.keys() == eager.keys() and all(torch.equal(fast[k], eager[k]) for k in eager)
 
 
+def test_mamba_scan_chunks_fitted_to_the_sequence_give_the_same_gradients(request):
+    """Nemotron-H's scan pads 32 tokens to its config's chunk of 128; fitted to the sequence it
+    runs one chunk of 32: the same loss and gradients, bit for bit, on one thread as the harness
+    runs (threads split a reduction by its shape). A longer run gets the config's chunk back."""
+    import torch
+    import transformers
+
+    from planner.families import family_config
+    from planner.rl.experts import fit_scan_chunks
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    config = transformers.AutoConfig.for_model(**family_config("nemotron_h-e128"))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    mixers = [m for m in model.modules() if type(m).__name__ == "NemotronHMamba2Mixer"]
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+
+    def gradients() -> dict:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=x, labels=x).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    padded = gradients()
+    assert mixers and all(m.chunk_size == config.chunk_size == 128 for m in mixers)
+    assert fit_scan_chunks(model, 32) == len(mixers) and all(m.chunk_size == 32 for m in mixers)
+    fitted = gradients()
+    assert padded.keys() == fitted.keys() and all(torch.equal(padded[n], fitted[n]) for n in padded)
+    assert fit_scan_chunks(model, 512) == 0 and all(m.chunk_size == 128 for m in mixers)
+
+
 def test_fast_eager_experts_release_the_rows_when_a_forward_raises():
     import torch
     import transformers

@@ -10,11 +10,14 @@ that, while a forward pass records gradients, `param[expert]` returns one row of
 slices and the gradient the same sums (a sum of disjoint slices and zeros), so training is bitwise
 unchanged (tests/test_rl.py checks it) and models made before and after are the same bytes; only
 the time changes (measured by `python benchmarks/eager_experts.py`).
+
+`fit_scan_chunks` does the same for the Mamba-2 mixers' chunked scan: the harness's short sequences
+without the padding to a whole chunk, the same values in about half a probe's time.
 """
 
 from __future__ import annotations
 
-__all__ = ["fast_eager_experts"]
+__all__ = ["fast_eager_experts", "fit_scan_chunks"]
 
 
 class _Rows:
@@ -69,3 +72,22 @@ def fast_eager_experts(model) -> int:
         hooked += 1
     model._planner_fast_experts = hooked
     return hooked
+
+
+def fit_scan_chunks(model, length: int) -> int:
+    """Shrink the chunk of every Mamba-2 mixer's chunked scan (transformers' PyTorch path, which runs
+    where the CUDA kernels cannot) to `length`, the longest sequence the caller runs, where the
+    config's chunk is longer; returns the number of mixers whose chunk is now shorter than the config's.
+
+    The scan pads a sequence to a whole chunk and builds chunk x chunk decay matrices: Nemotron-H's
+    128 for the harness's 32 tokens is 16 times the work of the matrices it needs. A sequence no
+    longer than the chunk is one chunk either way, and the padded positions only add zeros to its
+    sums, so the values do not change (on this project's grid models the GRPO runs' metrics are
+    bitwise the same; tests/test_rl.py checks a training step) and a probe takes about half the time."""
+    changed = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("Mamba2Mixer") and hasattr(module, "chunk_size"):
+            config_chunk = module.__dict__.setdefault("_planner_config_chunk", module.chunk_size)  # a model reused for longer runs gets it back
+            module.chunk_size = min(config_chunk, length)
+            changed += module.chunk_size < config_chunk
+    return changed

@@ -33,7 +33,7 @@ from planner.files import write_csv_atomic, write_text_atomic
 from planner.hf import require_torch
 from planner.rl.corpus import prompt_windows
 from planner.rl.device import Device
-from planner.rl.experts import fast_eager_experts
+from planner.rl.experts import fast_eager_experts, fit_scan_chunks
 
 __all__ = ["RLConfig", "GRPO", "Models", "reward_lowercase", "write_metrics", "read_metrics"]
 
@@ -189,6 +189,8 @@ class GRPO:
         self.policy.config.use_cache = False
         self.reference = self.models.get("reference").eval().requires_grad_(False)
         self.rollout = self.models.get("rollout").eval().requires_grad_(False).to(_dtype(torch, config.rollout_precision))
+        for model in (self.policy, self.reference, self.rollout):  # the same values in less time (its doc)
+            fit_scan_chunks(model, config.prompt_len + config.new_tokens)
         text = self.policy.config.get_text_config()
         self.vocab = text.vocab_size
         if self.vocab < 256:

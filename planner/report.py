@@ -334,11 +334,13 @@ REPORT_FILES = {"figures", "report.md", "report.html", "report.json"}
 def _replaceable(path: Path, partial: bool = False) -> None:
     """Only a report directory (or an empty one) is ever deleted to make room for a new report; with
     `partial`, also a report's unfinished one (nothing but a report's own files)."""
-    ours = path.is_dir() and {p.name for p in path.iterdir()} <= REPORT_FILES
-    if path.is_dir() and any(path.iterdir()) and not (path / "report.md").is_file() and not (partial and ours):
+    if not path.is_dir():
+        if path.exists():
+            raise SpecError(f"{path} exists and is not a directory")
+        return
+    names = {p.name for p in path.iterdir()}
+    if names and not (path / "report.md").is_file() and not (partial and names <= REPORT_FILES):
         raise SpecError(f"{path} is not a report directory (no report.md); refusing to replace it")
-    if path.exists() and not path.is_dir():
-        raise SpecError(f"{path} exists and is not a directory")
 
 
 def check_report_dir(out_dir: str | Path, force: bool) -> Path:

@@ -92,6 +92,31 @@ def test_fp16_overflow_is_a_skipped_step_in_a_run(models):
     assert all(r["overflow"] > 0 and r["skipped_total"] > 0 and r["loss_scale_log2"] == 40.0 for r in rows)
 
 
+def test_one_norm_per_gradient_tells_finite_updates_and_the_norms(models):
+    """The update's finiteness check reads each gradient's norm: a NaN or an inf anywhere makes the
+    update non-finite; finite gradients whose squares overflow (norm inf) still count as finite."""
+    import torch
+
+    from planner.rl.grpo import GRPO, RLConfig
+
+    run = GRPO(models, RLConfig(steps=1, **SMALL))
+    params = [p for p in run.policy.parameters()]
+    for i, p in enumerate(params):
+        p.grad = torch.full_like(p, 0.5 + i)
+    norms, finite = run._grad_norms()
+    assert finite and all(float(norms[id(p)]) == float(p.grad.norm()) for p in params)
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in run.expert_params]))
+    assert run._norm(run.expert_params, norms) == float(want) > 0
+    params[0].grad.view(-1)[-1] = 1e30  # finite, but its square is not
+    norms, finite = run._grad_norms()
+    assert finite and math.isinf(float(norms[id(params[0])]))
+    for bad in (math.inf, -math.inf, math.nan):
+        params[-1].grad.view(-1)[0] = bad
+        assert not run._grad_norms()[1]
+    params[-1].grad = None  # a parameter without a gradient is left out
+    assert run._grad_norms()[1] and id(params[-1]) not in run._grad_norms()[0]
+
+
 def test_runs_are_deterministic_and_a_keep_all_proxy_is_identical(rl_model, tmp_path):
     from planner.checkpoint import Checkpoint, build
     from planner.plan import Plan

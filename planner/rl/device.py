@@ -6,10 +6,12 @@ device's module (torch.cuda, torch.npu); the CPU reports the process's peak RSS 
 On the CPU, glibc's malloc is told to keep the memory a training step frees (`keep_freed_memory`):
 by default it hands the top of its heap back to the kernel whenever more than twice its mmap
 threshold is free, so every step's optimizer temporaries and activations of a few MB land on fresh
-pages and fault them in again. Measured on a 12-step router-collapse run of the 512-expert
-calibration model (9.6M parameters, one thread): 580-700 thousand minor page faults -> 49-52
-thousand, CPU time 14.5-17.7 s -> 12.9-13.7 s, an Adam step 72 -> 27 ms; the same peak RSS and the
-same metrics bit for bit (torch aligns every tensor to 64 bytes wherever malloc puts it).
+pages and fault them in again. Measured (`python benchmarks/rl_harness.py --model DIR`, a 12-step
+router-collapse run in a fresh process each way, one thread): 547 thousand minor page faults -> 48
+thousand and 1.09x less CPU time on the 512-expert calibration original, 1.07x on the 128-expert
+one, nothing on 32-expert models (their tensors are small enough for malloc's heap anyway); an Adam
+step of the 512-expert model 72 -> 27 ms; the same peak RSS and the same metrics bit for bit (torch
+aligns every tensor to 64 bytes wherever malloc puts it).
 """
 
 from __future__ import annotations

@@ -374,7 +374,8 @@ def test_two_workers_share_one_sqlite_study(mini_grid, tmp_path):
     assert len(_trials(storage, grid, "proxies")) == before
     status = run_cli("calibrate", "status", "--grid", path, "--storage", storage, "--workdir", work, "--json")
     progress = json.loads(status.stdout)
-    assert status.exit_code == 0 and len(progress) == 4 and all(p["complete"] == p["points"] and p["left_s"] == 0 for p in progress)
+    assert status.exit_code == 0 and len(progress) == 4
+    assert all(p["complete"] == p["points"] and p["left_s"] == 0 and p["pace"] == "own" for p in progress)
     assert "6 of 6 grid points complete" in run_cli("calibrate", "status", "--grid", path, "--storage", storage, "--workdir", work).output
     one = run_cli("calibrate", "status", "--grid", path, "--storage", storage, "--workdir", work, "--recipes", "rollout-mismatch").output
     assert "3 of 3 grid points complete" in one and "fp16-overflow" not in one  # a run of some recipes, as `calibrate run --recipes`

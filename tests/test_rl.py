@@ -100,7 +100,7 @@ def test_one_norm_per_gradient_tells_finite_updates_and_the_norms(models):
     from planner.rl.grpo import GRPO, RLConfig
 
     run = GRPO(models, RLConfig(steps=1, **SMALL))
-    params = [p for p in run.policy.parameters()]
+    params = list(run.policy.parameters())
     for i, p in enumerate(params):
         p.grad = torch.full_like(p, 0.5 + i)
     norms, finite = run._grad_norms()
@@ -115,6 +115,27 @@ def test_one_norm_per_gradient_tells_finite_updates_and_the_norms(models):
         assert not run._grad_norms()[1]
     params[-1].grad = None  # a parameter without a gradient is left out
     assert run._grad_norms()[1] and id(params[-1]) not in run._grad_norms()[0]
+
+
+def test_grad_norms_of_an_fp16_update_are_those_of_its_unscaled_gradients(models):
+    """One fp16 update at a static loss scale: the row's three grad norms are those of the gradients
+    the optimizer stepped with (unscaled, not clipped), the router's and experts' of their subsets."""
+    import torch
+
+    from planner.rl.grpo import GRPO, RLConfig
+
+    config = RLConfig(steps=1, precision="fp16", rollout_precision="fp16", loss_scale_log2=3.0, grad_clip=None, ppo_epochs=1,
+                      mini_batches=1, **SMALL)  # fmt: skip
+    run = GRPO(models, config)
+    row = run.run()[0]
+    assert row["nonfinite"] == 0  # 2^3 is far below where fp16 overflows on these models
+
+    def norm(params):
+        return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+
+    assert row["grad_norm"] == norm(run.policy.parameters()) > 0
+    assert row["grad_norm_router"] == norm(run.router_params) > 0
+    assert row["grad_norm_experts"] == norm(run.expert_params) > 0
 
 
 def test_runs_are_deterministic_and_a_keep_all_proxy_is_identical(rl_model, tmp_path):

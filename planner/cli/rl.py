@@ -286,7 +286,9 @@ def calibrate_status(grid_path, storage, workdir, recipes, as_json) -> None:
         done, total = sum(r["complete"] for r in rows), sum(r["points"] for r in rows)
         left = sum(r["left_s"] or 0 for r in rows)
         unknown = sum(r["left"] for r in rows if r["left_s"] is None)
+        bound = sum(r["left"] for r in rows if r["pace"] == "originals" and r["phase"] == "proxies")
         click.echo(f"{done} of {total} grid points complete; about {left / 3600:.1f} worker-hours left at the measured pace"
+                   + (f" ({bound} proxies at their originals' pace until one is measured: an upper bound)" if bound else "")
                    + (f", and {unknown} points of recipes not measured yet" if unknown else ""))  # fmt: skip
 
     run_body(body)

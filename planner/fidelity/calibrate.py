@@ -100,7 +100,9 @@ def export(storage: str, grid: Grid, workdir: Path, skip: frozenset = frozenset(
 
 def progress(storage: str, grid: Grid, workdir: Path) -> list[dict]:
     """Per (recipe, phase, original): grid points, completed, running, failed attempts, the median
-    seconds of a completed point, and the seconds of work left at that pace (one worker)."""
+    seconds of a completed point, and the seconds of work left at that pace (one worker); `pace`
+    says whose: its own points', its phase's other originals' (`phase`), its recipe's originals'
+    (`originals`: an upper bound for proxies, which run no replicas), or None (nothing measured)."""
     import optuna
 
     from planner.fidelity.grid import grid_storage, grid_units, study_name
@@ -126,11 +128,12 @@ def progress(storage: str, grid: Grid, workdir: Path) -> list[dict]:
     # a study with nothing measured yet goes at the pace of its recipe's other studies of the phase
     # (else of the recipe's originals: an upper bound for proxies, which run no replicas)
     for r in out:
-        pace = r["median_s"]
-        for same in (lambda o: o["recipe"] == r["recipe"] and o["phase"] == r["phase"], lambda o: o["recipe"] == r["recipe"]):
+        pace, r["pace"] = r["median_s"], "own"
+        for source, same in (("phase", lambda o: o["recipe"] == r["recipe"] and o["phase"] == r["phase"]),
+                             ("originals", lambda o: o["recipe"] == r["recipe"])):  # fmt: skip
             if pace is None:
                 pooled = [x for o in out if same(o) for x in o["_seconds"]]
-                pace = float(np.median(pooled)) if pooled else None
+                pace, r["pace"] = (float(np.median(pooled)), source) if pooled else (None, None)
         r["left_s"] = pace * r["left"] if pace is not None else None
     for r in out:
         del r["_seconds"]

@@ -3,7 +3,8 @@
 torch_npu is imported only when npu is asked for. Memory and synchronisation go through the
 device's module (torch.cuda, torch.npu); the CPU reports the process's peak RSS instead.
 
-On the CPU, glibc's malloc is told to keep the memory a training step frees (`keep_freed_memory`):
+On the CPU, the RL harness has glibc's malloc keep the memory a training step frees
+(`keep_freed_memory`, unless the environment sets malloc's thresholds itself):
 by default it hands the top of its heap back to the kernel whenever more than twice its mmap
 threshold is free, so every step's optimizer temporaries and activations of a few MB land on fresh
 pages and fault them in again. Measured (`python benchmarks/rl_harness.py --model DIR`, a 12-step
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from planner.errors import SpecError
 from planner.hf import require_torch
 
-__all__ = ["Device"]
+__all__ = ["Device", "keep_freed_memory"]
 
 
 @dataclass
@@ -40,9 +41,7 @@ class Device:
             except ImportError:
                 raise SpecError("--device npu needs torch_npu (Ascend's PyTorch adapter); it is not installed") from None
         module = self.module
-        if self.kind == "cpu":
-            keep_freed_memory()
-        elif not module.is_available():
+        if self.kind != "cpu" and not module.is_available():
             raise SpecError(f"--device {self.kind}: no {self.kind} device is available on this machine")
         self.torch = torch
 
@@ -76,13 +75,18 @@ class Device:
 @functools.cache
 def keep_freed_memory() -> bool:
     """Have glibc's malloc serve blocks up to 32 MiB from its heap and return the heap's free top to
-    the kernel only past 1 GiB (the module's doc says why); once per process. False where the C
-    library has no mallopt (macOS, musl) or refuses the values: nothing changes then."""
+    the kernel only past 1 GiB (the module's doc says why); once per process, for the whole process.
+    False, changing nothing, where the environment sets malloc's thresholds (MALLOC_*_ or a
+    glibc.malloc tunable: the user's choice stands) or the C library has no mallopt (macOS, musl,
+    Windows) or refuses the values."""
     import ctypes
+    import os
 
+    if any(k.startswith("MALLOC_") for k in os.environ) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))

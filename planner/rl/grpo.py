@@ -32,7 +32,7 @@ from planner.errors import SpecError
 from planner.files import write_csv_atomic, write_text_atomic
 from planner.hf import require_torch
 from planner.rl.corpus import prompt_windows
-from planner.rl.device import Device
+from planner.rl.device import Device, keep_freed_memory
 from planner.rl.experts import fast_eager_experts, fit_scan_chunks
 
 __all__ = ["RLConfig", "GRPO", "Models", "reward_lowercase", "write_metrics", "read_metrics"]
@@ -183,6 +183,8 @@ class GRPO:
         torch.manual_seed(config.seed)
         self.models = models if isinstance(models, Models) else Models(models, config.device)
         self.device = self.models.device
+        if self.device.kind == "cpu":
+            keep_freed_memory()  # the same values in less time (its doc)
         self.device.reset_peak()
         # fp16 backward through grouped_mm fails on CPU: the trained policy then runs eager experts
         self.policy = self.models.get("policy", "eager" if config.precision == "fp16" else None)
@@ -297,14 +299,19 @@ class GRPO:
 
     def _grad_norms(self) -> tuple[dict[int, object], bool]:
         """Each of the policy's gradients' L2 norm (keyed by the parameter's id) and whether every
-        gradient is finite: one pass over the gradients for both, since a norm is finite wherever its
-        gradient is; where a norm is not, its gradient is checked element by element (finite values
-        past about 1.8e19 overflow the squares)."""
+        gradient is finite, stopping at the first that is not: one pass over the gradients for both,
+        since a norm is finite wherever its gradient is; where a norm is not, its gradient is checked
+        element by element (finite values past about 1.8e19 overflow the squares)."""
         torch = self.torch
-        norms = {id(p): p.grad.detach().float().norm() for p in self.policy.parameters() if p.grad is not None}
-        finite = all(bool(torch.isfinite(n)) or bool(torch.isfinite(p.grad).all())
-                     for p in self.policy.parameters() if (n := norms.get(id(p))) is not None)  # fmt: skip
-        return norms, finite
+        norms = {}
+        for p in self.policy.parameters():
+            if p.grad is None:
+                continue
+            norm = p.grad.detach().float().norm()
+            if not (bool(torch.isfinite(norm)) or bool(torch.isfinite(p.grad).all())):
+                return norms, False
+            norms[id(p)] = norm
+        return norms, True
 
     def _norm(self, params, norms: dict[int, object]) -> float:
         """The L2 norm of `params`' gradients from their norms in `norms`."""
@@ -359,8 +366,7 @@ class GRPO:
                     for p in self.policy.parameters():
                         if p.grad is not None:
                             p.grad.div_(scale)
-                norms, finite = self._grad_norms()
-                finite = finite and torch.isfinite(loss).item()
+                norms, finite = self._grad_norms() if bool(torch.isfinite(loss)) else ({}, False)
                 acc["loss"].append(float(loss.detach()))
                 acc["entropy"].append(float(entropy.detach().mean()))
                 acc["kl"].append(float(k3.detach().mean()))

@@ -4,10 +4,10 @@ torch_npu is imported only when npu is asked for. Memory and synchronisation go 
 device's module (torch.cuda, torch.npu); the CPU reports the process's peak RSS instead.
 
 On the CPU, the RL harness has glibc's malloc keep the memory a training step frees
-(`keep_freed_memory`, unless the environment sets malloc's thresholds itself):
-by default it hands the top of its heap back to the kernel whenever more than twice its mmap
-threshold is free, so every step's optimizer temporaries and activations of a few MB land on fresh
-pages and fault them in again. Measured (`python benchmarks/rl_harness.py --model DIR`, a 12-step
+(`keep_freed_memory`, unless the environment sets malloc's thresholds itself). By default malloc
+hands the top of its heap back to the kernel whenever more than twice its mmap threshold is free,
+so every step's optimizer temporaries and activations of a few MB land on fresh pages and fault
+them in again. Measured (`python benchmarks/rl_harness.py --model DIR`, a 12-step
 router-collapse run in a fresh process each way, one thread): 547 thousand minor page faults -> 48
 thousand and 1.09x less CPU time on the 512-expert calibration original, 1.07x on the 128-expert
 one, nothing on 32-expert models (their tensors are small enough for malloc's heap anyway); an Adam

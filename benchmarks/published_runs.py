@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from planner.cost.evaluate import DEFAULT_MEMORY_MARGIN
-from planner.cost.fit import (expressed_rows, fit_all, load_runs, loo_summary, memory_headroom, residual_table, update_mfu_checks,
+from planner.cost.fit import (effect_checks, expressed_rows, fit_all, load_runs, loo_summary, memory_headroom, residual_table, update_mfu_checks,
                               validation_effects, weight_sync_checks)
 from planner.cost.knobs import knobs_path, load_knobs
 from planner.render import table
@@ -60,6 +60,13 @@ def main() -> None:
     lines += ["", "## Weight sync between separate pools (a check, not fitted)", "", "| check | at the layouts of | published s | predicted s | ratio |",
               "|---|---|---:|---:|---:|"]  # fmt: skip
     lines += [f"| {c['check']} | {c['run']} | {c['published_s']} | {c['predicted_s']} | {c['ratio']} |" for c in syncs]
+    changes = effect_checks()
+    print()
+    print(table(["check (not fitted)", "on the job of", "quantity", "published", "predicted", "ratio"],
+                [[c["check"], c["run"], c["quantity"], c["published"], c["predicted"], c["ratio"]] for c in changes]))
+    lines += ["", "## The effect of one change, measured as a pair of runs (a check, not fitted)", "",
+              "| check | on the job of | quantity | published | predicted | ratio |", "|---|---|---|---:|---:|---:|"]
+    lines += [f"| {c['check']} | {c['run']} | {c['quantity']} | {c['published']} | {c['predicted']} | {c['ratio']} |" for c in changes]
     validation = load_runs(section="validation")
     rows = residual_table(validation, {run.family: load_knobs(run.family) for run in validation})
     print()

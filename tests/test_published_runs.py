@@ -142,6 +142,43 @@ def test_weight_sync_checks_price_the_sync_at_the_named_runs_layouts(tmp_path):
         weight_sync_checks(bad)
 
 
+def test_effect_checks_price_the_change_on_the_named_runs_job(tmp_path):
+    """Not fitted: a pair of runs the trainer's authors measured with one job key changed. The step's
+    ratio is the two predictions' (from tokens/s the inverse ratio), the exposed generation is the
+    step less the training passes and the sync; a malformed pair, an unknown run or a key the job
+    does not have is refused with the check's name."""
+    from dataclasses import replace
+
+    import yaml
+
+    from planner.cost.fit import effect_checks, exposed_generation_s, predict, runs_path
+
+    rows = effect_checks()
+    assert [r["quantity"] for r in rows] == ["step after / before", "exposed generation before s", "exposed generation after s"]
+    run = {r.id: r for r in load_runs(section="validation")}["qwen3-235b-h100-256-1off"]
+    knobs = load_knobs(run.family)
+    before = predict(run, knobs)
+    after = predict(replace(run, job=replace(run.job, rollout_memory_utilization=0.88)), knobs)
+    assert rows[0]["published"] == pytest.approx(51.5 / 57.8, abs=1e-3)
+    assert rows[0]["predicted"] == pytest.approx(after.step_time_s / before.step_time_s, abs=1e-3)
+    assert after.step_time_s < before.step_time_s  # more KV cache, larger decode batches: the generation-bound step shortens
+    for row, result in zip(rows[1:], (before, after)):
+        phases = result.phase_times_s
+        busy = sum(phases[p] for p in ("reference", "old_logprob", "update")) + phases["weight_sync"]
+        assert row["predicted"] == pytest.approx(result.step_time_s - busy, abs=1e-3) == pytest.approx(exposed_generation_s(result), abs=1e-3)
+        assert row["ratio"] == pytest.approx(row["predicted"] / row["published"], abs=2e-3)
+    data = yaml.safe_load(runs_path().read_text())
+    check = data["effect_checks"][0]
+    bad = tmp_path / "runs.yaml"
+    for change, message in [({"run": "no-such-run"}, "'no-such-run' is not a published run"),
+                            ({"published": {"step_s": [1.0]}}, "needs \\[before, after\\] pairs"),
+                            ({"change": {"engine_memory": 0.9}}, "engine_memory"),
+                            ({"run": "qwen3-30b-h100-32"}, "qwen3-30b-h100-32 is colocated")]:  # fmt: skip
+        bad.write_text(yaml.safe_dump({**data, "effect_checks": [{**check, **change}]}))
+        with pytest.raises(SpecError, match=message):
+            effect_checks(bad)
+
+
 def test_the_sync_check_travels_with_the_knobs_and_qualifies_every_pool_sync_printed(tmp_path):
     """`planner fit-knobs` stores the sync checks with the knobs they were computed with; a job on
     separate pools with the path they measured (packed) then prints its sync with that check beside

@@ -36,7 +36,7 @@ from planner.errors import PlannerError, SpecError
 from planner.files import read_yaml
 from planner.specs import Job
 
-__all__ = ["PublishedRun", "load_runs", "predict", "fit", "fit_all", "leave_one_out", "residual_table", "validation_effects", "update_mfu_checks", "weight_sync_checks", "loo_summary", "step_validation", "feature_validation", "JOB_FEATURES", "PHASES"]
+__all__ = ["PublishedRun", "load_runs", "predict", "fit", "fit_all", "leave_one_out", "residual_table", "validation_effects", "update_mfu_checks", "weight_sync_checks", "effect_checks", "exposed_generation_s", "loo_summary", "step_validation", "feature_validation", "JOB_FEATURES", "PHASES"]
 
 PHASES = ("rollout", "reference", "old_logprob", "update", "switch", "step")
 PRIOR_WEIGHT = 0.05
@@ -140,6 +140,55 @@ def weight_sync_checks(path: str | Path | None = None, knobs: dict[str, Knobs] |
         predicted = result.pools["weight_sync_s"]
         rows.append({"check": check["id"], "run": run.id, "published_s": check["published_s"], "predicted_s": round(predicted, 2),
                      "ratio": round(predicted / check["published_s"], 3)})  # fmt: skip
+    return rows
+
+
+def exposed_generation_s(result: CostResult) -> float:
+    """Between separate pools, the training pool's wait for generation each step: the step less the
+    training passes and the weight sync (NeMo RL's `exposed_generation` timer)."""
+    p = result.pools
+    return max(0.0, result.step_time_s * (1.0 - p["train_busy"]) - p["weight_sync_s"])
+
+
+def effect_checks(path: str | Path | None = None, knobs: dict[str, Knobs] | None = None) -> list[dict[str, Any]]:
+    """Predicted vs published effect of one change (`change`: job keys) to a published run's job,
+    which the trainer's authors measured as a pair of runs with the same code (not fitted). The
+    pair's absolute times belong to its code, not to the run's release, so only what the pair
+    itself shows is compared: the step's ratio after/before (from `step_s` or, the tokens a step
+    being the same, the inverse ratio of `tokens_per_s_per_gpu`) and, between separate pools, the
+    training pool's wait for generation before and after (`exposed_generation_s`)."""
+    from planner.cost.knobs import load_knobs
+
+    data = read_yaml(path or runs_path(), "published runs")
+    runs = {run.id: run for section in ("runs", "validation") for run in load_runs(path, section=section)}
+    rows = []
+    for check in data.get("effect_checks", []):
+        where = f"effect check {check.get('id', '?')}"
+        run = runs.get(check.get("run"))
+        if run is None:
+            raise SpecError(f"{where}: {check.get('run')!r} is not a published run (runs: {', '.join(sorted(runs))})")
+        published = check.get("published") or {}
+        pairs = {k: v for k, v in published.items() if k in ("step_s", "tokens_per_s_per_gpu", "exposed_generation_s")}
+        if set(pairs) != set(published) or not pairs or any(not isinstance(v, list) or len(v) != 2 for v in pairs.values()):
+            raise SpecError(f"{where}: published needs [before, after] pairs of step_s, tokens_per_s_per_gpu or exposed_generation_s, got {published!r}")
+        if "exposed_generation_s" in pairs and run.job.colocated:
+            raise SpecError(f"{where}: exposed_generation_s is the training pool's wait between separate pools; {run.id} is colocated")
+        changed = replace(run, job=Job.from_dict({**run.job.to_dict(), **(check.get("change") or {})}, where=f"{where}.change"))
+        family_knobs = knobs[run.family] if knobs and run.family in knobs else load_knobs(run.family)
+        before, after = predict(run, family_knobs), predict(changed, family_knobs)
+
+        def row(quantity: str, published: float, predicted: float) -> dict[str, Any]:
+            return {"check": check["id"], "run": run.id, "quantity": quantity, "published": round(published, 3), "predicted": round(predicted, 3),
+                    "ratio": round(predicted / published, 3)}  # fmt: skip
+
+        step_ratio = after.step_time_s / before.step_time_s
+        if "step_s" in pairs:
+            rows.append(row("step after / before", pairs["step_s"][1] / pairs["step_s"][0], step_ratio))
+        if "tokens_per_s_per_gpu" in pairs:
+            rows.append(row("step after / before", pairs["tokens_per_s_per_gpu"][0] / pairs["tokens_per_s_per_gpu"][1], step_ratio))
+        if "exposed_generation_s" in pairs:
+            rows.append(row("exposed generation before s", pairs["exposed_generation_s"][0], exposed_generation_s(before)))
+            rows.append(row("exposed generation after s", pairs["exposed_generation_s"][1], exposed_generation_s(after)))
     return rows
 
 

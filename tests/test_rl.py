@@ -365,6 +365,52 @@ def test_mamba_scan_chunks_fitted_to_the_sequence_give_the_same_gradients(reques
     assert fit_scan_chunks(model, 512) == 0 and all(m.chunk_size == 128 for m in mixers)
 
 
+def test_delta_rule_chunks_fitted_to_the_sequence_give_the_same_gradients(request, monkeypatch):
+    """Qwen3-Next's chunked delta rule pads 32 tokens to its default chunk of 64; fitted to the
+    sequence, each gated-DeltaNet layer hands the rule a chunk of 32: the same loss and gradients,
+    bit for bit, on one thread as the harness runs. A longer run gets the default back."""
+    import functools
+
+    import torch
+    import transformers
+    import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+
+    from planner.families import family_config
+    from planner.rl.experts import fit_scan_chunks
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    chunks, rule = [], qwen3_next.torch_chunk_gated_delta_rule
+
+    @functools.wraps(rule)
+    def seen(*args, **kwargs):  # the rule itself, noting the chunk it was handed
+        chunks.append(kwargs.get("chunk_size"))
+        return rule(*args, **kwargs)
+
+    monkeypatch.setattr(qwen3_next, "torch_chunk_gated_delta_rule", seen)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**family_config("qwen3_next-e512")))
+    layers = [m for m in model.modules() if type(m).__name__ == "Qwen3NextGatedDeltaNet"]
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+
+    def gradients() -> dict:
+        chunks.clear()
+        model.zero_grad(set_to_none=True)
+        model(input_ids=x, labels=x).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    padded = gradients()
+    assert layers and chunks == [None] * len(layers)  # the rule's default, 64
+    assert fit_scan_chunks(model, 32) == len(layers)
+    fitted = gradients()
+    assert chunks == [32] * len(layers)
+    assert padded.keys() == fitted.keys() and all(torch.equal(padded[n], fitted[n]) for n in padded)
+    assert fit_scan_chunks(model, 512) == 0 and fit_scan_chunks(model, 64) == 0
+    gradients()
+    assert chunks == [None] * len(layers)
+
+
 def test_fast_eager_experts_release_the_rows_when_a_forward_raises():
     import torch
     import transformers

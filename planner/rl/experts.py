@@ -11,8 +11,9 @@ slices and the gradient the same sums (a sum of disjoint slices and zeros), so t
 unchanged (tests/test_rl.py checks it) and models made before and after are the same bytes; only
 the time changes (measured by `python benchmarks/eager_experts.py`).
 
-`fit_scan_chunks` does the same for the Mamba-2 mixers' chunked scan: the harness's short sequences
-without the padding to a whole chunk, the same values in about half a probe's time.
+`fit_scan_chunks` does the same for the chunked scans of Mamba-2 mixers and of Qwen3-Next's gated
+DeltaNet: the harness's short sequences without the padding to a whole chunk, the same values in
+less time.
 """
 
 from __future__ import annotations
@@ -75,19 +76,52 @@ def fast_eager_experts(model) -> int:
 
 
 def fit_scan_chunks(model, length: int) -> int:
-    """Shrink the chunk of every Mamba-2 mixer's chunked scan (transformers' PyTorch path, which runs
-    where the CUDA kernels cannot) to `length`, the longest sequence the caller runs, where the
-    config's chunk is longer; returns the number of mixers whose chunk is now shorter than the config's.
+    """Shrink the chunk of every chunked scan in `model` that transformers runs on its PyTorch path
+    (where the CUDA kernels cannot run) to `length`, the longest sequence the caller runs, where the
+    scan's chunk is longer: the Mamba-2 mixers' (the config's chunk) and Qwen3-Next's gated DeltaNet
+    layers' (the chunked delta rule's default, 64); returns the number of layers whose chunk is now
+    shorter than their own. A later call with another length sets it again.
 
-    The scan pads a sequence to a whole chunk and builds chunk x chunk decay matrices: Nemotron-H's
-    128 for the harness's 32 tokens is 16 times the work of the matrices it needs. A sequence no
-    longer than the chunk is one chunk either way, and the padded positions only add zeros to its
-    sums, so the values do not change (on this project's grid models the GRPO runs' metrics are
-    bitwise the same; tests/test_rl.py checks a training step) and a probe takes about half the time."""
+    A scan pads a sequence to a whole chunk and builds chunk x chunk decay matrices: Nemotron-H's 128
+    for the harness's 32 tokens is 16 times the work of the matrices it needs, the delta rule's 64
+    four times. A sequence no longer than the chunk is one chunk either way, and the padded
+    positions only add zeros to its sums, so the values do not change (on this project's grid models
+    the GRPO runs' metrics are bitwise the same; tests/test_rl.py checks a training step of each) and
+    a probe takes a half (Nemotron-H) to three quarters (Qwen3-Next) of the time."""
     changed = 0
     for module in model.modules():
-        if type(module).__name__.endswith("Mamba2Mixer") and hasattr(module, "chunk_size"):
+        name = type(module).__name__
+        if name.endswith("Mamba2Mixer") and hasattr(module, "chunk_size"):
             config_chunk = module.__dict__.setdefault("_planner_config_chunk", module.chunk_size)  # a model reused for longer runs gets it back
             module.chunk_size = min(config_chunk, length)
             changed += module.chunk_size < config_chunk
+        elif name in _DELTA_RULE_LAYERS and (default := _delta_rule_chunk(module)) is not None:
+            if "_planner_chunk" not in module.__dict__:
+                module.register_forward_pre_hook(_pass_chunk, with_kwargs=True)
+            module._planner_chunk = min(default, length) if min(default, length) < default else None
+            changed += module._planner_chunk is not None
     return changed
+
+
+# gated-DeltaNet layers whose forward hands its keyword arguments on to the chunked delta rule (the
+# chunk is one of them); another model's layer may not, so each is named here once checked
+_DELTA_RULE_LAYERS = ("Qwen3NextGatedDeltaNet",)
+
+
+def _delta_rule_chunk(module) -> int | None:
+    """The default chunk of the chunked delta rule in `module`'s transformers module, or None."""
+    import inspect
+    import sys
+
+    rule = getattr(sys.modules.get(type(module).__module__), "torch_chunk_gated_delta_rule", None)
+    try:
+        return int(inspect.signature(rule).parameters["chunk_size"].default)
+    except (TypeError, ValueError, KeyError):
+        return None
+
+
+def _pass_chunk(module, args, kwargs):
+    """A forward pre-hook: the layer's fitted chunk among the keywords its forward hands to the rule."""
+    if module._planner_chunk is None:
+        return None
+    return args, {**kwargs, "chunk_size": module._planner_chunk}

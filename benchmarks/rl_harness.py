@@ -6,10 +6,13 @@
    (forward + backward + Adam) on the same number of sequences, so the ratio says what a GRPO
    step costs in units of ordinary training steps (sampling, three extra forward passes, four
    updates).
-2. What keeping freed memory saves (planner.rl.device.keep_freed_memory): a router-collapse run
-   of each model in a fresh process with glibc's malloc defaults (the baseline) and with the
-   memory kept, its CPU time and minor page faults, and whether the metrics are the same bit for
-   bit. `--model DIR` adds a model of your own (e.g. a grid's 512-expert original).
+2. What the harness's savings buy, each against the harness without it (the baseline): keeping
+   freed memory (planner.rl.device.keep_freed_memory; without it glibc's malloc defaults) and the
+   chunked scans fitted to the sequence (planner.rl.experts.fit_scan_chunks; without it the
+   padded chunk). A router-collapse run of each model in a fresh process each way, its CPU time
+   and minor page faults, and whether the metrics are the same bit for bit. `--model DIR` adds a
+   model of your own (e.g. a grid's 512-expert original; the scans are only in the hybrid
+   families, Nemotron-H and Qwen3-Next).
 3. The grid's wall time, read from the Optuna storage of `planner calibrate run` (default
    sqlite:///calibration.db): per phase, trials, wall time from the first start to the last
    completion, summed trial time, and the workers' parallel efficiency.
@@ -71,15 +74,16 @@ def harness(paths: dict[str, Path], steps: int) -> None:
     print(table(["family", "precision", "steps/s", "ms/step", "plain train step ms", "GRPO / plain"], rows))
 
 
-# one run in a fresh process (malloc's settings are per process); "default" leaves glibc's alone
-_KEPT_OR_NOT = """
+# one run in a fresh process (malloc's settings are per process); "off" runs the harness without
+# the saving named (a no-op in its place), "on" as it is
+_ON_OR_OFF = """
 import hashlib, json, resource, sys
-sys.path.insert(0, sys.argv[4])
+sys.path.insert(0, sys.argv[5])
 import planner.rl.grpo as grpo
-if sys.argv[2] == "default":
-    grpo.keep_freed_memory = lambda: False
+if sys.argv[3] == "off":
+    setattr(grpo, sys.argv[2], lambda *args: 0)
 from planner.rl.recipes import recipe
-run = grpo.GRPO(sys.argv[1], recipe("router-collapse").config(-0.5, seed=0, steps=int(sys.argv[3])))
+run = grpo.GRPO(sys.argv[1], recipe("router-collapse").config(-0.5, seed=0, steps=int(sys.argv[4])))
 r0 = resource.getrusage(resource.RUSAGE_SELF)
 rows = run.run()
 r1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -87,28 +91,32 @@ values = [{k: v for k, v in r.items() if k not in ("wall_s", "peak_mem_bytes")} 
 print(json.dumps({"cpu": r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime, "faults": r1.ru_minflt - r0.ru_minflt,
                   "metrics": hashlib.sha256(repr(values).encode()).hexdigest()}))
 """
+SAVINGS = {"keep_freed_memory": "freed memory kept against glibc's malloc defaults",
+           "fit_scan_chunks": "chunked scans fitted to the sequence against the padded chunk"}  # fmt: skip
 
 
-def kept_memory(paths: dict[str, Path], steps: int) -> None:
-    """Each model run twice each way, in the order default, kept, kept, default (so neither side
+def savings(paths: dict[str, Path], steps: int) -> None:
+    """Per saving and model, two runs each way in the order off, on, on, off (so neither side
     always runs first on a busy machine); the means. Without MALLOC_* or glibc.malloc tunables set,
-    the default side is glibc's own."""
+    memory's off side is glibc's own."""
     from planner.render import table
 
-    rows = []
-    for name, path in paths.items():
-        got = {"default": [], "kept": []}
-        for mode in ("default", "kept", "kept", "default"):
-            out = subprocess.run([sys.executable, "-c", _KEPT_OR_NOT, str(path), mode, str(steps), str(ROOT)], capture_output=True, text=True)
-            if out.returncode != 0:
-                sys.exit(f"the {mode} run of {path} failed:\n{out.stderr}")
-            got[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
-        d, k = ({key: statistics.mean(r[key] for r in runs) for key in ("cpu", "faults")} for runs in (got["default"], got["kept"]))
-        same = len({r["metrics"] for runs in got.values() for r in runs}) == 1
-        rows.append([name, f"{d['cpu']:.2f}", f"{k['cpu']:.2f}", f"{d['cpu'] / k['cpu']:.2f}x", f"{d['faults']:,.0f}", f"{k['faults']:,.0f}",
-                     "yes" if same else "NO"])  # fmt: skip
-    print(f"\nrouter-collapse run of {steps} steps, glibc's malloc defaults against freed memory kept (fresh processes, mean of 2 each)")
-    print(table(["model", "CPU s default", "CPU s kept", "ratio", "page faults default", "page faults kept", "same metrics"], rows))
+    for saving, what in SAVINGS.items():
+        rows = []
+        for name, path in paths.items():
+            got = {"off": [], "on": []}
+            for mode in ("off", "on", "on", "off"):
+                out = subprocess.run([sys.executable, "-c", _ON_OR_OFF, str(path), saving, mode, str(steps), str(ROOT)], capture_output=True,
+                                     text=True)  # fmt: skip
+                if out.returncode != 0:
+                    sys.exit(f"the run of {path} with {saving} {mode} failed:\n{out.stderr}")
+                got[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            off, on = ({key: statistics.mean(r[key] for r in runs) for key in ("cpu", "faults")} for runs in (got["off"], got["on"]))
+            same = len({r["metrics"] for runs in got.values() for r in runs}) == 1
+            rows.append([name, f"{off['cpu']:.2f}", f"{on['cpu']:.2f}", f"{off['cpu'] / on['cpu']:.2f}x", f"{off['faults']:,.0f}",
+                         f"{on['faults']:,.0f}", "yes" if same else "NO"])  # fmt: skip
+        print(f"\nrouter-collapse run of {steps} steps, {what} ({saving}; fresh processes, mean of 2 each)")
+        print(table(["model", "CPU s without", "CPU s with", "ratio", "page faults without", "page faults with", "same metrics"], rows))
 
 
 def grid_wall(storage: str) -> None:
@@ -160,5 +168,5 @@ if __name__ == "__main__":
             paths[family] = Path(tmp) / family
             make_model(family, paths[family], ModelRecipe(dense_steps=20, moe_steps=20))
         harness(paths, args.steps)
-        kept_memory({**paths, **{str(m): m for m in args.model}}, 12)
+        savings({**paths, **{str(m): m for m in args.model}}, 12)
     grid_wall(args.storage)

@@ -150,7 +150,7 @@ def exposed_generation_s(result: CostResult) -> float:
     return max(0.0, result.step_time_s * (1.0 - p["train_busy"]) - p["weight_sync_s"])
 
 
-def effect_checks(path: str | Path | None = None, knobs: dict[str, Knobs] | None = None) -> list[dict[str, Any]]:
+def effect_checks(path: str | Path | None = None) -> list[dict[str, Any]]:
     """Predicted vs published effect of one change (`change`: job keys) to a published run's job,
     which the trainer's authors measured as a pair of runs with the same code (not fitted). The
     pair's absolute times belong to its code, not to the run's release, so only what the pair
@@ -174,11 +174,11 @@ def effect_checks(path: str | Path | None = None, knobs: dict[str, Knobs] | None
         if "exposed_generation_s" in pairs and run.job.colocated:
             raise SpecError(f"{where}: exposed_generation_s is the training pool's wait between separate pools; {run.id} is colocated")
         changed = replace(run, job=Job.from_dict({**run.job.to_dict(), **(check.get("change") or {})}, where=f"{where}.change"))
-        family_knobs = knobs[run.family] if knobs and run.family in knobs else load_knobs(run.family)
-        before, after = predict(run, family_knobs), predict(changed, family_knobs)
+        knobs = load_knobs(run.family)
+        before, after = predict(run, knobs), predict(changed, knobs)
 
         def row(quantity: str, published: float, predicted: float) -> dict[str, Any]:
-            return {"check": check["id"], "run": run.id, "quantity": quantity, "published": round(published, 3), "predicted": round(predicted, 3),
+            return {"check": check.get("id", "?"), "run": run.id, "quantity": quantity, "published": round(published, 3), "predicted": round(predicted, 3),
                     "ratio": round(predicted / published, 3)}  # fmt: skip
 
         step_ratio = after.step_time_s / before.step_time_s

@@ -80,19 +80,32 @@ _ON_OR_OFF = """
 import hashlib, json, resource, sys
 sys.path.insert(0, sys.argv[5])
 import planner.rl.grpo as grpo
+from planner.rl.experts import fit_scan_chunks
+if not callable(getattr(grpo, sys.argv[2], None)):
+    sys.exit(f"planner.rl.grpo calls no {sys.argv[2]}")
 if sys.argv[3] == "off":
     setattr(grpo, sys.argv[2], lambda *args: 0)
 from planner.rl.recipes import recipe
-run = grpo.GRPO(sys.argv[1], recipe("router-collapse").config(-0.5, seed=0, steps=int(sys.argv[4])))
+config = recipe("router-collapse").config(-0.5, seed=0, steps=int(sys.argv[4]))
+run = grpo.GRPO(sys.argv[1], config)
 r0 = resource.getrusage(resource.RUSAGE_SELF)
 rows = run.run()
 r1 = resource.getrusage(resource.RUSAGE_SELF)
 values = [{k: v for k, v in r.items() if k not in ("wall_s", "peak_mem_bytes")} for r in rows]
 print(json.dumps({"cpu": r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime, "faults": r1.ru_minflt - r0.ru_minflt,
-                  "metrics": hashlib.sha256(repr(values).encode()).hexdigest()}))
+                  "metrics": hashlib.sha256(repr(values).encode()).hexdigest(),
+                  "scans": fit_scan_chunks(run.policy, config.prompt_len + config.new_tokens)}))
 """
 SAVINGS = {"keep_freed_memory": "freed memory kept against glibc's malloc defaults",
            "fit_scan_chunks": "chunked scans fitted to the sequence against the padded chunk"}  # fmt: skip
+
+
+def _has_scans(path: Path) -> bool:
+    """Whether the model at `path` has a chunked scan that fit_scan_chunks fits (a hybrid family)."""
+    out = subprocess.run([sys.executable, "-c", _ON_OR_OFF, str(path), "fit_scan_chunks", "on", "1", str(ROOT)], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"the run of {path} failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["scans"] > 0
 
 
 def savings(paths: dict[str, Path], steps: int) -> None:
@@ -104,6 +117,9 @@ def savings(paths: dict[str, Path], steps: int) -> None:
     for saving, what in SAVINGS.items():
         rows = []
         for name, path in paths.items():
+            if saving == "fit_scan_chunks" and not _has_scans(path):
+                rows.append([name, "-", "-", "no chunked scan", "-", "-", "-"])
+                continue
             got = {"off": [], "on": []}
             for mode in ("off", "on", "on", "off"):
                 out = subprocess.run([sys.executable, "-c", _ON_OR_OFF, str(path), saving, mode, str(steps), str(ROOT)], capture_output=True,

@@ -143,24 +143,25 @@ def test_weight_sync_checks_price_the_sync_at_the_named_runs_layouts(tmp_path):
 
 
 def test_effect_checks_price_the_change_on_the_named_runs_job(tmp_path):
-    """Not fitted: a pair of runs the trainer's authors measured with one job key changed. The step's
-    ratio is the two predictions' (from tokens/s the inverse ratio), the exposed generation is the
-    step less the training passes and the sync; a malformed pair, an unknown run or a key the job
-    does not have is refused with the check's name."""
+    """Not fitted: a pair of runs the trainer's authors measured with one job key changed. The
+    throughput's ratio is the two predictions', the exposed generation the step less the training
+    passes and the sync; a malformed pair, an unknown run or key, a check that changes nothing and a
+    change the model finds infeasible are refused with the check's name."""
     from dataclasses import replace
 
     import yaml
 
     from planner.cost.fit import effect_checks, exposed_generation_s, predict, runs_path
 
-    rows = effect_checks()
-    assert [r["quantity"] for r in rows] == ["step after / before", "exposed generation before s", "exposed generation after s"]
+    name = "qwen3-235b-h100-1off-engine-memory"
+    rows = [r for r in effect_checks() if r["check"] == name]
+    assert [r["quantity"] for r in rows] == ["tokens/s after / before", "exposed generation before s", "exposed generation after s"]
     run = {r.id: r for r in load_runs(section="validation")}["qwen3-235b-h100-256-1off"]
     knobs = load_knobs(run.family)
     before = predict(run, knobs)
     after = predict(replace(run, job=replace(run.job, rollout_memory_utilization=0.88)), knobs)
-    assert rows[0]["published"] == pytest.approx(51.5 / 57.8, abs=1e-3)
-    assert rows[0]["predicted"] == pytest.approx(after.step_time_s / before.step_time_s, abs=1e-3)
+    assert rows[0]["published"] == pytest.approx(57.8 / 51.5, abs=1e-3)
+    assert rows[0]["predicted"] == pytest.approx(before.step_time_s / after.step_time_s, abs=1e-3)  # the same tokens a step
     assert after.step_time_s < before.step_time_s  # more KV cache, larger decode batches: the generation-bound step shortens
     for row, result in zip(rows[1:], (before, after)):
         phases = result.phase_times_s
@@ -168,14 +169,19 @@ def test_effect_checks_price_the_change_on_the_named_runs_job(tmp_path):
         assert row["predicted"] == pytest.approx(result.step_time_s - busy, abs=1e-3) == pytest.approx(exposed_generation_s(result), abs=1e-3)
         assert row["ratio"] == pytest.approx(row["predicted"] / row["published"], abs=2e-3)
     data = yaml.safe_load(runs_path().read_text())
-    check = data["effect_checks"][0]
+    check = next(c for c in data["effect_checks"] if c["id"] == name)
     bad = tmp_path / "runs.yaml"
     for change, message in [({"run": "no-such-run"}, "'no-such-run' is not a published run"),
-                            ({"published": {"step_s": [1.0]}}, "needs \\[before, after\\] pairs"),
+                            ({"published": {"step_s": [1.0]}}, "published.step_s is \\[before, after\\]"),
+                            ({"published": {"step_s": ["~51", 52]}}, "two finite numbers"),
+                            ({"published": {"steps": [1.0, 2.0]}}, "published maps"),
                             ({"change": {"engine_memory": 0.9}}, "engine_memory"),
+                            ({"change": {}}, "change names the job keys"),
+                            ({"change": {"rollout_memory_utilization": 0.05}}, "infeasible"),
+                            ({"chnage": {"rollout_memory_utilization": 0.9}}, "chnage"),
                             ({"run": "qwen3-30b-h100-32"}, "qwen3-30b-h100-32 is colocated")]:  # fmt: skip
         bad.write_text(yaml.safe_dump({**data, "effect_checks": [{**check, **change}]}))
-        with pytest.raises(SpecError, match=message):
+        with pytest.raises(SpecError, match=f"effect check {name}.*{message}"):
             effect_checks(bad)
 
 

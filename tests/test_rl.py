@@ -409,6 +409,7 @@ def test_delta_rule_chunks_fitted_to_the_sequence_give_the_same_gradients(reques
     assert fit_scan_chunks(model, 512) == 0 and fit_scan_chunks(model, 64) == 0
     gradients()
     assert chunks == [None] * len(layers)
+    assert all(len(layer._forward_pre_hooks) == 1 for layer in layers)  # one hook, whatever the calls
 
 
 def test_fast_eager_experts_release_the_rows_when_a_forward_raises():

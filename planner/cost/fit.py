@@ -123,16 +123,24 @@ def update_mfu_checks(path: str | Path | None = None) -> list[dict[str, Any]]:
     return rows
 
 
+def _checks(path: str | Path | None, section: str) -> tuple[list[dict[str, Any]], dict[str, PublishedRun]]:
+    """A checks section of the published-runs file and the published runs (fitted and validation rows) its checks name."""
+    data = read_yaml(path or runs_path(), "published runs")
+    checks = data.get(section) or []
+    if not isinstance(checks, list):
+        raise SpecError(f"{path or runs_path()}: {section} is a list of checks, got {type(checks).__name__}")
+    return checks, {run.id: run for part in ("runs", "validation") for run in load_runs(path, section=part)}
+
+
 def weight_sync_checks(path: str | Path | None = None, knobs: dict[str, Knobs] | None = None) -> list[dict[str, Any]]:
     """Predicted vs published weight sync between separate pools (not fitted; a check of
     `CostModel.pool_sync_seconds`): each check names the published run whose layouts it was measured
     at. `knobs`: per family (default: the stored fit)."""
     from planner.cost.knobs import load_knobs
 
-    data = read_yaml(path or runs_path(), "published runs")
-    runs = {run.id: run for section in ("runs", "validation") for run in load_runs(path, section=section)}
+    checks, runs = _checks(path, "sync_checks")
     rows = []
-    for check in data.get("sync_checks", []):
+    for check in checks:
         run = runs.get(check["run"])
         if run is None or run.job.colocated:
             raise SpecError(f"sync check {check['id']}: {check['run']!r} is not a published run on separate pools")
@@ -145,50 +153,67 @@ def weight_sync_checks(path: str | Path | None = None, knobs: dict[str, Knobs] |
 
 def exposed_generation_s(result: CostResult) -> float:
     """Between separate pools, the training pool's wait for generation each step: the step less the
-    training passes and the weight sync (NeMo RL's `exposed_generation` timer)."""
+    training passes and the weight sync (NeMo RL's `exposed_generation` timer); 0 where training
+    bounds the step (float noise aside)."""
     p = result.pools
     return max(0.0, result.step_time_s * (1.0 - p["train_busy"]) - p["weight_sync_s"])
+
+
+EFFECT_QUANTITIES = ("step_s", "tokens_per_s_per_gpu", "exposed_generation_s")
 
 
 def effect_checks(path: str | Path | None = None) -> list[dict[str, Any]]:
     """Predicted vs published effect of one change (`change`: job keys) to a published run's job,
     which the trainer's authors measured as a pair of runs with the same code (not fitted). The
     pair's absolute times belong to its code, not to the run's release, so only what the pair
-    itself shows is compared: the step's ratio after/before (from `step_s` or, the tokens a step
-    being the same, the inverse ratio of `tokens_per_s_per_gpu`) and, between separate pools, the
-    training pool's wait for generation before and after (`exposed_generation_s`)."""
+    itself shows is compared, each published as [before, after]: the step's ratio after/before
+    (`step_s`), the throughput's (`tokens_per_s_per_gpu`) and, between separate pools, the training
+    pool's wait for generation before and after (`exposed_generation_s`)."""
     from planner.cost.knobs import load_knobs
+    from planner.specs import check_keys
 
-    data = read_yaml(path or runs_path(), "published runs")
-    runs = {run.id: run for section in ("runs", "validation") for run in load_runs(path, section=section)}
+    checks, runs = _checks(path, "effect_checks")
     rows = []
-    for check in data.get("effect_checks", []):
-        where = f"effect check {check.get('id', '?')}"
-        run = runs.get(check.get("run"))
+    for n, check in enumerate(checks, 1):
+        where = f"effect check {check.get('id', n) if isinstance(check, dict) else n}"
+        if not isinstance(check, dict):
+            raise SpecError(f"{where}: expected a mapping, got {check!r}")
+        check_keys(check, ["id", "title", "run", "change", "published", "assumed", "sources"], where, required=("id", "run", "change", "published"))
+        run = runs.get(check["run"])
         if run is None:
-            raise SpecError(f"{where}: {check.get('run')!r} is not a published run (runs: {', '.join(sorted(runs))})")
-        published = check.get("published") or {}
-        pairs = {k: v for k, v in published.items() if k in ("step_s", "tokens_per_s_per_gpu", "exposed_generation_s")}
-        if set(pairs) != set(published) or not pairs or any(not isinstance(v, list) or len(v) != 2 for v in pairs.values()):
-            raise SpecError(f"{where}: published needs [before, after] pairs of step_s, tokens_per_s_per_gpu or exposed_generation_s, got {published!r}")
-        if "exposed_generation_s" in pairs and run.job.colocated:
+            raise SpecError(f"{where}: {check['run']!r} is not a published run (runs: {', '.join(sorted(runs))})")
+        if not isinstance(check["change"], dict) or not check["change"]:
+            raise SpecError(f"{where}: change names the job keys the pair changed (a mapping), got {check['change']!r}")
+        published = check["published"]
+        if not isinstance(published, dict) or not published or not set(published) <= set(EFFECT_QUANTITIES):
+            raise SpecError(f"{where}: published maps {', '.join(EFFECT_QUANTITIES)} to [before, after], got {published!r}")
+        for name, pair in published.items():
+            least = 0.0 if name == "exposed_generation_s" else math.ulp(0.0)
+            if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= least for v in pair)):
+                raise SpecError(f"{where}: published.{name} is [before, after], two finite numbers{' of at least 0' if least == 0 else ' above 0'}, "
+                                f"got {pair!r}")  # fmt: skip
+        if "exposed_generation_s" in published and run.job.colocated:
             raise SpecError(f"{where}: exposed_generation_s is the training pool's wait between separate pools; {run.id} is colocated")
-        changed = replace(run, job=Job.from_dict({**run.job.to_dict(), **(check.get("change") or {})}, where=f"{where}.change"))
+        changed = replace(run, job=Job.from_dict({**run.job.to_dict(), **check["change"]}, where=f"{where}.change"))
         knobs = load_knobs(run.family)
         before, after = predict(run, knobs), predict(changed, knobs)
+        for label, result in (("before", before), ("after", after)):
+            if not result.feasible:
+                raise SpecError(f"{where}: the model finds the job {label} the change infeasible: {'; '.join(result.reasons[:3])}")
 
-        def row(quantity: str, published: float, predicted: float) -> dict[str, Any]:
-            return {"check": check.get("id", "?"), "run": run.id, "quantity": quantity, "published": round(published, 3), "predicted": round(predicted, 3),
-                    "ratio": round(predicted / published, 3)}  # fmt: skip
+        def row(quantity: str, pair: list[float], predicted: float, ratio_of_pair: bool) -> dict[str, Any]:
+            value = pair[1] / pair[0] if ratio_of_pair else pair[0 if "before" in quantity else 1]
+            return {"check": check["id"], "run": run.id, "quantity": quantity, "published": round(value, 3), "predicted": round(predicted, 3),
+                    "ratio": round(predicted / value, 3) if value else None}  # fmt: skip
 
-        step_ratio = after.step_time_s / before.step_time_s
-        if "step_s" in pairs:
-            rows.append(row("step after / before", pairs["step_s"][1] / pairs["step_s"][0], step_ratio))
-        if "tokens_per_s_per_gpu" in pairs:
-            rows.append(row("step after / before", pairs["tokens_per_s_per_gpu"][0] / pairs["tokens_per_s_per_gpu"][1], step_ratio))
-        if "exposed_generation_s" in pairs:
-            rows.append(row("exposed generation before s", pairs["exposed_generation_s"][0], exposed_generation_s(before)))
-            rows.append(row("exposed generation after s", pairs["exposed_generation_s"][1], exposed_generation_s(after)))
+        if "step_s" in published:
+            rows.append(row("step after / before", published["step_s"], after.step_time_s / before.step_time_s, True))
+        if "tokens_per_s_per_gpu" in published:
+            rows.append(row("tokens/s after / before", published["tokens_per_s_per_gpu"],
+                            after.tokens_per_s_per_device / before.tokens_per_s_per_device, True))  # fmt: skip
+        if "exposed_generation_s" in published:
+            rows.append(row("exposed generation before s", published["exposed_generation_s"], exposed_generation_s(before), False))
+            rows.append(row("exposed generation after s", published["exposed_generation_s"], exposed_generation_s(after), False))
     return rows
 
 

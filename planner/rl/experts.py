@@ -80,7 +80,8 @@ def fit_scan_chunks(model, length: int) -> int:
     (where the CUDA kernels cannot run) to `length`, the longest sequence the caller runs, where the
     scan's chunk is longer: the Mamba-2 mixers' (the config's chunk) and Qwen3-Next's gated DeltaNet
     layers' (the chunked delta rule's default, 64); returns the number of layers whose chunk is now
-    shorter than their own. A later call with another length sets it again.
+    shorter than their own. A later call with another length sets it again. (Where flash-linear-
+    attention's kernel runs the delta rule instead, transformers drops a keyword it does not take.)
 
     A scan pads a sequence to a whole chunk and builds chunk x chunk decay matrices: Nemotron-H's 128
     for the harness's 32 tokens is 16 times the work of the matrices it needs, the delta rule's 64

@@ -2,14 +2,17 @@
 
 For each routing shape (a family made from a catalog model), width and depth, and model seed: the
 family's model at that scale is made the grid's way (dense pretraining, upcycling, MoE training),
-the clustered plan at one K/E is built, and the static recipes' critical knob is bisected on the
-original and the proxy with the grid's seeds and resolution; the shift and its standard error are
-the grid's labels (planner.fidelity.labels.knob_shift). Every point is appended to the output as it
-completes, so the run resumes where it stopped and the largest points can be added where a GPU is
-lent (`--device cuda`). Then it prints the points and the fitted slope of the shift in log2 width
-and depth with its 90% interval (planner.fidelity.transfer), which `planner calibrate fit` reads.
+the clustered plan at one K/E is built, and each recipe's critical knob is bisected on the
+original and the proxy with the grid's seeds, probe length and resolution; the shift and its
+standard error are the grid's labels (planner.fidelity.labels.knob_shift; router collapse's label is
+its margin shift, as in the grid: its curve runs are not needed for it). Every point is appended to
+the output as it completes, so the run resumes where it stopped and the largest points can be added
+where a GPU is lent (`--device cuda`). Then it prints the points and the fitted slope of the shift
+in log2 width and depth with its 90% interval (planner.fidelity.transfer), which `planner calibrate
+fit` reads.
 
     python benchmarks/scale_transfer.py                                  # CPU: hidden 64, 128, 256; 3 and 6 layers
+    python benchmarks/scale_transfer.py --recipes router-collapse --hidden 64,128   # one recipe, the cheaper widths
     python benchmarks/scale_transfer.py --device cuda --hidden 64,256,1024 --budget-s 540
 """
 
@@ -60,7 +63,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     for recipe_name in recipes:
         r = recipe(recipe_name)
         t0 = time.perf_counter()
-        margins = {side: critical_knob(Models(path, device), r, list(grid.margin_seeds), iters=grid.iters(recipe_name))
+        margins = {side: critical_knob(Models(path, device), r, list(grid.margin_seeds), iters=grid.iters(recipe_name), steps=grid.margin_steps)
                    for side, path in (("original", original), ("proxy", proxy))}  # fmt: skip
         shift = knob_shift(recipe_name, list(margins["original"].values), list(margins["proxy"].values),
                            original_censored=margins["original"].censored, proxy_censored=margins["proxy"].censored,
@@ -81,7 +84,8 @@ def main() -> None:
     parser.add_argument("--hidden", default="64,128,256")
     parser.add_argument("--layers", default="3,6")
     parser.add_argument("--seeds", default="0,1", help="model seeds per (family, width, depth)")
-    parser.add_argument("--recipes", default="fp16-overflow,rollout-mismatch")
+    parser.add_argument("--recipes", default="fp16-overflow,rollout-mismatch,router-collapse",
+                        help="measured on the same model, which is deleted after its point: name every recipe wanted")
     parser.add_argument("--kept-fraction", type=float, default=0.25)
     parser.add_argument("--steps", type=int, default=300, help="dense and MoE training steps (the grid's: 300)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | npu: where models train and recipes run")

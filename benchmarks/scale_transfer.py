@@ -132,7 +132,8 @@ def main() -> None:
             continue
         slope = lambda n: "-" if fit["interval"][n] is None else f"{fit['coef'][n]:+.3f} [{fit['interval'][n][0]:+.3f}, {fit['interval'][n][1]:+.3f}]"  # noqa: E731
         print(f"{key}: {fit['points']} points, hidden {fit['hidden']}, layers {fit['layers']}: shift per doubling of width "
-              f"{slope('log2_hidden')}, per doubling of depth {slope('log2_layers')} (90% intervals); residual SD {fit['residual_sd']:.3f}")  # fmt: skip
+              f"{slope('log2_hidden')}, per doubling of depth {slope('log2_layers')} (90% intervals); between-original SD {fit['tau']:.3f} log2, "
+              f"residual SD {fit['residual_sd']:.3f} in units of the points' own SEs")  # fmt: skip
     if any(not math.isfinite(p["shift_log2"]) for p in data["points"]):
         print("note: some points have no finite shift", file=sys.stderr)
 

@@ -58,3 +58,36 @@ def test_an_unmeasured_shape_or_direction_is_said_not_measured():
     deeper = widening(widths_only, "fp16-overflow", "softmax/top8of128/renorm", 128, 12)
     assert deeper["halfwidth"] is None and "layers not measured" in deeper["text"]
     assert widening(widths_only, "fp16-overflow", "softmax/top8of128/renorm", 128, 3)["halfwidth"] is not None
+
+
+def test_the_between_original_variance_is_paule_mandel_and_weights_the_points():
+    """With no slope, tau^2 is statsmodels' Paule-Mandel estimate; points whose originals scatter by
+    more than their margin seeds' errors get a tau that the slope intervals carry, and a point with a
+    tiny error no longer steers the slope."""
+    from statsmodels.stats.meta_analysis import combine_effects
+
+    from planner.fidelity.transfer import between_variance
+
+    rng = np.random.default_rng(3)
+    variance = rng.uniform(0.01, 0.1, 12)
+    y = rng.normal(0.0, 0.4, 12) + rng.normal(0.0, np.sqrt(variance))
+    assert math.isclose(between_variance(y, np.ones((12, 1)), variance), combine_effects(y, variance, method_re="pm").tau2, rel_tol=1e-6)
+    assert between_variance(np.zeros(6), np.ones((6, 1)), np.full(6, 0.04)) == 0.0  # no scatter beyond the errors
+
+    def seeded(seed: int, tau: float) -> list[dict]:  # one original per point, each off the planted line by N(0, tau)
+        r = np.random.default_rng(seed)
+        out = planted(0.3, -0.2, noise=0.1, seed=seed)
+        for p in out:
+            p["shift_se"] = float(r.uniform(0.05, 0.3))
+            p["shift_log2"] += float(r.normal(0.0, tau) + r.normal(0.0, p["shift_se"]))
+        return out
+
+    fits = [fit_transfer(seeded(s, 0.6))["fp16-overflow|softmax/top8of128/renorm"] for s in range(40)]
+    assert 0.35 < np.median([f["tau"] for f in fits]) < 0.85
+    covered = [f["interval"]["log2_hidden"][0] < 0.3 < f["interval"]["log2_hidden"][1] for f in fits]
+    assert np.mean(covered) >= 0.75
+    # one point with a margin-seed error of 0.01 and a wild original: with tau in the weights it is one point among 18
+    points = seeded(0, 0.6)
+    points[-1].update(shift_se=0.01, shift_log2=points[-1]["shift_log2"] + 3.0)
+    steered = fit_transfer(points)["fp16-overflow|softmax/top8of128/renorm"]
+    assert abs(steered["coef"]["log2_hidden"] - 0.3) < 0.6 and steered["tau"] > 0.35  # 1/se^2 alone: +1.07

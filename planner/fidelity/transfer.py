@@ -8,7 +8,14 @@ calibration/transfer.json). Per (recipe, shape) the signed shift is fitted as
 
     shift = a + b log2(hidden / 64) + c log2(layers / 3)        (weighted least squares, statsmodels)
 
-and b and c are reported with their 90% intervals. The estimator asks `widening` how much a
+and b and c are reported with their 90% intervals. A point's error is its margin seeds' standard
+error and, beyond it, the spread between independently trained originals at one scale (a model
+seed moves a label by as much as the grid's originals differ), so each point is weighted by
+1/(se^2 + tau^2) with tau^2 the between-original variance left after the fit, estimated from the
+points themselves by the Paule-Mandel equation (the generalised Q statistic equal to its degrees of
+freedom) as a random-effects meta-regression does; the slopes' covariance is never scaled below
+that model's (Knapp-Hartung, floored at 1). Weighting by 1/se^2 alone would let the points with
+small margin-seed errors steer the slopes although their originals are no more typical. The estimator asks `widening` how much a
 target's interval must widen: within the measured widths and depths, by the interval of the fitted
 change from the calibration scale to the target; beyond them, by that change extrapolated with
 the slopes at the far ends of their intervals, and the output says how far beyond the data the
@@ -26,7 +33,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-__all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "widening", "default_transfer_path", "BASE_HIDDEN", "BASE_LAYERS"]
+__all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "widening", "default_transfer_path", "between_variance", "BASE_HIDDEN", "BASE_LAYERS"]
 
 TRANSFER_SCHEMA = "planner.transfer/1"
 BASE_HIDDEN, BASE_LAYERS = 64, 3  # the calibration families' scale
@@ -77,7 +84,7 @@ def fit_transfer(points: list[dict]) -> dict[str, dict[str, Any]]:
                 names.append(name)
         x = np.column_stack(columns)
         y = np.array([p["shift_log2"] for p in at])
-        se = np.array([max(float(p.get("shift_se") or 0.0), 0.05) for p in at])
+        variance = np.array([max(float(p.get("shift_se") or 0.0), 0.05) ** 2 for p in at])
         entry: dict[str, Any] = {"recipe": recipe, "shape": shape, "points": len(at), "hidden": sorted({int(p["hidden"]) for p in at}),
                                  "layers": sorted({int(p["layers"]) for p in at}), "originals": len({p["original"] for p in at})}  # fmt: skip
         if len(at) <= x.shape[1]:
@@ -85,18 +92,43 @@ def fit_transfer(points: list[dict]) -> dict[str, dict[str, Any]]:
                                               "more points than coefficients, at two widths or depths at least")
             out[f"{recipe}|{shape}"] = entry
             continue
-        fit = sm.WLS(y, x, weights=1.0 / se**2).fit()
-        ci = fit.conf_int(alpha=1 - LEVEL)
+        tau2 = between_variance(y, x, variance)
+        fit = sm.WLS(y, x, weights=1.0 / (variance + tau2)).fit()
+        scale = max(float(fit.scale), 1.0)  # Knapp-Hartung, never narrower than the random-effects model
+        cov_fit, t = fit.normalized_cov_params * scale, _t(float(fit.df_resid))
         coef = {n: float(v) for n, v in zip(names, fit.params)}
-        interval = {n: [float(lo), float(hi)] for n, (lo, hi) in zip(names, ci)}
+        half = t * np.sqrt(np.diag(cov_fit))
+        interval = {n: [float(v - h), float(v + h)] for n, v, h in zip(names, fit.params, half)}
         full = ["intercept", "log2_hidden", "log2_layers"]
         cov = np.zeros((3, 3))
         index = [full.index(n) for n in names]
-        cov[np.ix_(index, index)] = fit.cov_params()
+        cov[np.ix_(index, index)] = cov_fit
         entry.update(fitted=True, coef={n: coef.get(n, 0.0) for n in full}, interval={n: interval.get(n) for n in full},
-                     cov=cov.tolist(), dof=float(fit.df_resid), t=_t(float(fit.df_resid)), residual_sd=float(np.sqrt(fit.scale)))  # fmt: skip
+                     cov=cov.tolist(), dof=float(fit.df_resid), t=t, tau=math.sqrt(tau2),
+                     residual_sd=float(np.sqrt(np.sum((y - fit.fittedvalues) ** 2 / variance) / fit.df_resid)))  # fmt: skip
         out[f"{recipe}|{shape}"] = entry
     return out
+
+
+def between_variance(y: np.ndarray, x: np.ndarray, variance: np.ndarray) -> float:
+    """The between-original variance tau^2 of a meta-regression of y on x with known within-point
+    variances (Paule-Mandel): the tau^2 at which the weighted residual sum of squares equals its
+    degrees of freedom, 0 where the points scatter no more than their own errors say."""
+    from scipy.optimize import brentq
+
+    dof = len(y) - x.shape[1]
+
+    def excess(tau2: float) -> float:
+        w = 1.0 / (variance + tau2)
+        beta = np.linalg.lstsq(x * np.sqrt(w)[:, None], y * np.sqrt(w), rcond=None)[0]
+        return float(np.sum(w * (y - x @ beta) ** 2)) - dof
+
+    if dof <= 0 or excess(0.0) <= 0:
+        return 0.0
+    top = float(np.var(y)) + float(variance.max()) + 1.0
+    while excess(top) > 0:  # Q falls towards 0 as tau^2 grows, so a bracket exists
+        top *= 4
+    return float(brentq(excess, 0.0, top, xtol=1e-10))
 
 
 def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: int | None, layers: int | None) -> dict[str, Any]:

@@ -238,7 +238,8 @@ def _transfer_text(fit: dict | None) -> str:
         if fit["interval"][name] is not None:
             lo, hi = fit["interval"][name]
             parts.append(f"{fit['coef'][name]:+.3f} [{lo:+.3f}, {hi:+.3f}] log2 per doubling of {what}")
-    return f"{'; '.join(parts)} (90% intervals; {fit['points']} points, hidden {fit['hidden']}, layers {fit['layers']})"
+    return (f"{'; '.join(parts)} (90% intervals; {fit['points']} points, hidden {fit['hidden']}, layers {fit['layers']}; "
+            f"between-original SD {fit.get('tau', 0.0):.2f} log2)")
 
 
 def _finite_or_none(v: float) -> float | None:

@@ -15,11 +15,12 @@ seed moves a label by as much as the grid's originals differ), so each point is 
 points themselves by the Paule-Mandel equation (the generalised Q statistic equal to its degrees of
 freedom) as a random-effects meta-regression does; the slopes' covariance is never scaled below
 that model's (Knapp-Hartung, floored at 1). Weighting by 1/se^2 alone would let the points with
-small margin-seed errors steer the slopes although their originals are no more typical. The estimator asks `widening` how much a
-target's interval must widen: within the measured widths and depths, by the interval of the fitted
-change from the calibration scale to the target; beyond them, by that change extrapolated with
-the slopes at the far ends of their intervals, and the output says how far beyond the data the
-target lies. A (recipe, shape) without points says "transfer not measured beyond hidden 64"; one with
+small margin-seed errors steer the slopes although their originals are no more typical.
+
+The estimator asks `widening` how much a target's interval must widen: within the measured widths
+and depths, by the interval of the fitted change from the calibration scale to the target; beyond
+them, by that change extrapolated with the slopes at the far ends of their intervals, and the
+output says how far beyond the data the target lies. A (recipe, shape) without points says "transfer not measured beyond hidden 64"; one with
 too few points for a slope says where they lie.
 Fitting needs statsmodels; what the estimator stores (slopes, covariance, measured ranges) is
 JSON and is applied with numpy alone.
@@ -33,7 +34,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-__all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "widening", "default_transfer_path", "between_variance", "BASE_HIDDEN", "BASE_LAYERS"]
+__all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "widening", "default_transfer_path", "between_variance",
+           "BASE_HIDDEN", "BASE_LAYERS"]
 
 TRANSFER_SCHEMA = "planner.transfer/1"
 BASE_HIDDEN, BASE_LAYERS = 64, 3  # the calibration families' scale

@@ -20,8 +20,8 @@ small margin-seed errors steer the slopes although their originals are no more t
 The estimator asks `widening` how much a target's interval must widen: within the measured widths
 and depths, by the interval of the fitted change from the calibration scale to the target; beyond
 them, by that change extrapolated with the slopes at the far ends of their intervals, and the
-output says how far beyond the data the target lies. A (recipe, shape) without points says "transfer not measured beyond hidden 64"; one with
-too few points for a slope says where they lie.
+output says how far beyond the data the target lies. A (recipe, shape) without points says
+"transfer not measured beyond hidden 64"; one with too few points for a slope says where they lie.
 Fitting needs statsmodels; what the estimator stores (slopes, covariance, measured ranges) is
 JSON and is applied with numpy alone.
 """

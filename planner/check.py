@@ -209,21 +209,31 @@ def _build_and_run(plan, ckpt, out: Path, run_dir: Path, config, info: dict, ref
                    progress) -> "CheckReport":  # fmt: skip
     from planner.checkpoint import Checkpoint
     from planner.fidelity.calibrate import measure_pair
+    from planner.interrupts import deferred
     from planner.rl.grpo import GRPO, write_metrics
     from planner.rl.memory import measure_step_peak, predict_peak
     from planner.rl.recipes import recipe
 
-    proxy_dir, built = _proxy(plan, ckpt, out, stats_path, force, progress and (lambda d, t: progress("build", d, t)))
+    # Ctrl-C and SIGTERM stop the build between tensors and the run between steps (never inside torch)
+    with deferred(waiting="stopping after the tensor or step in hand") as pending:
 
-    trainer = GRPO(proxy_dir, config)
-    peak = 0.0
-    for t in range(config.steps):
-        if t == 1:  # the first step allocates Adam's moments; measure the next one
-            peak = measure_step_peak(trainer, t)
-        else:
-            trainer.step(t)
-        if progress:
-            progress("steps", t + 1, config.steps)
+        def building(done: int, total: int) -> None:
+            pending.check()
+            if progress:
+                progress("build", done, total)
+
+        proxy_dir, built = _proxy(plan, ckpt, out, stats_path, force, building)
+        pending.check()
+        trainer = GRPO(proxy_dir, config)
+        peak = 0.0
+        for t in range(config.steps):
+            pending.check()
+            if t == 1:  # the first step allocates Adam's moments; measure the next one
+                peak = measure_step_peak(trainer, t)
+            else:
+                trainer.step(t)
+            if progress:
+                progress("steps", t + 1, config.steps)
     rows = trainer.rows
     timed = [r["wall_s"] for i, r in enumerate(rows) if i >= 2] or [rows[-1]["wall_s"]]
     onset = recipe(info["recipe"]).onset(rows) if info.get("recipe") else None

@@ -145,6 +145,7 @@ def _recipe_config(recipe_name, knob, seed, steps, gen_seed, device, settings):
 @click.option("--json", "as_json", is_flag=True)
 def rl_run(model_dir, recipe_name, knob, steps, device, seed, gen_seed, sets, output, force, as_json) -> None:
     """Run GRPO on MODEL_DIR; write metrics.csv and run.json to OUTPUT."""
+    from planner.interrupts import deferred
     from planner.rl.grpo import GRPO, write_metrics
 
     def body():
@@ -153,7 +154,8 @@ def rl_run(model_dir, recipe_name, knob, steps, device, seed, gen_seed, sets, ou
             raise SpecError("--knob sets a fault recipe's knob; pass --recipe too")
         r, config = _recipe_config(recipe_name, knob, seed, steps, gen_seed, device, _settings(sets, ("seed", "steps", "device", "gen_seed")))
         trainer = GRPO(model_dir, config)
-        rows = trainer.run(progress=progress_line("GRPO steps"))
+        with deferred(waiting="stopping after the step in hand") as pending:  # between steps, never inside torch
+            rows = trainer.run(progress=progress_line("GRPO steps"), stop=lambda rows: bool(pending))
         onset = r.onset(rows) if r else None
         seconds = sum(row["wall_s"] for row in rows)
         info = {"model": str(Path(model_dir).resolve()), "recipe": recipe_name, "knob": knob, "onset": onset,

@@ -19,6 +19,7 @@ fit` reads.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -119,9 +120,14 @@ def main() -> None:
             break
         print(f"[{n}/{len(plan)}] {name}: {', '.join(todo)} on {args.device}", file=sys.stderr, flush=True)
         points = measure_point(family, hidden, layers, seed, todo, args.kept_fraction, args.device, Path(args.workdir), args.steps)
-        data["points"].extend(points)
-        data["provenance"] = {"command": " ".join(["python", *sys.argv]), "python": platform.python_version(), "machine": platform.machine()}
-        write_text_atomic(out, json.dumps(data, indent=1))
+        # runs for other points may share the output (one per core): read it again under a lock and add to what is there
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        with open(Path(args.workdir) / "transfer.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = json.loads(out.read_text()) if out.is_file() else data
+            data["points"].extend(points)
+            data["provenance"] = {"command": " ".join(["python", *sys.argv]), "python": platform.python_version(), "machine": platform.machine()}
+            write_text_atomic(out, json.dumps(data, indent=1))
         shutil.rmtree(Path(args.workdir) / name, ignore_errors=True)  # the models are remade from their seed if ever needed
     rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], p["original"][-2:], f"{p['shift_log2']:+.3f}", f"{p['shift_se']:.3f}",
              p["outcome"], p["device"], p["make_s"], p["measure_s"]] for p in data["points"]]  # fmt: skip

@@ -80,6 +80,27 @@ def test_p_reproduced_follows_the_predictive_distribution():
     assert 20 / 51 <= low[1] < p[1] < high[1] <= 1.0
 
 
+def test_p_over_a_scale_move_finds_the_peak_inside_a_wide_range():
+    """A label that may move by up to w at the target's scale: P's interval spans every value P takes
+    over the move, and a predicted shift far from zero is reproduced somewhere inside a wide move."""
+    rng = np.random.default_rng(3)
+    residuals = rng.normal(scale=0.4, size=300)
+    model = ShiftModel(np.zeros(1), np.ones(1), np.array([1.0]), 0.0, 0.5, residuals, np.repeat(["a", "b", "c"], 100))
+    x = np.array([[-2.85], [0.3]])
+    lowest, highest = model.p_range(x, 1.0, -32.0, 32.0)
+    # at an offset cancelling the shift nearly all residuals fall inside the tolerance; at the ends none
+    assert lowest.tolist() == [0.0, 0.0] and (highest > 0.95).all()
+    assert model.p_within(x[:1], 1.0, offset=2.85)[2][0] <= highest[0]
+    # exact against a grid fine enough to see every change, and never beyond what p_within can give
+    grid = np.linspace(-5.0, 3.0, 8001)
+    shares = [model.p_within(x, 1.0, offset=o) for o in grid]
+    lo, hi = model.p_range(x, 1.0, -5.0, 3.0)
+    assert np.allclose(lo, np.min([s[1] for s in shares], axis=0)) and np.allclose(hi, np.max([s[2] for s in shares], axis=0))
+    # a range that is one point gives p_within's own interval
+    p, low, high = model.p_within(x, 1.0, offset=0.7)
+    assert np.array_equal(model.p_range(x, 1.0, 0.7, 0.7)[0], low) and np.array_equal(model.p_range(x, 1.0, 0.7, 0.7)[1], high)
+
+
 def test_estimator_file_is_json_and_rejects_other_files(tmp_path):
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"schema": "planner.stats/1"}))

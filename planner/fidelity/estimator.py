@@ -478,9 +478,9 @@ class FidelityEstimator:
                 p, low, high = model.p_within(x, self.tolerance, offset=at)
                 out["job_shift_log2"] = [shift - wj, shift + wj]
             w = (scale.get("halfwidth") or 0.0) + wj
-            if w:  # the label may move by up to w at the target's scale and job: P over that move (it peaks inside it, not at an end)
-                moved = np.array([model.p_within(x, self.tolerance, offset=o)[0] for o in np.linspace(at - w, at + w, 9)])
-                low, high = np.minimum(low, moved.min(0)), np.maximum(high, moved.max(0))
+            if w:  # the label may move by up to w at the target's scale and job: P over that move
+                lowest, highest = model.p_range(x, self.tolerance, at - w, at + w)
+                low, high = np.minimum(low, lowest), np.maximum(high, highest)
             out.update(p_reproduced=float(p[0]), interval=[float(low[0]), float(high[0])], shift_log2=float(model.predict(x)[0]) + shift,
                        shift_interval=[float(shift_low[0]) + shift - w, float(shift_high[0]) + shift + w])  # fmt: skip
         elif status == "no-skill" and entry is not None and _finite(row.get("kept_fraction")) and entry["measured_by_k"]:
@@ -543,9 +543,9 @@ class FidelityEstimator:
         return cls(recipes, data.get("info", {}), float(data.get("tolerance_log2", 1.0)))
 
     def save(self, path: str | Path) -> None:
-        from planner.files import write_text_atomic
+        from planner.files import rounded_floats, write_text_atomic
 
-        write_text_atomic(path, json.dumps(self.to_json(), indent=1))
+        write_text_atomic(path, json.dumps(rounded_floats(self.to_json()), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> "FidelityEstimator":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping
 
 import numpy as np
@@ -128,12 +129,38 @@ class ShiftModel:
         and an interval: the 10th and 90th percentiles of the same share computed with each held-out
         original's residuals alone (how much P depends on which original's errors one trusts).
         `offset` moves the prediction (a scale-transfer bound)."""
-        pred = self.predict(x)[:, None] + offset
-        hit = np.abs(pred + self.residuals[None, :]) < tolerance
-        p = hit.mean(1)
-        groups = np.unique(self.residual_groups)
-        per = np.array([hit[:, self.residual_groups == g].mean(1) for g in groups]).T  # rows x groups
-        low, high = (np.quantile(np.column_stack([per, p]), q, axis=1) for q in (0.1, 0.9))
+        return self._shares(self.predict(x) + offset, tolerance)
+
+    def p_range(self, x, tolerance: float, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+        """The lowest and highest end of p_within's interval while the offset runs over [low, high]
+        (a label that may move that far at the target's scale). Exact: the shares change only where
+        a residual crosses the tolerance, so the range's ends and the midpoints between those
+        crossings are every value they take. P peaks where the move cancels the predicted shift,
+        which a coarse grid over a wide range steps over."""
+        lows, highs = [], []
+        for pred in self.predict(x):
+            edges = np.concatenate([tolerance - pred - self.residuals, -tolerance - pred - self.residuals])
+            edges = np.unique(np.concatenate([[low, high], edges[(edges > low) & (edges < high)]]))
+            _, lo, hi = self._shares(pred + np.concatenate([edges, (edges[:-1] + edges[1:]) / 2]), tolerance)
+            lows.append(lo.min())
+            highs.append(hi.max())
+        return np.array(lows), np.array(highs)
+
+    @cached_property
+    def _sorted_residuals(self) -> tuple[np.ndarray, list[np.ndarray]]:
+        """All residuals sorted, and each held-out original's."""
+        return np.sort(self.residuals), [np.sort(self.residuals[self.residual_groups == g]) for g in np.unique(self.residual_groups)]
+
+    def _shares(self, centre: np.ndarray, tolerance: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per predicted shift in `centre`: the share of residuals r with |centre + r| < tolerance, and
+        the 10th and 90th percentiles of the same share among each held-out original's residuals."""
+
+        def share(r: np.ndarray) -> np.ndarray:
+            return (np.searchsorted(r, tolerance - centre, "left") - np.searchsorted(r, -tolerance - centre, "right")) / len(r)
+
+        every, groups = self._sorted_residuals
+        p = share(every)
+        low, high = (np.quantile(np.column_stack([share(g) for g in groups] + [p]), q, axis=1) for q in (0.1, 0.9))
         return p, np.minimum(low, p), np.maximum(high, p)
 
     def to_json(self) -> dict:

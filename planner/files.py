@@ -98,6 +98,19 @@ def _part(p: Path) -> Path:
     return p.with_name(f"{p.name}.{os.getpid()}.part")
 
 
+def rounded_floats(obj: Any, digits: int = 12) -> Any:
+    """`obj` (JSON data) with every float rounded to `digits` significant digits: a refit on another
+    machine differs from the committed file only where a number really moved, not in the last digits
+    that BLAS's summation order changes."""
+    if isinstance(obj, float):
+        return float(f"{obj:.{digits}g}")
+    if isinstance(obj, dict):
+        return {k: rounded_floats(v, digits) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [rounded_floats(v, digits) for v in obj]
+    return obj
+
+
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write `text` to PATH.PID.part, then rename it over `path`: readers never see half a file."""
     p = Path(path)

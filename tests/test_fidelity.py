@@ -132,7 +132,7 @@ def _synthetic(signal: str, seed: int = 0) -> list[dict]:
     return rows
 
 
-def test_skill_gate_switches_p_on_and_off():
+def test_skill_gate_switches_p_on_and_off(tmp_path):
     from planner.fidelity.validate import cross_validate, render_report
 
     skilled = FidelityEstimator.fit(_synthetic("plan"))
@@ -146,6 +146,20 @@ def test_skill_gate_switches_p_on_and_off():
     assert g["interval"][0] <= g["p_reproduced"] <= g["interval"][1]
     again = FidelityEstimator.from_json(json.loads(json.dumps(skilled.to_json())))
     assert again.predict(good, "router-collapse") == g
+    # the file holds 12 significant digits (a refit elsewhere changes only what moved): the same predictions
+    skilled.save(tmp_path / "fidelity.json")
+    def floats(obj):
+        if isinstance(obj, float):
+            yield obj
+        elif isinstance(obj, (dict, list)):
+            for v in obj.values() if isinstance(obj, dict) else obj:
+                yield from floats(v)
+
+    written = list(floats(json.loads((tmp_path / "fidelity.json").read_text())))
+    assert written and all(float(f"{v:.12g}") == v for v in written if math.isfinite(v))
+    saved = FidelityEstimator.load(tmp_path / "fidelity.json").predict(good, "router-collapse")
+    assert saved["status"] == g["status"] and saved["p_reproduced"] == pytest.approx(g["p_reproduced"], abs=1e-9)
+    assert saved["shift_log2"] == pytest.approx(g["shift_log2"], rel=1e-9)
 
     # shifts that follow K/E alone: no plan-level skill, and the P that stands is K/E's own, validated on
     # the family's held-out originals (it ranks no plan within a K)

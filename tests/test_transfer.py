@@ -41,6 +41,10 @@ def test_the_fit_recovers_planted_slopes_and_the_widening_grows_with_distance():
     # beyond the data: at least the planted change to the target (|-0.2 x 5 + 0.1 x 4| = 0.6)
     assert far["halfwidth"] > 0.6 and "beyond the measured hidden 256" in far["text"]
     assert "beyond" not in inside["text"]
+    # slopes planted clear of zero are said to move the label, and a flat one is not
+    assert far["moves_with"] == ["width", "depth"] and "the label moves with width and depth on this shape" in far["text"]
+    flat = fit_transfer(planted(0.0, 0.0))
+    assert widening(flat, "fp16-overflow", "softmax/top8of128/renorm", 2048, 48)["moves_with"] == []
 
 
 def test_an_unmeasured_shape_or_direction_is_said_not_measured():

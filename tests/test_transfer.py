@@ -62,6 +62,8 @@ def test_an_unmeasured_shape_or_direction_is_said_not_measured():
     deeper = widening(widths_only, "fp16-overflow", "softmax/top8of128/renorm", 128, 12)
     assert deeper["halfwidth"] is None and "layers not measured" in deeper["text"]
     assert widening(widths_only, "fp16-overflow", "softmax/top8of128/renorm", 128, 3)["halfwidth"] is not None
+    depths_only = fit_transfer([p for p in planted(0.0, 0.0) if p["hidden"] == 64])
+    assert "(one width)" in widening(depths_only, "fp16-overflow", "softmax/top8of128/renorm", 64, 12)["text"]
 
 
 def test_the_between_original_variance_is_paule_mandel_and_weights_the_points():

@@ -163,15 +163,16 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
     half = float(entry["t"] * math.sqrt(max(v @ cov @ v, 0.0)))
     halfwidth = abs(change) + half + sum(far.values())
     beyond = f", beyond the measured hidden {max(entry['hidden'])} / {max(entry['layers'])} layers" if far else ""
-    lo, hi = entry["interval"]["log2_hidden"]
     # a slope whose interval excludes zero: the calibration scale's label is measured not to hold at another width or depth
     moves = [what for name, what in (("log2_hidden", "width"), ("log2_layers", "depth"))
-             if entry["interval"][name] is not None and (entry["interval"][name][0] > 0 or entry["interval"][name][1] < 0)]  # fmt: skip
+             if (iv := entry["interval"][name]) is not None and (iv[0] > 0 or iv[1] < 0)]  # fmt: skip
+    width = entry["interval"]["log2_hidden"]
+    slope = (f"slope {entry['coef']['log2_hidden']:+.2f} [{width[0]:+.2f}, {width[1]:+.2f}] log2 per doubling of width" if width
+             else "one width")  # fmt: skip
     moving = f"; the label moves with {' and '.join(moves)} on this shape" if moves else ""
     return {"halfwidth": halfwidth, "measured": True, "change": change, "moves_with": moves,
             "text": (f"transfer measured at hidden {', '.join(map(str, entry['hidden']))} and {', '.join(map(str, entry['layers']))} "
-                     f"layers (slope {entry['coef']['log2_hidden']:+.2f} [{lo:+.2f}, {hi:+.2f}] log2 per doubling of width{moving}); "
-                     f"{target}{beyond}: interval widened by {halfwidth:.2f} log2")}  # fmt: skip
+                     f"layers ({slope}{moving}); {target}{beyond}: interval widened by {halfwidth:.2f} log2")}  # fmt: skip
 
 
 def _t(dof: float) -> float:

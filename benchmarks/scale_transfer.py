@@ -32,6 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def point_name(family: str, hidden: int, layers: int, seed: int, steps: int) -> str:
+    """The original's name: its scale, seed and (where not the grid's 300) training steps."""
+    return f"{family}-h{hidden}-l{layers}-s{seed}" + (f"-t{steps}" if steps != 300 else "")
+
+
 def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: list[str], kept: float, device: str, work: Path,
                   steps: int) -> list[dict]:  # fmt: skip
     from planner.arch.routing import routing_shape
@@ -47,7 +52,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
 
     grid = Grid()
     config = scaled_family_config(family, hidden, layers)
-    name = f"{family}-h{hidden}-l{layers}-s{seed}"
+    name = point_name(family, hidden, layers, seed, steps)
     original = work / name / "original"
     start = time.perf_counter()
     if not (original / "config.json").is_file():
@@ -96,7 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from planner.fidelity.grid import Grid
-    from planner.fidelity.transfer import TRANSFER_SCHEMA, fit_transfer
+    from planner.fidelity.transfer import AXES, TRANSFER_SCHEMA, fit_transfer
     from planner.files import write_text_atomic
     from planner.render import table
     from planner.families import family_architecture
@@ -109,7 +114,7 @@ def main() -> None:
     plan = [(f, int(h), int(layer), int(s)) for f in args.families.split(",") for h in args.hidden.split(",")
             for layer in args.layers.split(",") for s in args.seeds.split(",")]  # fmt: skip
     for n, (family, hidden, layers, seed) in enumerate(plan, 1):
-        name = f"{family}-h{hidden}-l{layers}-s{seed}"
+        name = point_name(family, hidden, layers, seed, args.steps)
         k = Grid(families=(family,), kept_fractions=(args.kept_fraction,)).experts(family)[0]
         kept = k / family_architecture(family).original_num_experts  # a point's identity: its model, recipe, K/E and training
         todo = [r for r in recipes if (name, r, kept, args.steps) not in done]
@@ -129,16 +134,17 @@ def main() -> None:
             data["provenance"] = {"command": " ".join(["python", *sys.argv]), "python": platform.python_version(), "machine": platform.machine()}
             write_text_atomic(out, json.dumps(data, indent=1))
         shutil.rmtree(Path(args.workdir) / name, ignore_errors=True)  # the models are remade from their seed if ever needed
-    rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], p["original"][-2:], f"{p['shift_log2']:+.3f}", f"{p['shift_se']:.3f}",
-             p["outcome"], p["device"], p["make_s"], p["measure_s"]] for p in data["points"]]  # fmt: skip
-    print(table(["family", "recipe", "hidden", "layers", "seed", "shift", "se", "outcome", "device", "make s", "measure s"], rows))
+    rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], p["original"].split("-")[4], p.get("steps"), f"{p['shift_log2']:+.3f}",
+             f"{p['shift_se']:.3f}", p["outcome"], p["device"], p["make_s"], p["measure_s"]] for p in data["points"]]  # fmt: skip
+    print(table(["family", "recipe", "hidden", "layers", "seed", "steps", "shift", "se", "outcome", "device", "make s", "measure s"], rows))
     for key, fit in fit_transfer(data["points"]).items():
         if not fit.get("fitted"):
             print(f"{key}: not fitted ({fit.get('reason')})")
             continue
-        slope = lambda n: "-" if fit["interval"][n] is None else f"{fit['coef'][n]:+.3f} [{fit['interval'][n][0]:+.3f}, {fit['interval'][n][1]:+.3f}]"  # noqa: E731
-        print(f"{key}: {fit['points']} points, hidden {fit['hidden']}, layers {fit['layers']}: shift per doubling of width "
-              f"{slope('log2_hidden')}, per doubling of depth {slope('log2_layers')} (90% intervals); between-original SD {fit['tau']:.3f} log2, "
+        slopes = [f"per doubling of {what} {fit['coef'][n]:+.3f} [{fit['interval'][n][0]:+.3f}, {fit['interval'][n][1]:+.3f}]"
+                  for n, _, _, what in AXES if fit["interval"].get(n) is not None]  # fmt: skip
+        print(f"{key}: {fit['points']} points, hidden {fit['hidden']}, layers {fit['layers']}, steps {fit['steps']}: shift "
+              f"{', '.join(slopes)} (90% intervals); between-original SD {fit['tau']:.3f} log2, "
               f"residual SD {fit['residual_sd']:.3f} in units of the points' own SEs")  # fmt: skip
     if any(not math.isfinite(p["shift_log2"]) for p in data["points"]):
         print("note: some points have no finite shift", file=sys.stderr)

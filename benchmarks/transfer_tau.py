@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-import statsmodels.api as sm
 from scipy.optimize import minimize_scalar
-from scipy.stats import t as student_t
 
-from planner.fidelity.transfer import BASE_HIDDEN, BASE_LAYERS, _usable, between_variance, load_points
+from planner.fidelity.transfer import between_variance, fit_transfer, load_points
 from planner.render import table
 
 SLOPE = 0.5
@@ -40,11 +38,24 @@ def reml(y: np.ndarray, x: np.ndarray, variance: np.ndarray) -> float:
     return float(minimize_scalar(minus_loglik, bounds=(0.0, 4 * np.var(y) + variance.max() + 1), method="bounded").x)
 
 
-def slope_interval(y: np.ndarray, x: np.ndarray, variance: np.ndarray, tau2: float) -> tuple[float, float]:
-    fit = sm.WLS(y, x, weights=1.0 / (variance + tau2)).fit()
-    se = np.sqrt(np.diag(fit.normalized_cov_params * max(float(fit.scale), 1.0)))
-    half = float(student_t.ppf(0.95, fit.df_resid)) * se[1]
-    return float(fit.params[1] - half), float(fit.params[1] + half)
+ESTIMATORS = {"Paule-Mandel": between_variance, "REML": reml}
+
+
+def planted(rng: np.random.Generator, tau: float, far: float) -> list[dict]:
+    """8 points (hidden 64 and 128, 3 and 6 layers, two originals each), as the grid measures them."""
+    points = []
+    for hidden in (64, 128):
+        for layers in (3, 6):
+            for seed in range(2):
+                sd = rng.uniform(0.3, 0.8)
+                original, proxy = rng.normal(0, sd, 4), rng.normal(0, sd, 4)
+                if rng.random() < far:
+                    original[0] += rng.choice([-1, 1]) * rng.uniform(3, 8)
+                shift = -1 + SLOPE * np.log2(hidden / 64) + rng.normal(0, tau) + proxy.mean() - original.mean()
+                se = np.sqrt(original.var(ddof=1) / 4 + proxy.var(ddof=1) / 4)
+                points.append({"recipe": "planted", "shape": "planted", "hidden": hidden, "layers": layers, "original": f"h{hidden}-l{layers}-s{seed}",
+                               "shift_log2": float(shift), "shift_se": float(se)})  # fmt: skip
+    return points
 
 
 def main() -> None:
@@ -52,38 +63,25 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=600)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    hidden, layers = np.repeat([0.0, 1.0], 4), np.tile(np.repeat([0.0, 1.0], 2), 2)
-    x = np.column_stack([np.ones(8), hidden, layers])
     rows = []
     for tau, far in [(0.0, 0.15), (0.3, 0.15), (0.6, 0.0), (0.6, 0.15), (1.0, 0.15)]:
-        found = {"Paule-Mandel": [], "REML": []}
+        found: dict[str, list] = {name: [] for name in ESTIMATORS}
         for _ in range(args.draws):
-            shifts, variances = [], []
-            for i in range(8):
-                sd = rng.uniform(0.3, 0.8)
-                original, proxy = rng.normal(0, sd, 4), rng.normal(0, sd, 4)
-                if rng.random() < far:
-                    original[0] += rng.choice([-1, 1]) * rng.uniform(3, 8)
-                shifts.append(-1 + SLOPE * hidden[i] + rng.normal(0, tau) + proxy.mean() - original.mean())
-                variances.append(max(original.var(ddof=1) / 4 + proxy.var(ddof=1) / 4, 0.05**2))
-            y, v = np.array(shifts), np.array(variances)
-            for name, tau2 in (("Paule-Mandel", between_variance(y, x, v)), ("REML", reml(y, x, v))):
-                low, high = slope_interval(y, x, v, tau2)
-                found[name].append((low <= SLOPE <= high, high - low, np.sqrt(tau2)))
+            points = planted(rng, tau, far)
+            for name, estimator in ESTIMATORS.items():
+                fit = fit_transfer(points, tau2=estimator)["planted|planted"]
+                low, high = fit["interval"]["log2_hidden"]
+                found[name].append((low <= SLOPE <= high, high - low, fit["tau"]))
         for name, got in found.items():
             cover, width, taus = zip(*got)
             rows.append([tau, far, name, f"{np.mean(cover):.3f}", f"{np.mean(width):.2f}", f"{np.median(taus):.2f}"])
     print(table(["planted tau", "share of originals with a far seed", "estimator", "90% coverage of the width slope", "mean width",
                  "median tau"], rows))  # fmt: skip
-    measured = []
-    points = _usable(load_points())
-    for key in sorted({(p["recipe"], p["shape"]) for p in points}):
-        at = [p for p in points if (p["recipe"], p["shape"]) == key]
-        xm = np.column_stack([np.ones(len(at)), np.log2([p["hidden"] / BASE_HIDDEN for p in at]), np.log2([p["layers"] / BASE_LAYERS for p in at])])
-        y, v = np.array([p["shift_log2"] for p in at]), np.array([max(p["shift_se"], 0.05) ** 2 for p in at])
-        measured.append([key[0], key[1], len(at), f"{np.sqrt(between_variance(y, xm, v)):.2f}", f"{np.sqrt(reml(y, xm, v)):.2f}"])
+    fits = {name: fit_transfer(load_points(), tau2=estimator) for name, estimator in ESTIMATORS.items()}
+    measured = [[*key.split("|"), fit["points"], *(f"{fits[name][key].get('tau', float('nan')):.2f}" for name in ESTIMATORS)]
+                for key, fit in fits["Paule-Mandel"].items() if fit.get("fitted")]  # fmt: skip
     print()
-    print(table(["recipe", "shape", "points", "tau Paule-Mandel", "tau REML"], measured))
+    print(table(["recipe", "shape", "points", *(f"tau {name}" for name in ESTIMATORS)], measured))
 
 
 if __name__ == "__main__":

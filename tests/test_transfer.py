@@ -97,3 +97,25 @@ def test_the_between_original_variance_is_paule_mandel_and_weights_the_points():
     points[-1].update(shift_se=0.01, shift_log2=points[-1]["shift_log2"] + 3.0)
     steered = fit_transfer(points)["fp16-overflow|softmax/top8of128/renorm"]
     assert abs(steered["coef"]["log2_hidden"] - 0.3) < 0.6 and steered["tau"] > 0.35  # 1/se^2 alone: +1.07
+
+
+def test_training_length_is_its_own_direction_and_the_width_slope_is_taken_at_the_grids_length():
+    """Points trained longer at one width fit a training-length slope beside the width slope, so a
+    trend that is training's is not read as width's; the target is taken at the grid's length."""
+    points = planted(0.0, 0.0)
+    rng = np.random.default_rng(5)
+    for s in range(3):  # hidden 64 trained 4x longer: the planted training slope is +0.3 per doubling
+        for layers in (3, 6):
+            points.append({"recipe": "fp16-overflow", "shape": "softmax/top8of128/renorm", "hidden": 64, "layers": layers, "steps": 1200,
+                           "original": f"h64-l{layers}-s{s}-t1200", "shift_log2": 0.1 + 0.6 + rng.normal(scale=0.05), "shift_se": 0.05})  # fmt: skip
+    fit = fit_transfer(points)["fp16-overflow|softmax/top8of128/renorm"]
+    assert fit["steps"] == [300, 1200] and fit["originals"] == 24
+    lo, hi = fit["interval"]["log2_steps"]
+    assert lo < 0.3 < hi and lo > 0.1
+    assert abs(fit["coef"]["log2_hidden"]) < 0.05
+    said = widening({"fp16-overflow|softmax/top8of128/renorm": fit}, "fp16-overflow", "softmax/top8of128/renorm", 256, 6)
+    assert "300-1200 training steps" in said["text"] and "per doubling of training length" in said["text"]
+    assert said["moves_with"] == ["training length"] and "P holds for an original trained as long as the grid's (300 steps)" in said["text"]
+    # the training direction adds nothing to the target's widening: the same as the fit without those points
+    alone = widening(fit_transfer(planted(0.0, 0.0)), "fp16-overflow", "softmax/top8of128/renorm", 256, 6)
+    assert abs(said["halfwidth"] - alone["halfwidth"]) < 0.1

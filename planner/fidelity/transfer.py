@@ -6,9 +6,12 @@ assumed: for a routing shape, the same plan rule (a clustered plan at one K/E) i
 grid's labels at several widths and depths (`benchmarks/scale_transfer.py`, points in
 calibration/transfer.json). Per (recipe, shape) the signed shift is fitted as
 
-    shift = a + b log2(hidden / 64) + c log2(layers / 3)        (weighted least squares, statsmodels)
+    shift = a + b log2(hidden / 64) + c log2(layers / 3) [+ d log2(steps / 300)]   (weighted least squares, statsmodels)
 
-and b and c are reported with their 90% intervals. A point's error is its margin seeds' standard
+and b and c are reported with their 90% intervals. Every scale is trained for the grid's 300 dense
+and 300 MoE steps unless a point says otherwise; where points at other training lengths exist, d
+separates training length from width (models of every width trained for the same steps are not
+equally far into training), and b is the width's effect at the grid's length. A point's error is its margin seeds' standard
 error and, beyond it, the spread between independently trained originals at one scale (a model
 seed moves a label by as much as the grid's originals differ), so each point is weighted by
 1/(se^2 + tau^2) with tau^2 the between-original variance left after the fit, estimated from the
@@ -30,15 +33,18 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 __all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "widening", "default_transfer_path", "between_variance",
-           "BASE_HIDDEN", "BASE_LAYERS"]
+           "AXES", "BASE_HIDDEN", "BASE_LAYERS", "BASE_STEPS"]
 
 TRANSFER_SCHEMA = "planner.transfer/1"
-BASE_HIDDEN, BASE_LAYERS = 64, 3  # the calibration families' scale
+BASE_HIDDEN, BASE_LAYERS, BASE_STEPS = 64, 3, 300  # the calibration families' scale and training length
+# the fit's directions: name, the point's field, its base, and the words for it
+AXES = (("log2_hidden", "hidden", BASE_HIDDEN, "width"), ("log2_layers", "layers", BASE_LAYERS, "depth"),
+        ("log2_steps", "steps", BASE_STEPS, "training length"))  # fmt: skip
 LEVEL = 0.90
 
 
@@ -66,47 +72,48 @@ def _usable(points: Iterable[dict]) -> list[dict]:
     return [p for p in points if p.get("shift_log2") is not None and math.isfinite(p["shift_log2"]) and not p.get("censored")]
 
 
-def fit_transfer(points: list[dict]) -> dict[str, dict[str, Any]]:
-    """Per "recipe|shape": the fitted slopes in log2 width and depth with their intervals, the
-    covariance of (a, b, c), and the widths and depths measured. A slope whose direction has a
-    single measured value is not fitted (it stays 0 with no interval, and `widening` treats any
-    distance along it as unmeasured)."""
+def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float] | None = None) -> dict[str, dict[str, Any]]:
+    """Per "recipe|shape": the fitted slopes in log2 width, depth and training length with their
+    intervals, the covariance of (a, b, c, d), and the scales measured. A slope whose direction has
+    a single measured value is not fitted (it stays 0 with no interval, and `widening` treats any
+    distance along it as unmeasured). `tau2(y, x, variance)` estimates the between-original
+    variance (Paule-Mandel, `between_variance`, unless another is given)."""
     import statsmodels.api as sm
 
+    tau2 = tau2 or between_variance
     out: dict[str, dict[str, Any]] = {}
-    keys = sorted({(p["recipe"], p["shape"]) for p in _usable(points)})
-    for recipe, shape in keys:
-        at = [p for p in _usable(points) if (p["recipe"], p["shape"]) == (recipe, shape)]
-        hidden = np.log2(np.array([p["hidden"] for p in at], dtype=float) / BASE_HIDDEN)
-        layers = np.log2(np.array([p["layers"] for p in at], dtype=float) / BASE_LAYERS)
+    usable = _usable(points)
+    for recipe, shape in sorted({(p["recipe"], p["shape"]) for p in usable}):
+        at = [p for p in usable if (p["recipe"], p["shape"]) == (recipe, shape)]
         columns, names = [np.ones(len(at))], ["intercept"]
-        for values, name in ((hidden, "log2_hidden"), (layers, "log2_layers")):
+        for name, field, base, _ in AXES:
+            values = np.log2(np.array([p.get(field) or base for p in at], dtype=float) / base)
             if np.ptp(values) > 0:
                 columns.append(values)
                 names.append(name)
         x = np.column_stack(columns)
         y = np.array([p["shift_log2"] for p in at])
         variance = np.array([max(float(p.get("shift_se") or 0.0), 0.05) ** 2 for p in at])
-        entry: dict[str, Any] = {"recipe": recipe, "shape": shape, "points": len(at), "hidden": sorted({int(p["hidden"]) for p in at}),
-                                 "layers": sorted({int(p["layers"]) for p in at}), "originals": len({p["original"] for p in at})}  # fmt: skip
+        entry: dict[str, Any] = {"recipe": recipe, "shape": shape, "points": len(at), "originals": len({p["original"] for p in at}),
+                                 **{field: sorted({int(p.get(field) or base) for p in at}) for _, field, base, _ in AXES}}  # fmt: skip
         if len(at) <= x.shape[1]:
             entry.update(fitted=False, reason=f"{plural(len(at), 'point')} for {plural(x.shape[1], 'coefficient')}: a slope needs "
                                               "more points than coefficients, at two widths or depths at least")
             out[f"{recipe}|{shape}"] = entry
             continue
-        tau2 = between_variance(y, x, variance)
-        fit = sm.WLS(y, x, weights=1.0 / (variance + tau2)).fit()
+        between = tau2(y, x, variance)
+        fit = sm.WLS(y, x, weights=1.0 / (variance + between)).fit()
         scale = max(float(fit.scale), 1.0)  # Knapp-Hartung, never narrower than the random-effects model
         cov_fit, t = fit.normalized_cov_params * scale, _t(float(fit.df_resid))
         coef = {n: float(v) for n, v in zip(names, fit.params)}
         half = t * np.sqrt(np.diag(cov_fit))
         interval = {n: [float(v - h), float(v + h)] for n, v, h in zip(names, fit.params, half)}
-        full = ["intercept", "log2_hidden", "log2_layers"]
-        cov = np.zeros((3, 3))
+        full = ["intercept", *(name for name, *_ in AXES)]
+        cov = np.zeros((len(full), len(full)))
         index = [full.index(n) for n in names]
         cov[np.ix_(index, index)] = cov_fit
         entry.update(fitted=True, coef={n: coef.get(n, 0.0) for n in full}, interval={n: interval.get(n) for n in full},
-                     cov=cov.tolist(), dof=float(fit.df_resid), t=t, tau=math.sqrt(tau2),
+                     cov=cov.tolist(), dof=float(fit.df_resid), t=t, tau=math.sqrt(between),
                      residual_sd=float(np.sqrt(np.sum((y - fit.fittedvalues) ** 2 / variance) / fit.df_resid)))  # fmt: skip
         out[f"{recipe}|{shape}"] = entry
     return out
@@ -147,32 +154,38 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
         return {"halfwidth": None, "measured": False, "text": f"{said}: {target} is outside the calibrated scale"}
     if hidden is None or layers is None:
         return {"halfwidth": None, "measured": True, "text": "target scale unknown"}
-    distance = {"log2_hidden": math.log2(hidden / BASE_HIDDEN), "log2_layers": math.log2(layers / BASE_LAYERS)}
+    # the target is taken at the grid's training length: its own (trillions of tokens) is on no scale the grid measures
+    distance = {"log2_hidden": math.log2(hidden / BASE_HIDDEN), "log2_layers": math.log2(layers / BASE_LAYERS), "log2_steps": 0.0}
     inside, far = {}, {}
-    for name, measured, base in (("log2_hidden", entry["hidden"], BASE_HIDDEN), ("log2_layers", entry["layers"], BASE_LAYERS)):
-        d, top = distance[name], math.log2(max(measured) / base)
-        if entry["interval"][name] is None and d != 0:
-            return {"halfwidth": None, "measured": False, "text": f"transfer in {name[5:]} not measured ({target})"}
+    for name, field, base, _ in AXES:
+        d, measured = distance[name], entry.get(field) or [base]
+        top = math.log2(max(measured) / base)
+        if entry["interval"].get(name) is None and d != 0:
+            return {"halfwidth": None, "measured": False, "text": f"transfer in {field} not measured ({target})"}
         inside[name] = min(d, top)  # the fitted change up to the measured scale ...
         if d > top:  # ... and beyond it the slope at the far end of its interval
             lo, hi = entry["interval"][name]
             far[name] = (d - top) * max(abs(lo), abs(hi))
-    v = np.array([0.0, inside["log2_hidden"], inside["log2_layers"]])
+    names = list(entry["coef"])  # intercept, then the axes, as the covariance is ordered
+    v = np.array([inside.get(n, 0.0) for n in names])
     cov = np.array(entry["cov"])
-    change = float(np.dot([entry["coef"]["intercept"], entry["coef"]["log2_hidden"], entry["coef"]["log2_layers"]], v))
+    change = float(np.dot([entry["coef"][n] for n in names], v))
     half = float(entry["t"] * math.sqrt(max(v @ cov @ v, 0.0)))
     halfwidth = abs(change) + half + sum(far.values())
     beyond = f", beyond the measured hidden {max(entry['hidden'])} / {max(entry['layers'])} layers" if far else ""
-    # a slope whose interval excludes zero: the calibration scale's label is measured not to hold at another width or depth
-    moves = [what for name, what in (("log2_hidden", "width"), ("log2_layers", "depth"))
-             if (iv := entry["interval"][name]) is not None and (iv[0] > 0 or iv[1] < 0)]  # fmt: skip
-    width = entry["interval"]["log2_hidden"]
-    slope = (f"slope {entry['coef']['log2_hidden']:+.2f} [{width[0]:+.2f}, {width[1]:+.2f}] log2 per doubling of width" if width
-             else "one width")  # fmt: skip
+    # a slope whose interval excludes zero: the calibration scale's label is measured not to hold at another scale
+    moves = [what for name, _, _, what in AXES if (iv := entry["interval"].get(name)) is not None and (iv[0] > 0 or iv[1] < 0)]
+    slopes = [f"slope {entry['coef'][name]:+.2f} [{iv[0]:+.2f}, {iv[1]:+.2f}] log2 per doubling of {what}"
+              for name, _, _, what in AXES if name != "log2_layers" and (iv := entry["interval"].get(name)) is not None]  # fmt: skip
+    slope = "; ".join(slopes) if entry["interval"].get("log2_hidden") else "; ".join(["one width", *slopes])
     moving = f"; the label moves with {' and '.join(moves)} on this shape" if moves else ""
+    lengths = entry.get("steps") or [BASE_STEPS]
+    trained = f" and {lengths[0]}-{lengths[-1]} training steps" if len(lengths) > 1 else ""
+    if "training length" in moves:  # a real model's pretraining is on no scale the grid measures: say what the P assumes
+        moving += f", so P holds for an original trained as long as the grid's ({BASE_STEPS} steps), not beyond"
     return {"halfwidth": halfwidth, "measured": True, "change": change, "moves_with": moves,
             "text": (f"transfer measured at hidden {', '.join(map(str, entry['hidden']))} and {', '.join(map(str, entry['layers']))} "
-                     f"layers ({slope}{moving}); {target}{beyond}: interval widened by {halfwidth:.2f} log2")}  # fmt: skip
+                     f"layers{trained} ({slope}{moving}); {target}{beyond}: interval widened by {halfwidth:.2f} log2")}  # fmt: skip
 
 
 def _t(dof: float) -> float:

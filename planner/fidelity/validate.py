@@ -41,7 +41,7 @@ import numpy as np
 from planner.fidelity.learners import fit_shift
 from planner.fidelity.model import LOCAL_ORIGINALS, baselines, design, recipe_features, training_rows
 from planner.fidelity.scores import LEVEL, paired_difference, score_predictions
-from planner.fidelity.transfer import fit_transfer, load_points, plural
+from planner.fidelity.transfer import AXES, fit_transfer, load_points, plural
 
 __all__ = ["variants", "SCHEMES", "cross_validate", "skill_gate", "ke_gate", "render_report", "score_predictions", "paired_difference"]
 
@@ -234,8 +234,8 @@ def _transfer_text(fit: dict | None) -> str:
     if not fit.get("fitted"):
         return f"{plural(fit['points'], 'point')} at hidden {fit['hidden']}, layers {fit['layers']}: not fitted ({fit['reason']})"
     parts = []
-    for name, what in (("log2_hidden", "width"), ("log2_layers", "depth")):
-        if fit["interval"][name] is not None:
+    for name, _, _, what in AXES:
+        if fit["interval"].get(name) is not None:
             lo, hi = fit["interval"][name]
             parts.append(f"{fit['coef'][name]:+.3f} [{lo:+.3f}, {hi:+.3f}] log2 per doubling of {what}")
     return (f"{'; '.join(parts)} (90% intervals; {fit['points']} points, hidden {fit['hidden']}, layers {fit['layers']}; "

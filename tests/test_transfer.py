@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from planner.fidelity.transfer import fit_transfer, widening
 
@@ -18,7 +19,8 @@ def planted(slope_h: float, slope_l: float, noise: float = 0.05, seed: int = 0) 
             for s in range(3):
                 shift = 0.1 + slope_h * math.log2(hidden / 64) + slope_l * math.log2(layers / 3) + rng.normal(scale=noise)
                 points.append({"recipe": "fp16-overflow", "shape": "softmax/top8of128/renorm", "hidden": hidden, "layers": layers,
-                               "original": f"h{hidden}-l{layers}-s{s}", "shift_log2": shift, "shift_se": noise, "censored": False})  # fmt: skip
+                               "original": f"h{hidden}-l{layers}-s{s}", "shift_log2": shift, "shift_se": noise, "censored": False,
+                               "kept_fraction": 0.25})  # fmt: skip
     return points
 
 
@@ -34,17 +36,31 @@ def test_the_fit_recovers_planted_slopes_and_the_widening_grows_with_distance():
         covered.append([f["interval"]["log2_hidden"][0] < -0.2 < f["interval"]["log2_hidden"][1],
                         f["interval"]["log2_layers"][0] < 0.1 < f["interval"]["log2_layers"][1]])  # fmt: skip
     assert 0.75 <= np.mean(covered) <= 1.0
-    near = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 128, 3)
-    inside = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 6)
-    far = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 2048, 48)
+    near = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 128, 3, 0.25)
+    inside = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)
+    far = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 2048, 48, 0.25)
     assert 0 < near["halfwidth"] < inside["halfwidth"] < far["halfwidth"]
-    # beyond the data: at least the planted change to the target (|-0.2 x 5 + 0.1 x 4| = 0.6)
-    assert far["halfwidth"] > 0.6 and "beyond the measured hidden 256" in far["text"]
-    assert "beyond" not in inside["text"]
+    # the trend predicts held-out points better than hidden 64's label, so the prediction follows it to the measured
+    # edge (-0.2 x 2 + 0.1 x 1 = -0.3 at hidden 256, 6 layers) and widens beyond it: the planted change to the target,
+    # -0.2 x 5 + 0.1 x 4 = -0.6, lies inside
+    held = fit["holdout"]
+    assert held["points"] == 15 and held["mae_moved"] < held["mae_base"] and "held out over 15 points" in far["text"]
+    assert near["shift"] == pytest.approx(-0.2, abs=0.05) and far["shift"] == inside["shift"] == pytest.approx(-0.3, abs=0.08)
+    assert far["shift"] - far["halfwidth"] < -0.6 < far["shift"] + far["halfwidth"] and "beyond the measured hidden 256" in far["text"]
+    assert "beyond" not in inside["text"] and "follows the fitted trend by" in inside["text"]
+    # a trend that does not predict held-out points better is not followed: the label stays and the interval takes the change
+    unhelpful = {k: dict(v, holdout=dict(v["holdout"], mae_moved=v["holdout"]["mae_base"] + 0.1)) for k, v in fits.items()}
+    stays = widening(unhelpful, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)
+    assert stays["shift"] == 0.0 and stays["halfwidth"] == pytest.approx(abs(inside["change"]) + inside["halfwidth"]) and "follows" not in stays["text"]
+    # nor for a plan keeping another share of the experts than the measured rule's
+    other_k = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.5)
+    assert other_k["shift"] == 0.0 and other_k["halfwidth"] == pytest.approx(stays["halfwidth"])
+    assert "the trend is measured for plans keeping 0.25 of the experts, not 0.5" in other_k["text"]
     # slopes planted clear of zero are said to move the label, and a flat one is not
     assert far["moves_with"] == ["width", "depth"] and "the label moves with width and depth on this shape" in far["text"]
-    flat = fit_transfer(planted(0.0, 0.0))
-    assert widening(flat, "fp16-overflow", "softmax/top8of128/renorm", 2048, 48)["moves_with"] == []
+    flat = widening(fit_transfer(planted(0.0, 0.0)), "fp16-overflow", "softmax/top8of128/renorm", 2048, 48)
+    assert flat["moves_with"] == [] and flat["shift"] == 0.0 and "follows" not in flat["text"]  # no trend: the label stays, the interval widens
+    assert flat["halfwidth"] >= abs(flat["change"])
 
 
 def test_an_unmeasured_shape_or_direction_is_said_not_measured():

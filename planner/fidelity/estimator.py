@@ -294,7 +294,8 @@ class FidelityEstimator:
 
         hidden = int(row["hidden_size"]) if _finite(row.get("hidden_size")) else None
         layers = int(row["num_layers"]) if _finite(row.get("num_layers")) else None
-        return widening(self.info.get("transfer", {}), recipe, str(row.get("routing_shape") or ""), hidden, layers)
+        kept = float(row["kept_fraction"]) if _finite(row.get("kept_fraction")) else None
+        return widening(self.info.get("transfer", {}), recipe, str(row.get("routing_shape") or ""), hidden, layers, kept)
 
     def features(self, recipe: str) -> tuple[str, ...]:
         """The features the recipe's full model was fitted on (older files: SHIFT_FEATURES)."""
@@ -473,10 +474,12 @@ class FidelityEstimator:
             shift_low, shift_high = model.predict_interval(x)
             scale = self.scale(row, recipe)
             shift, wj = job_offset(support, row)  # a smaller job: its measured extra shift and spread
+            if shift or wj:
+                out["job_shift_log2"] = [shift - wj, shift + wj]
+            shift += scale.get("shift") or 0.0  # the label's measured trend with width and depth, where it is followed
             at = shift - moved_by  # the shift the proxy sees at the knob it runs at
             if at or wj:
                 p, low, high = model.p_within(x, self.tolerance, offset=at)
-                out["job_shift_log2"] = [shift - wj, shift + wj]
             w = (scale.get("halfwidth") or 0.0) + wj
             if w:  # the label may move by up to w at the target's scale and job: P over that move
                 lowest, highest = model.p_range(x, self.tolerance, at - w, at + w)

@@ -20,11 +20,16 @@ freedom) as a random-effects meta-regression does; the slopes' covariance is nev
 that model's (Knapp-Hartung, floored at 1). Weighting by 1/se^2 alone would let the points with
 small margin-seed errors steer the slopes although their originals are no more typical.
 
-The estimator asks `widening` how much a target's interval must widen: within the measured widths
-and depths, by the interval of the fitted change from the calibration scale to the target; beyond
-them, by that change extrapolated with the slopes at the far ends of their intervals, and the
-output says how far beyond the data the target lies. A (recipe, shape) without points says
-"transfer not measured beyond hidden 64"; one with too few points for a slope says where they lie.
+The estimator asks `widening` where a target's label lies and how much its interval must widen.
+Where a width or depth slope's interval excludes zero and the fitted trend predicts each point off
+the calibration scale, fitted without it, better than the calibration scale's label does
+(`_holdout`), the prediction follows the trend to the target, or to the measured edge where the
+target lies beyond it; otherwise it stays at the calibration scale's label and the interval takes
+the fitted change. The interval widens by the fitted change's own interval within the measured
+widths and depths and, beyond them, by the distance times the slopes at the far ends of their
+intervals; the output says how far beyond the data the target lies. The target is taken at the
+grid's training length. A (recipe, shape) without points says "transfer not measured beyond hidden
+64"; one with too few points for a slope says where they lie.
 Fitting needs statsmodels; what the estimator stores (slopes, covariance, measured ranges) is
 JSON and is applied with numpy alone.
 """
@@ -74,49 +79,76 @@ def _usable(points: Iterable[dict]) -> list[dict]:
 
 def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float] | None = None) -> dict[str, dict[str, Any]]:
     """Per "recipe|shape": the fitted slopes in log2 width, depth and training length with their
-    intervals, the covariance of (a, b, c, d), and the scales measured. A slope whose direction has
-    a single measured value is not fitted (it stays 0 with no interval, and `widening` treats any
-    distance along it as unmeasured). `tau2(y, x, variance)` estimates the between-original
-    variance (Paule-Mandel, `between_variance`, unless another is given)."""
-    import statsmodels.api as sm
-
+    intervals, the covariance of (a, b, c, d), the scales measured, and the fit's held-out test
+    (`_holdout`). A slope whose direction has a single measured value is not fitted (it stays 0
+    with no interval, and `widening` treats any distance along it as unmeasured). `tau2(y, x,
+    variance)` estimates the between-original variance (Paule-Mandel, `between_variance`, unless
+    another is given)."""
     tau2 = tau2 or between_variance
     out: dict[str, dict[str, Any]] = {}
     usable = _usable(points)
     for recipe, shape in sorted({(p["recipe"], p["shape"]) for p in usable}):
         at = [p for p in usable if (p["recipe"], p["shape"]) == (recipe, shape)]
-        columns, names = [np.ones(len(at))], ["intercept"]
-        for name, field, base, _ in AXES:
-            values = np.log2(np.array([p.get(field) or base for p in at], dtype=float) / base)
-            if np.ptp(values) > 0:
-                columns.append(values)
-                names.append(name)
-        x = np.column_stack(columns)
-        y = np.array([p["shift_log2"] for p in at])
-        variance = np.array([max(float(p.get("shift_se") or 0.0), 0.05) ** 2 for p in at])
         entry: dict[str, Any] = {"recipe": recipe, "shape": shape, "points": len(at), "originals": len({p["original"] for p in at}),
-                                 **{field: sorted({int(p.get(field) or base) for p in at}) for _, field, base, _ in AXES}}  # fmt: skip
-        if len(at) <= x.shape[1]:
-            entry.update(fitted=False, reason=f"{plural(len(at), 'point')} for {plural(x.shape[1], 'coefficient')}: a slope needs "
-                                              "more points than coefficients, at two widths or depths at least")
-            out[f"{recipe}|{shape}"] = entry
-            continue
-        between = tau2(y, x, variance)
-        fit = sm.WLS(y, x, weights=1.0 / (variance + between)).fit()
-        scale = max(float(fit.scale), 1.0)  # Knapp-Hartung, never narrower than the random-effects model
-        cov_fit, t = fit.normalized_cov_params * scale, _t(float(fit.df_resid))
-        coef = {n: float(v) for n, v in zip(names, fit.params)}
-        half = t * np.sqrt(np.diag(cov_fit))
-        interval = {n: [float(v - h), float(v + h)] for n, v, h in zip(names, fit.params, half)}
-        full = ["intercept", *(name for name, *_ in AXES)]
-        cov = np.zeros((len(full), len(full)))
-        index = [full.index(n) for n in names]
-        cov[np.ix_(index, index)] = cov_fit
-        entry.update(fitted=True, coef={n: coef.get(n, 0.0) for n in full}, interval={n: interval.get(n) for n in full},
-                     cov=cov.tolist(), dof=float(fit.df_resid), t=t, tau=math.sqrt(between),
-                     residual_sd=float(np.sqrt(np.sum((y - fit.fittedvalues) ** 2 / variance) / fit.df_resid)))  # fmt: skip
+                                 "kept_fraction": sorted({round(float(p["kept_fraction"]), 4) for p in at if p.get("kept_fraction")}),
+                                 **{field: sorted({int(p.get(field) or base) for p in at}) for _, field, base, _ in AXES}, **_fit(at, tau2)}  # fmt: skip
+        if entry["fitted"]:
+            entry["holdout"] = _holdout(at, tau2)
         out[f"{recipe}|{shape}"] = entry
     return out
+
+
+def _fit(at: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float]) -> dict[str, Any]:
+    """The weighted meta-regression of one (recipe, shape)'s points on the axes they vary along."""
+    import statsmodels.api as sm
+
+    columns, names = [np.ones(len(at))], ["intercept"]
+    for name, field, base, _ in AXES:
+        values = np.log2(np.array([p.get(field) or base for p in at], dtype=float) / base)
+        if np.ptp(values) > 0:
+            columns.append(values)
+            names.append(name)
+    x = np.column_stack(columns)
+    if len(at) <= x.shape[1]:
+        return {"fitted": False, "reason": f"{plural(len(at), 'point')} for {plural(x.shape[1], 'coefficient')}: a slope needs more "
+                                           "points than coefficients, at two widths or depths at least"}  # fmt: skip
+    y = np.array([p["shift_log2"] for p in at])
+    variance = np.array([max(float(p.get("shift_se") or 0.0), 0.05) ** 2 for p in at])
+    between = tau2(y, x, variance)
+    fit = sm.WLS(y, x, weights=1.0 / (variance + between)).fit()
+    scale = max(float(fit.scale), 1.0)  # Knapp-Hartung, never narrower than the random-effects model
+    cov_fit, t = fit.normalized_cov_params * scale, _t(float(fit.df_resid))
+    coef = {n: float(v) for n, v in zip(names, fit.params)}
+    half = t * np.sqrt(np.diag(cov_fit))
+    interval = {n: [float(v - h), float(v + h)] for n, v, h in zip(names, fit.params, half)}
+    full = ["intercept", *(name for name, *_ in AXES)]
+    cov = np.zeros((len(full), len(full)))
+    index = [full.index(n) for n in names]
+    cov[np.ix_(index, index)] = cov_fit
+    return {"fitted": True, "coef": {n: coef.get(n, 0.0) for n in full}, "interval": {n: interval.get(n) for n in full},
+            "cov": cov.tolist(), "dof": float(fit.df_resid), "t": t, "tau": math.sqrt(between),
+            "residual_sd": float(np.sqrt(np.sum((y - fit.fittedvalues) ** 2 / variance) / fit.df_resid))}  # fmt: skip
+
+
+def _holdout(at: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float]) -> dict[str, Any] | None:
+    """Each point off the calibration scale predicted by the fit of the others: at the calibration
+    scale's label (the intercept: what a prediction that ignores the trend says) and moved along the
+    fitted slopes to the point's scale. Mean absolute errors of both; None where no point is off the
+    calibration scale or no fit without one has slopes."""
+    base, moved = [], []
+    for i, p in enumerate(at):
+        v = {name: math.log2((p.get(field) or b) / b) for name, field, b, _ in AXES}
+        if not any(v.values()):
+            continue
+        fit = _fit(at[:i] + at[i + 1 :], tau2)
+        if not fit["fitted"] or any(d and fit["interval"][name] is None for name, d in v.items()):
+            continue
+        intercept = fit["coef"]["intercept"]
+        base.append(abs(p["shift_log2"] - intercept))
+        moved.append(abs(p["shift_log2"] - intercept - sum(fit["coef"][name] * d for name, d in v.items())))
+    if not base:
+        return None
+    return {"points": len(base), "mae_base": float(np.mean(base)), "mae_moved": float(np.mean(moved))}
 
 
 def between_variance(y: np.ndarray, x: np.ndarray, variance: np.ndarray) -> float:
@@ -140,8 +172,10 @@ def between_variance(y: np.ndarray, x: np.ndarray, variance: np.ndarray) -> floa
     return float(brentq(excess, 0.0, top, xtol=1e-10))
 
 
-def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: int | None, layers: int | None) -> dict[str, Any]:
-    """How much a prediction at (hidden, layers) for (recipe, shape) must widen its shift interval
+def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: int | None, layers: int | None,
+             kept_fraction: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Where a prediction at (hidden, layers) for (recipe, shape) and a plan keeping `kept_fraction`
+    of the experts lies along the measured trend (`shift`), how much its shift interval must widen
     (log2 units), and the words for it."""
     entry = fits.get(f"{recipe}|{shape}")
     target = f"hidden {hidden}, {layers} layers" if hidden else "the target"
@@ -171,10 +205,19 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
     cov = np.array(entry["cov"])
     change = float(np.dot([entry["coef"][n] for n in names], v))
     half = float(entry["t"] * math.sqrt(max(v @ cov @ v, 0.0)))
-    halfwidth = abs(change) + half + sum(far.values())
+    spread = half + sum(far.values())
     beyond = f", beyond the measured hidden {max(entry['hidden'])} / {max(entry['layers'])} layers" if far else ""
     # a slope whose interval excludes zero: the calibration scale's label is measured not to hold at another scale
     moves = [what for name, _, _, what in AXES if (iv := entry["interval"].get(name)) is not None and (iv[0] > 0 or iv[1] < 0)]
+    # where width or depth moves the label and the fitted trend predicts held-out points better than the calibration
+    # scale's label does, the prediction follows the trend to the target (or the measured edge) instead of staying put
+    # the trend is measured for one plan rule at its K/E: a plan keeping another share of the experts may move otherwise
+    held, rule = entry.get("holdout"), entry.get("kept_fraction") or []
+    same_rule = kept_fraction is not None and any(math.isclose(kept_fraction, k, abs_tol=1e-3) for k in rule)
+    trend = bool({"width", "depth"} & set(moves)) and held is not None and held["mae_moved"] < held["mae_base"]
+    follows = trend and same_rule
+    shift = change if follows else 0.0
+    halfwidth = spread if follows else abs(change) + spread
     slopes = [f"slope {entry['coef'][name]:+.2f} [{iv[0]:+.2f}, {iv[1]:+.2f}] log2 per doubling of {what}"
               for name, _, _, what in AXES if name != "log2_layers" and (iv := entry["interval"].get(name)) is not None]  # fmt: skip
     slope = "; ".join(slopes) if entry["interval"].get("log2_hidden") else "; ".join(["one width", *slopes])
@@ -183,9 +226,17 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
     trained = f" and {lengths[0]}-{lengths[-1]} training steps" if len(lengths) > 1 else ""
     if "training length" in moves:  # a real model's pretraining is on no scale the grid measures: say what the P assumes
         moving += f", so P holds for an original trained as long as the grid's ({BASE_STEPS} steps), not beyond"
-    return {"halfwidth": halfwidth, "measured": True, "change": change, "moves_with": moves,
+    read = ""
+    if trend and not same_rule:
+        read = (f"; the trend is measured for plans keeping {' or '.join(f'{k:g}' for k in rule)} of the experts, not "
+                f"{kept_fraction:g}: the label stays at hidden {BASE_HIDDEN}'s") if kept_fraction is not None else ""
+    if follows:
+        edge = f"hidden {round(BASE_HIDDEN * 2 ** inside['log2_hidden'])}, {round(BASE_LAYERS * 2 ** inside['log2_layers'])} layers"
+        read = (f"; the label follows the fitted trend by {shift:+.2f} log2 to {edge} (held out over {plural(held['points'], 'point')}: "
+                f"MAE {held['mae_moved']:.2f} along the trend against {held['mae_base']:.2f} at hidden {BASE_HIDDEN}'s label)")  # fmt: skip
+    return {"halfwidth": halfwidth, "shift": shift, "measured": True, "change": change, "moves_with": moves,
             "text": (f"transfer measured at hidden {', '.join(map(str, entry['hidden']))} and {', '.join(map(str, entry['layers']))} "
-                     f"layers{trained} ({slope}{moving}); {target}{beyond}: interval widened by {halfwidth:.2f} log2")}  # fmt: skip
+                     f"layers{trained} ({slope}{moving}); {target}{beyond}{read}: interval widened by {halfwidth:.2f} log2")}  # fmt: skip
 
 
 def _t(dof: float) -> float:

@@ -180,6 +180,30 @@ def test_skill_gate_switches_p_on_and_off(tmp_path):
     assert f["measured_by_k"]["kept_fraction"] == 0.25 and f["measured_by_k"]["family"] == "f"
 
 
+def test_a_measured_scale_trend_moves_the_prediction_of_its_plan_rule_only():
+    """Transfer points whose width slope clears zero and predicts held-out points: a plan at the
+    measured K/E is predicted along the trend at a wider target (the point moves, P is read there);
+    a plan at another K/E keeps the calibration scale's label with the symmetric widening."""
+    rng = np.random.default_rng(1)
+    points = [{"recipe": "router-collapse", "shape": "softmax/top4of32/renorm", "hidden": h, "layers": n, "original": f"h{h}-l{n}-s{s}",
+               "shift_log2": 0.6 * math.log2(h / 64) + float(rng.normal(scale=0.1)), "shift_se": 0.1, "kept_fraction": 0.25}
+              for h in (64, 128, 256) for n in (3, 6) for s in range(2)]  # fmt: skip
+    rows = _synthetic("plan")
+    moved, still = FidelityEstimator.fit(rows, transfer_points=points), FidelityEstimator.fit(rows, transfer_points=[])
+    for kept, follows in ((0.25, True), (0.5, False)):
+        row = {**rows[0], "kept_fraction": kept, "experts": int(32 * kept), "hidden_size": 1024, "num_layers": 6}
+        scale = moved.scale(row, "router-collapse")
+        a, b = moved.predict(row, "router-collapse"), still.predict(row, "router-collapse")
+        assert a["status"] == b["status"] == "calibrated"
+        if follows:  # to the measured edge, hidden 256: +0.6 x 2
+            assert scale["shift"] == pytest.approx(1.2, abs=0.15) and "follows the fitted trend" in a["family"]["scale"]
+            assert a["shift_log2"] == pytest.approx(b["shift_log2"] + scale["shift"])
+        else:
+            assert scale["shift"] == 0.0 and "not 0.5" in a["family"]["scale"] and a["shift_log2"] == pytest.approx(b["shift_log2"])
+        low, high = a["shift_interval"]
+        assert low <= a["shift_log2"] - scale["halfwidth"] + 1e-9 and high >= a["shift_log2"] + scale["halfwidth"] - 1e-9
+
+
 def test_statuses_not_applicable_and_uncalibrated():
     est = FidelityEstimator.fit(_synthetic("plan"))
     row = _synthetic("plan")[0]

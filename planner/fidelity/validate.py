@@ -239,7 +239,7 @@ def _transfer_text(fit: dict | None) -> str:
             lo, hi = fit["interval"][name]
             parts.append(f"{fit['coef'][name]:+.3f} [{lo:+.3f}, {hi:+.3f}] log2 per doubling of {what}")
     held = fit.get("holdout")
-    test = (f"; each point off hidden 64 fitted without it: MAE {held['mae_moved']:.3f} along the trend, {held['mae_base']:.3f} at "
+    test = (f"; each point off the calibration scale fitted without it: MAE {held['mae_moved']:.3f} along the trend, {held['mae_base']:.3f} at "
             f"hidden 64's label, over {plural(held['points'], 'point')}" if held else "")  # fmt: skip
     return (f"{'; '.join(parts)} (90% intervals; {fit['points']} points, hidden {fit['hidden']}, layers {fit['layers']}, "
             f"steps {fit.get('steps', [300])}; between-original SD {fit.get('tau', 0.0):.2f} log2{test})")

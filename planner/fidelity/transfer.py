@@ -6,30 +6,32 @@ assumed: for a routing shape, the same plan rule (a clustered plan at one K/E) i
 grid's labels at several widths and depths (`benchmarks/scale_transfer.py`, points in
 calibration/transfer.json). Per (recipe, shape) the signed shift is fitted as
 
-    shift = a + b log2(hidden / 64) + c log2(layers / 3) [+ d log2(steps / 300)]   (weighted least squares, statsmodels)
+    shift = a + b log2(hidden / 64) + c log2(layers / 3) [+ d log2(steps / 300)]   (weighted least squares)
 
 and b and c are reported with their 90% intervals. Every scale is trained for the grid's 300 dense
 and 300 MoE steps unless a point says otherwise; where points at other training lengths exist, d
 separates training length from width (models of every width trained for the same steps are not
-equally far into training), and b is the width's effect at the grid's length. A point's error is its margin seeds' standard
-error and, beyond it, the spread between independently trained originals at one scale (a model
-seed moves a label by as much as the grid's originals differ), so each point is weighted by
-1/(se^2 + tau^2) with tau^2 the between-original variance left after the fit, estimated from the
-points themselves by the Paule-Mandel equation (the generalised Q statistic equal to its degrees of
-freedom) as a random-effects meta-regression does; the slopes' covariance is never scaled below
-that model's (Knapp-Hartung, floored at 1). Weighting by 1/se^2 alone would let the points with
-small margin-seed errors steer the slopes although their originals are no more typical.
+equally far into training), and b is the width's effect at the grid's length. A point's error is its
+margin seeds' standard error and, beyond it, the spread between independently trained originals at
+one scale (a model seed moves a label by as much as the grid's originals differ), so each point is
+weighted by 1/(se^2 + tau^2) with tau^2 the between-original variance left after the fit, estimated
+from the points themselves by the Paule-Mandel equation (the generalised Q statistic equal to its
+degrees of freedom) as a random-effects meta-regression does; the slopes' covariance is never scaled
+below that model's (Knapp-Hartung, floored at 1). Weighting by 1/se^2 alone would let the points
+with small margin-seed errors steer the slopes although their originals are no more typical.
 
 The estimator asks `widening` where a target's label lies and how much its interval must widen.
 Where a width or depth slope's interval excludes zero and the fitted trend predicts each point off
 the calibration scale, fitted without it, better than the calibration scale's label does
-(`_holdout`), the prediction follows the trend to the target, or to the measured edge where the
-target lies beyond it; otherwise it stays at the calibration scale's label and the interval takes
-the fitted change. The interval widens by the fitted change's own interval within the measured
-widths and depths and, beyond them, by the distance times the slopes at the far ends of their
-intervals; the output says how far beyond the data the target lies. The target is taken at the
-grid's training length. A (recipe, shape) without points says "transfer not measured beyond hidden
-64"; one with too few points for a slope says where they lie.
+(`_holdout`), a plan at the K/E the points were measured at is predicted along the trend to the
+target, or to the measured edge where the target lies beyond it; otherwise it stays at the
+calibration scale's label and the interval takes the fitted change. The interval widens by the
+fitted change's own interval within the measured widths and depths and, beyond them, by the distance
+times the slopes at the far ends of their intervals; the output says how far beyond the data the
+target lies. The target is taken at the grid's training length. A (recipe, shape) without points
+says "transfer not measured beyond hidden 64"; one with too few points for a slope says where they
+lie. Censored points (an original that fails at the end of the knob's range) are left out.
+
 Fitting needs statsmodels; what the estimator stores (slopes, covariance, measured ranges) is
 JSON and is applied with numpy alone.
 """

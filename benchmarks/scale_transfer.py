@@ -7,12 +7,14 @@ original and the proxy with the grid's seeds, probe length and resolution; the s
 standard error are the grid's labels (planner.fidelity.labels.knob_shift; router collapse's label is
 its margin shift, as in the grid: its curve runs are not needed for it). Every point is appended to
 the output as it completes, so the run resumes where it stopped and the largest points can be added
-where a GPU is lent (`--device cuda`). Then it prints the points and the fitted slope of the shift
-in log2 width and depth with its 90% interval (planner.fidelity.transfer), which `planner calibrate
-fit` reads.
+where a GPU is lent (`--device cuda`). `--steps` trains the models longer than the grid's 300 + 300
+steps (their names end in -t<steps>), so that a trend with width can be told from one with training.
+Then it prints the points and the fitted slopes of the shift in log2 width, depth and training
+length with their 90% intervals (planner.fidelity.transfer), which `planner calibrate fit` reads.
 
     python benchmarks/scale_transfer.py                                  # CPU: hidden 64, 128, 256; 3 and 6 layers
     python benchmarks/scale_transfer.py --recipes router-collapse --hidden 64,128   # one recipe, the cheaper widths
+    python benchmarks/scale_transfer.py --recipes router-collapse --hidden 64 --steps 1200   # training length apart from width
     python benchmarks/scale_transfer.py --device cuda --hidden 64,256,1024 --budget-s 540
 """
 

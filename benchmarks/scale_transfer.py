@@ -102,6 +102,14 @@ def main() -> None:
     parser.add_argument("-o", "--output", default=str(ROOT / "calibration" / "transfer.json"))
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from planner.errors import SpecError
+    from planner.rl.device import Device
+
+    try:
+        Device(args.device)  # before any model is made: an absent accelerator is a usage error, not a traceback
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     from planner.fidelity.grid import Grid
     from planner.fidelity.transfer import AXES, TRANSFER_SCHEMA, fit_transfer
     from planner.files import write_text_atomic

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import sys
 import time
@@ -35,8 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def point_name(family: str, hidden: int, layers: int, seed: int, steps: int) -> str:
-    """The original's name: its scale, seed and (where not the grid's 300) training steps."""
-    return f"{family}-h{hidden}-l{layers}-s{seed}" + (f"-t{steps}" if steps != 300 else "")
+    """The original's name: its scale, seed and (where not the grid's) training steps."""
+    from planner.fidelity.transfer import BASE_STEPS
+
+    return f"{family}-h{hidden}-l{layers}-s{seed}" + (f"-t{steps}" if steps != BASE_STEPS else "")
 
 
 def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: list[str], kept: float, device: str, work: Path,
@@ -144,8 +147,9 @@ def main() -> None:
             data["provenance"] = {"command": " ".join(["python", *sys.argv]), "python": platform.python_version(), "machine": platform.machine()}
             write_text_atomic(out, json.dumps(data, indent=1))
         shutil.rmtree(Path(args.workdir) / name, ignore_errors=True)  # the models are remade from their seed if ever needed
-    rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], p["original"].split("-")[4], p.get("steps"), f"{p['shift_log2']:+.3f}",
-             f"{p['shift_se']:.3f}", p["outcome"], p["device"], p["make_s"], p["measure_s"]] for p in data["points"]]  # fmt: skip
+    seed = lambda p: re.search(r"-s(\d+)(-t\d+)?$", p["original"]).group(1)  # noqa: E731  (names end in -s<seed>[-t<steps>])
+    rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], seed(p), p.get("steps"), f"{p['shift_log2']:+.3f}", f"{p['shift_se']:.3f}",
+             p["outcome"], p["device"], p["make_s"], p["measure_s"]] for p in data["points"]]  # fmt: skip
     print(table(["family", "recipe", "hidden", "layers", "seed", "steps", "shift", "se", "outcome", "device", "make s", "measure s"], rows))
     for key, fit in fit_transfer(data["points"]).items():
         if not fit.get("fitted"):

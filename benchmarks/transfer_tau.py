@@ -69,7 +69,7 @@ def main() -> None:
         for _ in range(args.draws):
             points = planted(rng, tau, far)
             for name, estimator in ESTIMATORS.items():
-                fit = fit_transfer(points, tau2=estimator)["planted|planted"]
+                fit = fit_transfer(points, tau2=estimator, holdout=False)["planted|planted"]
                 low, high = fit["interval"]["log2_hidden"]
                 found[name].append((low <= SLOPE <= high, high - low, fit["tau"]))
         for name, got in found.items():
@@ -77,7 +77,7 @@ def main() -> None:
             rows.append([tau, far, name, f"{np.mean(cover):.3f}", f"{np.mean(width):.2f}", f"{np.median(taus):.2f}"])
     print(table(["planted tau", "share of originals with a far seed", "estimator", "90% coverage of the width slope", "mean width",
                  "median tau"], rows))  # fmt: skip
-    fits = {name: fit_transfer(load_points(), tau2=estimator) for name, estimator in ESTIMATORS.items()}
+    fits = {name: fit_transfer(load_points(), tau2=estimator, holdout=False) for name, estimator in ESTIMATORS.items()}
     measured = [[*key.split("|"), fit["points"], *(f"{fits[name][key].get('tau', float('nan')):.2f}" for name in ESTIMATORS)]
                 for key, fit in fits["Paule-Mandel"].items() if fit.get("fitted")]  # fmt: skip
     print()

@@ -473,10 +473,10 @@ class FidelityEstimator:
             p, low, high = model.p_within(x, self.tolerance)
             shift_low, shift_high = model.predict_interval(x)
             scale = self.scale(row, recipe)
-            shift, wj = job_offset(support, row)  # a smaller job: its measured extra shift and spread
-            if shift or wj:
-                out["job_shift_log2"] = [shift - wj, shift + wj]
-            shift += scale.get("shift") or 0.0  # the label's measured trend with width and depth, where it is followed
+            job_shift, wj = job_offset(support, row)  # a smaller job: its measured extra shift and spread
+            if job_shift or wj:
+                out["job_shift_log2"] = [job_shift - wj, job_shift + wj]
+            shift = job_shift + (scale.get("shift") or 0.0)  # and the label's measured trend with width and depth, where followed
             at = shift - moved_by  # the shift the proxy sees at the knob it runs at
             if at or wj:
                 p, low, high = model.p_within(x, self.tolerance, offset=at)

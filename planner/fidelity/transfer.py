@@ -79,13 +79,15 @@ def _usable(points: Iterable[dict]) -> list[dict]:
     return [p for p in points if p.get("shift_log2") is not None and math.isfinite(p["shift_log2"]) and not p.get("censored")]
 
 
-def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float] | None = None) -> dict[str, dict[str, Any]]:
+def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float] | None = None,
+                 holdout: bool = True) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Per "recipe|shape": the fitted slopes in log2 width, depth and training length with their
     intervals, the covariance of (a, b, c, d), the scales measured, and the fit's held-out test
     (`_holdout`). A slope whose direction has a single measured value is not fitted (it stays 0
     with no interval, and `widening` treats any distance along it as unmeasured). `tau2(y, x,
     variance)` estimates the between-original variance (Paule-Mandel, `between_variance`, unless
-    another is given)."""
+    another is given); `holdout=False` skips the held-out test (one refit per point), which only
+    `widening` reads."""
     tau2 = tau2 or between_variance
     out: dict[str, dict[str, Any]] = {}
     usable = _usable(points)
@@ -94,7 +96,7 @@ def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.
         entry: dict[str, Any] = {"recipe": recipe, "shape": shape, "points": len(at), "originals": len({p["original"] for p in at}),
                                  "kept_fraction": sorted({round(float(p["kept_fraction"]), 4) for p in at if p.get("kept_fraction")}),
                                  **{field: sorted({int(p.get(field) or base) for p in at}) for _, field, base, _ in AXES}, **_fit(at, tau2)}  # fmt: skip
-        if entry["fitted"]:
+        if entry["fitted"] and holdout:
             entry["holdout"] = _holdout(at, tau2)
         out[f"{recipe}|{shape}"] = entry
     return out
@@ -229,9 +231,9 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
     if "training length" in moves:  # a real model's pretraining is on no scale the grid measures: say what the P assumes
         moving += f", so P holds for an original trained as long as the grid's ({BASE_STEPS} steps), not beyond"
     read = ""
-    if trend and not same_rule:
+    if trend and not same_rule and kept_fraction is not None:
         read = (f"; the trend is measured for plans keeping {' or '.join(f'{k:g}' for k in rule)} of the experts, not "
-                f"{kept_fraction:g}: the label stays at hidden {BASE_HIDDEN}'s") if kept_fraction is not None else ""
+                f"{kept_fraction:g}: the label stays at hidden {BASE_HIDDEN}'s")
     if follows:
         edge = f"hidden {round(BASE_HIDDEN * 2 ** inside['log2_hidden'])}, {round(BASE_LAYERS * 2 ** inside['log2_layers'])} layers"
         read = (f"; the label follows the fitted trend by {shift:+.2f} log2 to {edge} (held out over {plural(held['points'], 'point')}: "

@@ -41,7 +41,7 @@ import numpy as np
 from planner.fidelity.learners import fit_shift
 from planner.fidelity.model import LOCAL_ORIGINALS, baselines, design, recipe_features, training_rows
 from planner.fidelity.scores import LEVEL, paired_difference, score_predictions
-from planner.fidelity.transfer import AXES, fit_transfer, load_points, plural
+from planner.fidelity.transfer import AXES, BASE_HIDDEN, fit_transfer, load_points, plural
 
 __all__ = ["variants", "SCHEMES", "cross_validate", "skill_gate", "ke_gate", "render_report", "score_predictions", "paired_difference"]
 
@@ -240,9 +240,9 @@ def _transfer_text(fit: dict | None) -> str:
             parts.append(f"{fit['coef'][name]:+.3f} [{lo:+.3f}, {hi:+.3f}] log2 per doubling of {what}")
     held = fit.get("holdout")
     test = (f"; each point off the calibration scale fitted without it: MAE {held['mae_moved']:.3f} along the trend, {held['mae_base']:.3f} at "
-            f"hidden 64's label, over {plural(held['points'], 'point')}" if held else "")  # fmt: skip
+            f"hidden {BASE_HIDDEN}'s label, over {plural(held['points'], 'point')}" if held else "")  # fmt: skip
     return (f"{'; '.join(parts)} (90% intervals; {fit['points']} points, hidden {fit['hidden']}, layers {fit['layers']}, "
-            f"steps {fit.get('steps', [300])}; between-original SD {fit.get('tau', 0.0):.2f} log2{test})")
+            f"steps {fit['steps']}; between-original SD {fit.get('tau', 0.0):.2f} log2{test})")
 
 
 def _finite_or_none(v: float) -> float | None:

@@ -5,7 +5,9 @@ family's model at that scale is made the grid's way (dense pretraining, upcyclin
 the clustered plan at one K/E is built, and each recipe's critical knob is bisected on the
 original and the proxy with the grid's seeds, probe length and resolution; the shift and its
 standard error are the grid's labels (planner.fidelity.labels.knob_shift; router collapse's label is
-its margin shift, as in the grid: its curve runs are not needed for it). Every point is appended to
+its margin shift, as in the grid: its curve runs are not needed for it); each point keeps both sides'
+per-seed margins, and a censored one the direction of its bound, which the fit takes as such. Every
+point is appended to
 the output as it completes, so the run resumes where it stopped and the largest points can be added
 where a GPU is lent (`--device cuda`). `--steps` trains the models longer than the grid's 300 + 300
 steps (their names end in -t<steps>), so that a trend with width can be told from one with training.
@@ -48,6 +50,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     from planner.checkpoint import Checkpoint, build
     from planner.fidelity.grid import Grid
     from planner.fidelity.labels import knob_scale, knob_shift
+    from planner.fidelity.transfer import censored_bound
     from planner.rl.grpo import Models
     from planner.rl.margin import critical_knob
     from planner.families import scaled_family_config
@@ -82,7 +85,9 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
         points.append({"recipe": recipe_name, "shape": routing_shape(ckpt.arch).key(), "family": family, "hidden": hidden, "layers": layers,
                        "original": name, "plan": f"K{k}-agglomerative", "experts": k, "original_experts": e, "top_k": top_k,
                        "kept_fraction": k / e, "shift_log2": shift.shift, "shift_se": shift.se, "noise_log2": shift.noise,
-                       "outcome": shift.outcome, "censored": bool(any(margins["original"].censored) or any(margins["proxy"].censored)),
+                       "outcome": shift.outcome, "censored": shift.censored,
+                       "bound": censored_bound(*((list(margins[s].values), list(margins[s].censored)) for s in ("original", "proxy")), r.lo, r.hi),
+                       "margins": {s: margins[s].to_json() for s in ("original", "proxy")},
                        "critical_original": margins["original"].mean * knob_scale(recipe_name),
                        "critical_proxy": margins["proxy"].mean * knob_scale(recipe_name), "device": device,
                        "steps": steps, "make_s": round(made, 1), "measure_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
@@ -157,7 +162,8 @@ def main() -> None:
             continue
         slopes = [f"per doubling of {what} {fit['coef'][n]:+.3f} [{fit['interval'][n][0]:+.3f}, {fit['interval'][n][1]:+.3f}]"
                   for n, _, _, what in AXES if fit["interval"].get(n) is not None]  # fmt: skip
-        print(f"{key}: {fit['points']} points, hidden {fit['hidden']}, layers {fit['layers']}, steps {fit['steps']}: shift "
+        bounds = f" ({fit['bounds']} censored, as bounds)" if fit.get("bounds") else ""
+        print(f"{key}: {fit['points']} points{bounds}, hidden {fit['hidden']}, layers {fit['layers']}, steps {fit['steps']}: shift "
               f"{', '.join(slopes)} (90% intervals); between-original SD {fit['tau']:.3f} log2, "
               f"residual SD {fit['residual_sd']:.3f} in units of the points' own SEs")  # fmt: skip
     if any(not math.isfinite(p["shift_log2"]) for p in data["points"]):

@@ -135,3 +135,56 @@ def test_training_length_is_its_own_direction_and_the_width_slope_is_taken_at_th
     # the training direction adds nothing to the target's widening: the same as the fit without those points
     alone = widening(fit_transfer(planted(0.0, 0.0)), "fp16-overflow", "softmax/top8of128/renorm", 256, 6)
     assert abs(said["halfwidth"] - alone["halfwidth"]) < 0.1
+
+
+def test_a_censored_point_points_the_way_its_censored_seeds_do():
+    from planner.fidelity.transfer import censored_bound
+
+    lo, hi = -4.0, 2.0
+    clean = ([-1.0, -1.5], [False, False])
+    assert censored_bound(([lo, -1.0], [True, False]), clean, lo, hi) == "lower"  # the original faults already at the floor
+    assert censored_bound(clean, ([hi, -1.0], [True, False]), lo, hi) == "lower"  # the proxy never faults inside the bracket
+    assert censored_bound(([hi, -1.0], [True, False]), clean, lo, hi) == "upper"
+    assert censored_bound(clean, ([lo, -1.0], [True, False]), lo, hi) == "upper"
+    assert censored_bound(([lo, -1.0], [True, False]), ([lo, -1.0], [True, False]), lo, hi) is None  # both ways: no bound
+    assert censored_bound(clean, clean, lo, hi) is None
+
+
+def test_a_bound_enters_the_fit_as_a_tail_probability():
+    """No bounds: the fit is the weighted least squares. A bound far on its consistent side changes
+    nothing; one beyond the exact points' trend pulls the slope its way; the coefficients are the
+    likelihood's maximum (checked against a general-purpose optimiser); a bound is no held-out target."""
+    import statsmodels.api as sm
+    from scipy.optimize import minimize
+    from scipy.stats import norm
+
+    key = "fp16-overflow|softmax/top8of128/renorm"
+    points = planted(0.3, 0.0, noise=0.2, seed=3)
+    exact = fit_transfer(points)[key]
+    x = np.column_stack([np.ones(len(points)), [math.log2(p["hidden"] / 64) for p in points], [math.log2(p["layers"] / 3) for p in points]])
+    y = np.array([p["shift_log2"] for p in points])
+    s2 = np.array([p["shift_se"] for p in points]) ** 2 + exact["tau"] ** 2
+    wls = sm.WLS(y, x, weights=1 / s2).fit()
+    assert [exact["coef"][n] for n in ("intercept", "log2_hidden", "log2_layers")] == pytest.approx(list(wls.params), abs=1e-9)
+    assert exact["bounds"] == 0
+
+    def bound(shift: float, way: str | None) -> dict:
+        return {**points[-1], "original": "h256-l6-censored", "shift_log2": shift, "censored": True, **({"bound": way} if way else {})}
+
+    line = exact["coef"]["intercept"] + 2 * exact["coef"]["log2_hidden"]  # the trend at hidden 256, 3 layers ... and 6
+    top = line + exact["coef"]["log2_layers"]
+    assert fit_transfer(points + [bound(top + 3, None)])[key]["points"] == len(points)  # no recorded direction: left out
+    alone = fit_transfer(points + [{**bound(top + 3, "lower"), "steps": 1200}])[key]  # the only point at its training length
+    assert alone["points"] == len(points) and alone["interval"]["log2_steps"] is None and alone["coef"] == exact["coef"]
+    below = fit_transfer(points + [bound(top - 10, "lower")])[key]
+    assert below["bounds"] == 1 and below["coef"]["log2_hidden"] == pytest.approx(exact["coef"]["log2_hidden"], abs=1e-6)
+    up = fit_transfer(points + [bound(top + 3, "lower")])[key]
+    down = fit_transfer(points + [bound(top - 3, "upper")])[key]
+    assert up["coef"]["log2_hidden"] > exact["coef"]["log2_hidden"] + 0.01 and down["coef"]["log2_hidden"] < exact["coef"]["log2_hidden"] - 0.01
+    assert up["dof"] == exact["dof"] and up["holdout"]["points"] == exact["holdout"]["points"]  # a bound is no value to predict
+    # the maximum of the same likelihood found by a general optimiser
+    xb, yb = np.vstack([x, [1.0, 2.0, 1.0]]), np.append(y, top + 3)
+    sb = np.sqrt(np.append(s2, points[-1]["shift_se"] ** 2 + exact["tau"] ** 2))
+    nll = lambda b: -(norm.logpdf(yb[:-1], xb[:-1] @ b, sb[:-1]).sum() + norm.logcdf((xb[-1] @ b - yb[-1]) / sb[-1]))  # noqa: E731
+    best = minimize(nll, wls.params, method="Nelder-Mead", options={"xatol": 1e-9, "fatol": 1e-12, "maxiter": 20000}).x
+    assert [up["coef"][n] for n in ("intercept", "log2_hidden", "log2_layers")] == pytest.approx(list(best), abs=1e-5)

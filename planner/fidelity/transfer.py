@@ -30,7 +30,12 @@ fitted change's own interval within the measured widths and depths and, beyond t
 times the slopes at the far ends of their intervals; the output says how far beyond the data the
 target lies. The target is taken at the grid's training length. A (recipe, shape) without points
 says "transfer not measured beyond hidden 64"; one with too few points for a slope says where they
-lie. Censored points (an original that fails at the end of the knob's range) are left out.
+lie. A censored point (some margin seed found no crossing inside the knob's bracket) is a bound on its
+shift, not a value: the benchmark records which way it points (`bound`: "lower" where the original
+faults already at the bracket's floor or the proxy never faults inside it, "upper" the other way
+round), and the fit takes it as such, a Tobit term P(shift beyond the bound) in the likelihood
+beside the exact points' normal terms, with tau^2 from the exact points alone. With no bounds this is
+the weighted least squares above. Censored points without a recorded direction are left out.
 
 Fitting needs statsmodels; what the estimator stores (slopes, covariance, measured ranges) is
 JSON and is applied with numpy alone.
@@ -45,7 +50,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 __all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "widening", "default_transfer_path", "between_variance",
-           "AXES", "BASE_HIDDEN", "BASE_LAYERS", "BASE_STEPS"]
+           "AXES", "BASE_HIDDEN", "BASE_LAYERS", "BASE_STEPS", "BOUNDS", "censored_bound"]
 
 TRANSFER_SCHEMA = "planner.transfer/1"
 BASE_HIDDEN, BASE_LAYERS, BASE_STEPS = 64, 3, 300  # the calibration families' scale and training length
@@ -53,6 +58,7 @@ BASE_HIDDEN, BASE_LAYERS, BASE_STEPS = 64, 3, 300  # the calibration families' s
 AXES = (("log2_hidden", "hidden", BASE_HIDDEN, "width"), ("log2_layers", "layers", BASE_LAYERS, "depth"),
         ("log2_steps", "steps", BASE_STEPS, "training length"))  # fmt: skip
 LEVEL = 0.90
+BOUNDS = {"lower": 1.0, "upper": -1.0}  # a censored point's true shift lies above (lower bound) or below its value
 
 
 def default_transfer_path() -> Path:
@@ -76,7 +82,32 @@ def load_points(path: str | Path | None = None) -> list[dict]:
 
 
 def _usable(points: Iterable[dict]) -> list[dict]:
-    return [p for p in points if p.get("shift_log2") is not None and math.isfinite(p["shift_log2"]) and not p.get("censored")]
+    """Points with a finite shift: exact ones, and censored ones whose bound's direction is recorded."""
+    return [p for p in points if p.get("shift_log2") is not None and math.isfinite(p["shift_log2"])
+            and (not p.get("censored") or p.get("bound") in BOUNDS)]  # fmt: skip
+
+
+def censored_bound(original: tuple[list[float], list[bool]], proxy: tuple[list[float], list[bool]], lo: float, hi: float) -> str | None:
+    """Which way a censored point's shift (proxy knob - original knob) points, from each side's
+    per-seed (critical knob, censored) and the recipe's bracket [lo, hi]: a censored seed sits at the
+    end where it stopped, and its true knob lies beyond that end. An original at lo or a proxy at hi
+    makes the true shift larger ("lower": the value is a lower bound), an original at hi or a proxy
+    at lo smaller ("upper"); both directions at once, or nothing censored, give None."""
+    ways = set()
+    for (values, censored), sign in ((original, -1.0), (proxy, 1.0)):
+        for v, c in zip(values, censored):
+            if c:  # the side's knob is overstated at lo and understated at hi
+                at_lo = abs(v - lo) <= abs(v - hi)
+                ways.add("lower" if at_lo == (sign < 0) else "upper")
+    return ways.pop() if len(ways) == 1 else None
+
+
+def _fittable(at: list[dict]) -> list[dict]:
+    """The exact points, and the bounds at scales the exact points span along every axis they do not
+    vary along: a bound alone on an axis would pull that slope without limit."""
+    exact = [p for p in at if not p.get("censored")]
+    flat = [(field, base) for _, field, base, _ in AXES if len({p.get(field) or base for p in exact}) == 1]
+    return exact + [p for p in at if p.get("censored") and all((p.get(f) or b) == (exact[0].get(f) or b) for f, b in flat)] if exact else []
 
 
 def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float] | None = None,
@@ -92,7 +123,9 @@ def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.
     out: dict[str, dict[str, Any]] = {}
     usable = _usable(points)
     for recipe, shape in sorted({(p["recipe"], p["shape"]) for p in usable}):
-        at = [p for p in usable if (p["recipe"], p["shape"]) == (recipe, shape)]
+        at = _fittable([p for p in usable if (p["recipe"], p["shape"]) == (recipe, shape)])
+        if not at:  # bounds alone: nothing measured to fit them to
+            continue
         entry: dict[str, Any] = {"recipe": recipe, "shape": shape, "points": len(at), "originals": len({p["original"] for p in at}),
                                  "kept_fraction": sorted({round(float(p["kept_fraction"]), 4) for p in at if p.get("kept_fraction")}),
                                  **{field: sorted({int(p.get(field) or base) for p in at}) for _, field, base, _ in AXES}, **_fit(at, tau2)}  # fmt: skip
@@ -103,35 +136,77 @@ def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.
 
 
 def _fit(at: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float]) -> dict[str, Any]:
-    """The weighted meta-regression of one (recipe, shape)'s points on the axes they vary along."""
+    """The weighted meta-regression of one (recipe, shape)'s points on the axes they vary along;
+    censored points enter as bounds (`_tobit`)."""
     import statsmodels.api as sm
 
-    columns, names = [np.ones(len(at))], ["intercept"]
-    for name, field, base, _ in AXES:
-        values = np.log2(np.array([p.get(field) or base for p in at], dtype=float) / base)
-        if np.ptp(values) > 0:
-            columns.append(values)
-            names.append(name)
-    x = np.column_stack(columns)
-    if len(at) <= x.shape[1]:
-        return {"fitted": False, "reason": f"{plural(len(at), 'point')} for {plural(x.shape[1], 'coefficient')}: a slope needs more "
-                                           "points than coefficients, at two widths or depths at least"}  # fmt: skip
+    at = _fittable(at)
+    axis = {name: np.log2(np.array([p.get(field) or base for p in at], dtype=float) / base) for name, field, base, _ in AXES}
+    side = np.array([BOUNDS[p["bound"]] if p.get("censored") else 0.0 for p in at])
+    exact = side == 0
+    names = ["intercept", *(name for name in axis if exact.any() and np.ptp(axis[name][exact]) > 0)]
+    x = np.column_stack([np.ones(len(at)), *(axis[name] for name in names[1:])])
+    n_exact, bounds = int(exact.sum()), len(at) - int(exact.sum())
+    if n_exact <= x.shape[1]:
+        also = f" (and {plural(bounds, 'bound')})" if bounds else ""
+        return {"fitted": False, "reason": f"{plural(n_exact, 'point')}{also} for {plural(x.shape[1], 'coefficient')}: a slope needs "
+                                           "more points than coefficients, at two widths or depths at least"}  # fmt: skip
     y = np.array([p["shift_log2"] for p in at])
     variance = np.array([max(float(p.get("shift_se") or 0.0), 0.05) ** 2 for p in at])
-    between = tau2(y, x, variance)
-    fit = sm.WLS(y, x, weights=1.0 / (variance + between)).fit()
-    scale = max(float(fit.scale), 1.0)  # Knapp-Hartung, never narrower than the random-effects model
-    cov_fit, t = fit.normalized_cov_params * scale, _t(float(fit.df_resid))
-    coef = {n: float(v) for n, v in zip(names, fit.params)}
+    between = tau2(y[exact], x[exact], variance[exact])
+    fit = sm.WLS(y[exact], x[exact], weights=1.0 / (variance[exact] + between)).fit()
+    params, info = np.asarray(fit.params), np.linalg.inv(fit.normalized_cov_params)
+    if bounds:
+        params, info = _tobit(y, x, variance + between, side, params)
+    # Knapp-Hartung from the exact points' residuals, never narrower than the random-effects model
+    residual = y[exact] - x[exact] @ params
+    dof = float(n_exact - x.shape[1])
+    scale = max(float(np.sum(residual**2 / (variance[exact] + between))) / dof, 1.0)
+    cov_fit, t = np.linalg.inv(info) * scale, _t(dof)
+    coef = {n: float(v) for n, v in zip(names, params)}
     half = t * np.sqrt(np.diag(cov_fit))
-    interval = {n: [float(v - h), float(v + h)] for n, v, h in zip(names, fit.params, half)}
+    interval = {n: [float(v - h), float(v + h)] for n, v, h in zip(names, params, half)}
     full = ["intercept", *(name for name, *_ in AXES)]
     cov = np.zeros((len(full), len(full)))
     index = [full.index(n) for n in names]
     cov[np.ix_(index, index)] = cov_fit
     return {"fitted": True, "coef": {n: coef.get(n, 0.0) for n in full}, "interval": {n: interval.get(n) for n in full},
-            "cov": cov.tolist(), "dof": float(fit.df_resid), "t": t, "tau": math.sqrt(between),
-            "residual_sd": float(np.sqrt(np.sum((y - fit.fittedvalues) ** 2 / variance) / fit.df_resid))}  # fmt: skip
+            "cov": cov.tolist(), "dof": dof, "t": t, "tau": math.sqrt(between), "bounds": bounds,
+            "residual_sd": float(np.sqrt(np.sum(residual**2 / variance[exact]) / dof))}  # fmt: skip
+
+
+def _tobit(y: np.ndarray, x: np.ndarray, s2: np.ndarray, side: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Maximum likelihood of the coefficients with known variances s2 where some points are bounds
+    (side +1: the true value is at least y; -1: at most y; 0: y itself), and its information matrix.
+    Exact points add log N(y; x b, s2); a bound adds log P(beyond y), the normal's tail. The
+    log-likelihood is concave in b, so Newton's method from the exact points' fit converges (halving
+    a step that would lower it)."""
+    from scipy.stats import norm
+
+    s = np.sqrt(s2)
+
+    def terms(b: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        z = side * (x @ b - y) / s  # how far the mean lies on the bound's side, in SDs: the tail's log P is log Phi(z)
+        mills = np.exp(norm.logpdf(z) - norm.logcdf(z))
+        ll = np.where(side == 0, norm.logpdf(y, x @ b, s), norm.logcdf(z))
+        slope = np.where(side == 0, (y - x @ b) / s2, side * mills / s)  # d log-likelihood / d mean
+        curve = np.where(side == 0, 1.0 / s2, mills * (mills + z) / s2)  # - d2 log-likelihood / d mean2
+        return float(ll.sum()), x.T @ slope, (x * curve[:, None]).T @ x
+
+    b = np.asarray(start, dtype=float)
+    ll, grad, info = terms(b)
+    for _ in range(100):
+        step = np.linalg.solve(info, grad)
+        while True:
+            new = terms(b + step)
+            if new[0] >= ll - 1e-12 or np.max(np.abs(step)) < 1e-12:
+                break
+            step = step / 2
+        b = b + step
+        ll, grad, info = new
+        if np.max(np.abs(step)) < 1e-10:
+            break
+    return b, info
 
 
 def _holdout(at: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float]) -> dict[str, Any] | None:
@@ -142,7 +217,7 @@ def _holdout(at: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray]
     base, moved = [], []
     for i, p in enumerate(at):
         v = {name: math.log2((p.get(field) or b) / b) for name, field, b, _ in AXES}
-        if not any(v.values()):
+        if not any(v.values()) or p.get("censored"):  # a bound is no value to predict; it stays in the others' fits
             continue
         fit = _fit(at[:i] + at[i + 1 :], tau2)
         if not fit["fitted"] or any(d and fit["interval"][name] is None for name, d in v.items()):

@@ -241,7 +241,8 @@ def _transfer_text(fit: dict | None) -> str:
     held = fit.get("holdout")
     test = (f"; each point off the calibration scale fitted without it: MAE {held['mae_moved']:.3f} along the trend, {held['mae_base']:.3f} at "
             f"hidden {BASE_HIDDEN}'s label, over {plural(held['points'], 'point')}" if held else "")  # fmt: skip
-    return (f"{'; '.join(parts)} (90% intervals; {fit['points']} points, hidden {fit['hidden']}, layers {fit['layers']}, "
+    bounds = f" ({fit['bounds']} of them censored, as bounds)" if fit.get("bounds") else ""
+    return (f"{'; '.join(parts)} (90% intervals; {fit['points']} points{bounds}, hidden {fit['hidden']}, layers {fit['layers']}, "
             f"steps {fit['steps']}; between-original SD {fit.get('tau', 0.0):.2f} log2{test})")
 
 

@@ -106,8 +106,11 @@ def _fittable(at: list[dict]) -> list[dict]:
     """The exact points, and the bounds at scales the exact points span along every axis they do not
     vary along: a bound alone on an axis would pull that slope without limit."""
     exact = [p for p in at if not p.get("censored")]
-    flat = [(field, base) for _, field, base, _ in AXES if len({p.get(field) or base for p in exact}) == 1]
-    return exact + [p for p in at if p.get("censored") and all((p.get(f) or b) == (exact[0].get(f) or b) for f, b in flat)] if exact else []
+    if not exact:
+        return []
+    flat = [(field, base, exact[0].get(field) or base) for _, field, base, _ in AXES if len({p.get(field) or base for p in exact}) == 1]
+    bounds = [p for p in at if p.get("censored") and all((p.get(field) or base) == value for field, base, value in flat)]
+    return exact + bounds
 
 
 def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float] | None = None,

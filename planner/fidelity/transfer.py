@@ -139,11 +139,10 @@ def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.
 
 
 def _fit(at: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float]) -> dict[str, Any]:
-    """The weighted meta-regression of one (recipe, shape)'s points on the axes they vary along;
-    censored points enter as bounds (`_tobit`)."""
+    """The weighted meta-regression of one (recipe, shape)'s points (`_fittable`'s) on the axes they
+    vary along; censored points enter as bounds (`_tobit`)."""
     import statsmodels.api as sm
 
-    at = _fittable(at)
     axis = {name: np.log2(np.array([p.get(field) or base for p in at], dtype=float) / base) for name, field, base, _ in AXES}
     side = np.array([BOUNDS[p["bound"]] if p.get("censored") else 0.0 for p in at])
     exact = side == 0
@@ -189,10 +188,11 @@ def _tobit(y: np.ndarray, x: np.ndarray, s2: np.ndarray, side: np.ndarray, start
     s = np.sqrt(s2)
 
     def terms(b: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
-        z = side * (x @ b - y) / s  # how far the mean lies on the bound's side, in SDs: the tail's log P is log Phi(z)
+        mean = x @ b
+        z = side * (mean - y) / s  # how far the mean lies on the bound's side, in SDs: the tail's log P is log Phi(z)
         mills = np.exp(norm.logpdf(z) - norm.logcdf(z))
-        ll = np.where(side == 0, norm.logpdf(y, x @ b, s), norm.logcdf(z))
-        slope = np.where(side == 0, (y - x @ b) / s2, side * mills / s)  # d log-likelihood / d mean
+        ll = np.where(side == 0, norm.logpdf(y, mean, s), norm.logcdf(z))
+        slope = np.where(side == 0, (y - mean) / s2, side * mills / s)  # d log-likelihood / d mean
         curve = np.where(side == 0, 1.0 / s2, mills * (mills + z) / s2)  # - d2 log-likelihood / d mean2
         return float(ll.sum()), x.T @ slope, (x * curve[:, None]).T @ x
 
@@ -222,7 +222,7 @@ def _holdout(at: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray]
         v = {name: math.log2((p.get(field) or b) / b) for name, field, b, _ in AXES}
         if not any(v.values()) or p.get("censored"):  # a bound is no value to predict; it stays in the others' fits
             continue
-        fit = _fit(at[:i] + at[i + 1 :], tau2)
+        fit = _fit(_fittable(at[:i] + at[i + 1 :]), tau2)
         if not fit["fitted"] or any(d and fit["interval"][name] is None for name, d in v.items()):
             continue
         intercept = fit["coef"]["intercept"]

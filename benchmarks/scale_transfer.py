@@ -119,7 +119,7 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     from planner.fidelity.grid import Grid
-    from planner.fidelity.transfer import AXES, TRANSFER_SCHEMA, fit_transfer
+    from planner.fidelity.transfer import TRANSFER_SCHEMA, fit_transfer, slopes_text
     from planner.files import write_text_atomic
     from planner.render import table
     from planner.families import family_architecture
@@ -153,18 +153,16 @@ def main() -> None:
             write_text_atomic(out, json.dumps(data, indent=1))
         shutil.rmtree(Path(args.workdir) / name, ignore_errors=True)  # the models are remade from their seed if ever needed
     seed = lambda p: re.search(r"-s(\d+)(-t\d+)?$", p["original"]).group(1)  # noqa: E731  (names end in -s<seed>[-t<steps>])
-    rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], seed(p), p.get("steps"), f"{p['shift_log2']:+.3f}", f"{p['shift_se']:.3f}",
-             p["outcome"], p["device"], p["make_s"], p["measure_s"]] for p in data["points"]]  # fmt: skip
-    print(table(["family", "recipe", "hidden", "layers", "seed", "steps", "shift", "se", "outcome", "device", "make s", "measure s"], rows))
+    rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], seed(p), p.get("steps"), f"{p['kept_fraction']:g}", f"{p['shift_log2']:+.3f}",
+             f"{p['shift_se']:.3f}", p["outcome"], p["device"], p["make_s"], p["measure_s"]] for p in data["points"]]  # fmt: skip
+    print(table(["family", "recipe", "hidden", "layers", "seed", "steps", "K/E", "shift", "se", "outcome", "device", "make s", "measure s"], rows))
     for key, fit in fit_transfer(data["points"]).items():
         if not fit.get("fitted"):
             print(f"{key}: not fitted ({fit.get('reason')})")
             continue
-        slopes = [f"per doubling of {what} {fit['coef'][n]:+.3f} [{fit['interval'][n][0]:+.3f}, {fit['interval'][n][1]:+.3f}]"
-                  for n, _, _, what in AXES if fit["interval"].get(n) is not None]  # fmt: skip
         bounds = f" ({fit['bounds']} censored, as bounds)" if fit.get("bounds") else ""
-        print(f"{key}: {fit['points']} points{bounds}, hidden {fit['hidden']}, layers {fit['layers']}, steps {fit['steps']}: shift "
-              f"{', '.join(slopes)} (90% intervals); between-original SD {fit['tau']:.3f} log2, "
+        print(f"{key}: {fit['points']} points{bounds}, hidden {fit['hidden']}, layers {fit['layers']}, steps {fit['steps']}, K/E "
+              f"{fit['kept_fraction']}: shift {', '.join(slopes_text(fit))} (90% intervals); between-original SD {fit['tau']:.3f} log2, "
               f"residual SD {fit['residual_sd']:.3f} in units of the points' own SEs")  # fmt: skip
     if any(not math.isfinite(p["shift_log2"]) for p in data["points"]):
         print("note: some points have no finite shift", file=sys.stderr)

@@ -188,3 +188,39 @@ def test_a_bound_enters_the_fit_as_a_tail_probability():
     nll = lambda b: -(norm.logpdf(yb[:-1], xb[:-1] @ b, sb[:-1]).sum() + norm.logcdf((xb[-1] @ b - yb[-1]) / sb[-1]))  # noqa: E731
     best = minimize(nll, wls.params, method="Nelder-Mead", options={"xatol": 1e-9, "fatol": 1e-12, "maxiter": 20000}).x
     assert [up["coef"][n] for n in ("intercept", "log2_hidden", "log2_layers")] == pytest.approx(list(best), abs=1e-5)
+
+
+def test_each_plan_rule_has_its_own_label_and_width_slope():
+    """Points of two plan rules (K/E 0.25 and 0.5): each rule's label at hidden 64 and width slope are
+    recovered, a plan follows its own rule's trend, the held-out test starts from the point's own rule's
+    label, and a rule measured at one width keeps its label but follows no trend."""
+    from planner.fidelity.transfer import slope
+
+    key = "fp16-overflow|softmax/top8of128/renorm"
+    quarter = planted(0.4, 0.1, seed=1)  # intercept 0.1, width +0.4
+    half = [dict(p, kept_fraction=0.5, original=p["original"] + "-k0.5", shift_log2=p["shift_log2"] - 1.1 - 0.3 * math.log2(p["hidden"] / 64))
+            for p in planted(0.4, 0.1, seed=2)]  # fmt: skip  (intercept -1.0, width +0.1)
+    fit = fit_transfer(quarter + half)[key]
+    assert fit["kept_fraction"] == fit["trend_rules"] == [0.25, 0.5]
+    assert fit["coef"]["log2_kept"] == pytest.approx(-1.1, abs=0.1) and fit["coef"]["log2_hidden:kept"] == pytest.approx(-0.3, abs=0.05)
+    (q, (qlo, qhi)), (h, (hlo, hhi)) = slope(fit, "log2_hidden", 0.0), slope(fit, "log2_hidden", 1.0)
+    assert qlo < 0.4 < qhi and hlo < 0.1 < hhi and (q, (qlo, qhi)) == (fit["coef"]["log2_hidden"], tuple(fit["interval"]["log2_hidden"]))
+    # the rules' labels differ by 1.1 log2: starting every held-out point from K/E 0.25's would miss half of them by that much
+    assert fit["holdout"]["mae_moved"] < 0.1 < fit["holdout"]["mae_base"] < 0.9
+    fits = {key: fit}
+    at_quarter = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 3, 0.25)
+    at_half = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 3, 0.5)
+    assert at_quarter["shift"] == pytest.approx(0.8, abs=0.1) and at_half["shift"] == pytest.approx(0.2, abs=0.1)
+    assert "per doubling of width (plans keeping 0.5 of the experts)" in at_half["text"]
+    # an unmeasured rule stays at its label, its interval taking the nearest measured rule's change
+    eighth = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 3, 0.125)
+    assert eighth["shift"] == 0.0 and eighth["halfwidth"] == pytest.approx(abs(at_quarter["change"]) + at_quarter["halfwidth"])
+    # K/E 0.5 measured at hidden 64 alone: its own label, the width slope is K/E 0.25's, and its plans follow no trend
+    narrow = fit_transfer(quarter + [p for p in half if p["hidden"] == 64])[key]
+    assert narrow["trend_rules"] == [0.25] and narrow["interval"]["log2_hidden:kept"] is None
+    assert narrow["coef"]["log2_kept"] == pytest.approx(-1.1, abs=0.1)
+    unmoved = widening({key: narrow}, "fp16-overflow", "softmax/top8of128/renorm", 256, 3, 0.5)
+    assert unmoved["shift"] == 0.0 and "the trend is measured for plans keeping 0.25 of the experts, not 0.5" in unmoved["text"]
+    # one rule alone: its terms are not fitted, and the fit is the one-rule fit
+    alone = fit_transfer(quarter)[key]
+    assert alone["interval"]["log2_kept"] is None and alone["coef"]["log2_kept"] == 0.0 and alone["trend_rules"] == [0.25]

@@ -7,8 +7,12 @@ grid's labels at several widths and depths (`benchmarks/scale_transfer.py`, poin
 calibration/transfer.json). Per (recipe, shape) the signed shift is fitted as
 
     shift = a + b log2(hidden / 64) + c log2(layers / 3) [+ d log2(steps / 300)]   (weighted least squares)
+              [+ (e + f log2(hidden / 64)) log2(K/E / 0.25)]
 
-and b and c are reported with their 90% intervals. Every scale is trained for the grid's 300 dense
+and b and c are reported with their 90% intervals. Where points of more than one plan rule exist,
+each rule has its own label at the calibration scale (e) and its own width slope (b + f per doubling
+of K/E; a rule at one width has none and borrows b); depth and training length share one slope. A
+term enters only where the exact points identify it, so one rule's points fit the first line alone. Every scale is trained for the grid's 300 dense
 and 300 MoE steps unless a point says otherwise; where points at other training lengths exist, d
 separates training length from width (models of every width trained for the same steps are not
 equally far into training), and b is the width's effect at the grid's length. A point's error is its
@@ -23,8 +27,9 @@ with small margin-seed errors steer the slopes although their originals are no m
 The estimator asks `widening` where a target's label lies and how much its interval must widen.
 Where a width or depth slope's interval excludes zero and the fitted trend predicts each point off
 the calibration scale, fitted without it, better than the calibration scale's label does
-(`_holdout`), a plan at the K/E the points were measured at is predicted along the trend to the
-target, or to the measured edge where the target lies beyond it; otherwise it stays at the
+(`_holdout`), a plan at a K/E measured at two widths or more is predicted along its rule's trend to
+the target, or to the measured edge where the target lies beyond it; a plan at another K/E stays at
+its label, its interval taking the nearest measured rule's change; otherwise it stays at the
 calibration scale's label and the interval takes the fitted change. The interval widens by the
 fitted change's own interval within the measured widths and depths and, beyond them, by the distance
 times the slopes at the far ends of their intervals; the output says how far beyond the data the
@@ -50,7 +55,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 __all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "widening", "default_transfer_path", "between_variance",
-           "AXES", "BASE_HIDDEN", "BASE_LAYERS", "BASE_STEPS", "BOUNDS", "censored_bound"]
+           "AXES", "BASE_HIDDEN", "BASE_LAYERS", "BASE_STEPS", "BASE_KEPT", "BOUNDS", "censored_bound", "slope",
+           "slopes_text"]
 
 TRANSFER_SCHEMA = "planner.transfer/1"
 BASE_HIDDEN, BASE_LAYERS, BASE_STEPS = 64, 3, 300  # the calibration families' scale and training length
@@ -59,6 +65,11 @@ AXES = (("log2_hidden", "hidden", BASE_HIDDEN, "width"), ("log2_layers", "layers
         ("log2_steps", "steps", BASE_STEPS, "training length"))  # fmt: skip
 LEVEL = 0.90
 BOUNDS = {"lower": 1.0, "upper": -1.0}  # a censored point's true shift lies above (lower bound) or below its value
+BASE_KEPT = 0.25  # the plan rule the transfer was first measured with: a clustered plan keeping a quarter of the experts
+# the plan rule's own terms beside the axes: its label at the calibration scale, and how its width slope differs from
+# BASE_KEPT's (per doubling of K/E); depth and training length share one slope across rules
+RULE = ("log2_kept", "log2_hidden:kept")
+TERMS = ("intercept", *(name for name, *_ in AXES), *RULE)
 
 
 def default_transfer_path() -> Path:
@@ -129,8 +140,10 @@ def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.
         at = _fittable([p for p in usable if (p["recipe"], p["shape"]) == (recipe, shape)])
         if not at:  # bounds alone: nothing measured to fit them to
             continue
+        rule = lambda p: round(float(p.get("kept_fraction") or BASE_KEPT), 4)  # noqa: E731
+        widths = {k: {p.get("hidden") for p in at if rule(p) == k and not p.get("censored")} for k in {rule(p) for p in at}}
         entry: dict[str, Any] = {"recipe": recipe, "shape": shape, "points": len(at), "originals": len({p["original"] for p in at}),
-                                 "kept_fraction": sorted({round(float(p["kept_fraction"]), 4) for p in at if p.get("kept_fraction")}),
+                                 "kept_fraction": sorted(widths), "trend_rules": sorted(k for k, w in widths.items() if len(w) > 1),
                                  **{field: sorted({int(p.get(field) or base) for p in at}) for _, field, base, _ in AXES}, **_fit(at, tau2)}  # fmt: skip
         if entry["fitted"] and holdout:
             entry["holdout"] = _holdout(at, tau2)
@@ -138,16 +151,28 @@ def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.
     return out
 
 
+def _columns(at: list[dict]) -> dict[str, np.ndarray]:
+    """Every term's column for the points: the intercept, log2 of each axis over its base, and the plan
+    rule's log2(K/E / BASE_KEPT) alone and times log2 width."""
+    axis = {name: np.log2(np.array([p.get(field) or base for p in at], dtype=float) / base) for name, field, base, _ in AXES}
+    kept = np.log2(np.array([p.get("kept_fraction") or BASE_KEPT for p in at], dtype=float) / BASE_KEPT)
+    return {"intercept": np.ones(len(at)), **axis, "log2_kept": kept, "log2_hidden:kept": axis["log2_hidden"] * kept}
+
+
 def _fit(at: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float]) -> dict[str, Any]:
-    """The weighted meta-regression of one (recipe, shape)'s points (`_fittable`'s) on the axes they
-    vary along; censored points enter as bounds (`_tobit`)."""
+    """The weighted meta-regression of one (recipe, shape)'s points (`_fittable`'s) on the terms the
+    exact points identify (a term enters where it adds to the rank: an axis measured at one value, or
+    one plan rule, has none); censored points enter as bounds (`_tobit`)."""
     import statsmodels.api as sm
 
-    axis = {name: np.log2(np.array([p.get(field) or base for p in at], dtype=float) / base) for name, field, base, _ in AXES}
+    column = _columns(at)
     side = np.array([BOUNDS[p["bound"]] if p.get("censored") else 0.0 for p in at])
     exact = side == 0
-    names = ["intercept", *(name for name in axis if exact.any() and np.ptp(axis[name][exact]) > 0)]
-    x = np.column_stack([np.ones(len(at)), *(axis[name] for name in names[1:])])
+    names: list[str] = []
+    for name in TERMS:
+        if exact.any() and np.linalg.matrix_rank(np.column_stack([column[n][exact] for n in (*names, name)])) > len(names):
+            names.append(name)
+    x = np.column_stack([column[name] for name in names])
     n_exact, bounds = int(exact.sum()), len(at) - int(exact.sum())
     if n_exact <= x.shape[1]:
         also = f" (and {plural(bounds, 'bound')})" if bounds else ""
@@ -168,11 +193,10 @@ def _fit(at: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], fl
     coef = {n: float(v) for n, v in zip(names, params)}
     half = t * np.sqrt(np.diag(cov_fit))
     interval = {n: [float(v - h), float(v + h)] for n, v, h in zip(names, params, half)}
-    full = ["intercept", *(name for name, *_ in AXES)]
-    cov = np.zeros((len(full), len(full)))
-    index = [full.index(n) for n in names]
+    cov = np.zeros((len(TERMS), len(TERMS)))
+    index = [TERMS.index(n) for n in names]
     cov[np.ix_(index, index)] = cov_fit
-    return {"fitted": True, "coef": {n: coef.get(n, 0.0) for n in full}, "interval": {n: interval.get(n) for n in full},
+    return {"fitted": True, "coef": {n: coef.get(n, 0.0) for n in TERMS}, "interval": {n: interval.get(n) for n in TERMS},
             "cov": cov.tolist(), "dof": dof, "t": t, "tau": math.sqrt(between), "bounds": bounds,
             "residual_sd": float(np.sqrt(np.sum(residual**2 / variance[exact]) / dof))}  # fmt: skip
 
@@ -214,20 +238,20 @@ def _tobit(y: np.ndarray, x: np.ndarray, s2: np.ndarray, side: np.ndarray, start
 
 def _holdout(at: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.ndarray], float]) -> dict[str, Any] | None:
     """Each point off the calibration scale predicted by the fit of the others: at the calibration
-    scale's label (the intercept: what a prediction that ignores the trend says) and moved along the
+    scale's label for its plan rule (what a prediction that ignores the trend says) and moved along the
     fitted slopes to the point's scale. Mean absolute errors of both; None where no point is off the
     calibration scale or no fit without one has slopes."""
     base, moved = [], []
     for i, p in enumerate(at):
-        v = {name: math.log2((p.get(field) or b) / b) for name, field, b, _ in AXES}
-        if not any(v.values()) or p.get("censored"):  # a bound is no value to predict; it stays in the others' fits
+        v = {name: float(c[0]) for name, c in _columns([p]).items()}
+        if not any(v[name] for name, *_ in AXES) or p.get("censored"):  # a bound is no value to predict; it stays in the others' fits
             continue
         fit = _fit(_fittable(at[:i] + at[i + 1 :]), tau2)
-        if not fit["fitted"] or any(d and fit["interval"][name] is None for name, d in v.items()):
+        if not fit["fitted"] or any(v[name] and fit["interval"][name] is None for name in TERMS):
             continue
-        intercept = fit["coef"]["intercept"]
-        base.append(abs(p["shift_log2"] - intercept))
-        moved.append(abs(p["shift_log2"] - intercept - sum(fit["coef"][name] * d for name, d in v.items())))
+        label = sum(fit["coef"][name] * v[name] for name in ("intercept", "log2_kept"))
+        base.append(abs(p["shift_log2"] - label))
+        moved.append(abs(p["shift_log2"] - sum(fit["coef"][name] * v[name] for name in TERMS)))
     if not base:
         return None
     return {"points": len(base), "mae_base": float(np.mean(base)), "mae_moved": float(np.mean(moved))}
@@ -272,6 +296,8 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
         return {"halfwidth": None, "measured": True, "text": "target scale unknown"}
     # the target is taken at the grid's training length: its own (trillions of tokens) is on no scale the grid measures
     distance = {"log2_hidden": math.log2(hidden / BASE_HIDDEN), "log2_layers": math.log2(layers / BASE_LAYERS), "log2_steps": 0.0}
+    rules = entry.get("kept_fraction") or [BASE_KEPT]
+    kappa = _kappa(rules, kept_fraction)
     inside, far = {}, {}
     for name, field, base, _ in AXES:
         d, measured = distance[name], entry.get(field) or [base]
@@ -279,30 +305,32 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
         if entry["interval"].get(name) is None and d != 0:
             return {"halfwidth": None, "measured": False, "text": f"transfer in {field} not measured ({target})"}
         inside[name] = min(d, top)  # the fitted change up to the measured scale ...
-        if d > top:  # ... and beyond it the slope at the far end of its interval
-            lo, hi = entry["interval"][name]
-            far[name] = (d - top) * max(abs(lo), abs(hi))
-    names = list(entry["coef"])  # intercept, then the axes, as the covariance is ordered
-    v = np.array([inside.get(n, 0.0) for n in names])
+        if d > top:  # ... and beyond it the slope (at the target's plan rule) at the far end of its interval
+            far[name] = (d - top) * max(abs(v) for v in slope(entry, name, kappa)[1])
+    names = list(entry["coef"])  # as the covariance is ordered
+    v = np.array([inside.get(n, kappa * inside["log2_hidden"] if n == "log2_hidden:kept" else 0.0) for n in names])
     cov = np.array(entry["cov"])
     change = float(np.dot([entry["coef"][n] for n in names], v))
     half = float(entry["t"] * math.sqrt(max(v @ cov @ v, 0.0)))
     spread = half + sum(far.values())
     beyond = f", beyond the measured hidden {max(entry['hidden'])} / {max(entry['layers'])} layers" if far else ""
     # a slope whose interval excludes zero: the calibration scale's label is measured not to hold at another scale
-    moves = [what for name, _, _, what in AXES if (iv := entry["interval"].get(name)) is not None and (iv[0] > 0 or iv[1] < 0)]
+    at_rule = {what: slope(entry, name, kappa) for name, _, _, what in AXES}
+    moves = [what for what, sl in at_rule.items() if sl is not None and (sl[1][0] > 0 or sl[1][1] < 0)]
     # where width or depth moves the label and the fitted trend predicts held-out points better than the calibration
     # scale's label does, the prediction follows the trend to the target (or the measured edge) instead of staying put
-    # the trend is measured for one plan rule at its K/E: a plan keeping another share of the experts may move otherwise
-    held, rule = entry.get("holdout"), entry.get("kept_fraction") or []
-    same_rule = kept_fraction is not None and any(math.isclose(kept_fraction, k, abs_tol=1e-3) for k in rule)
+    # the trend is measured for the plan rules (K/E) in the points: a plan keeping another share of the experts may move otherwise
+    # (a rule measured at one width has its own label but borrows the others' width slope: it is not followed)
+    held, measured_rules = entry.get("holdout"), entry.get("trend_rules", rules)
+    same_rule = kept_fraction is not None and any(math.isclose(kept_fraction, k, abs_tol=1e-3) for k in measured_rules)
     trend = bool({"width", "depth"} & set(moves)) and held is not None and held["mae_moved"] < held["mae_base"]
     follows = trend and same_rule
     shift = change if follows else 0.0
     halfwidth = spread if follows else abs(change) + spread
-    slopes = [f"slope {entry['coef'][name]:+.2f} [{iv[0]:+.2f}, {iv[1]:+.2f}] log2 per doubling of {what}"
-              for name, _, _, what in AXES if name != "log2_layers" and (iv := entry["interval"].get(name)) is not None]  # fmt: skip
-    slope = "; ".join(slopes) if entry["interval"].get("log2_hidden") else "; ".join(["one width", *slopes])
+    rule = f" (plans keeping {BASE_KEPT * 2**kappa:g} of the experts)" if len(rules) > 1 else ""
+    slopes = [f"slope {sl[0]:+.2f} [{sl[1][0]:+.2f}, {sl[1][1]:+.2f}] log2 per doubling of {what}{rule if what == 'width' else ''}"
+              for what, sl in at_rule.items() if what != "depth" and sl is not None]  # fmt: skip
+    said = "; ".join(slopes) if entry["interval"].get("log2_hidden") else "; ".join(["one width", *slopes])
     moving = f"; the label moves with {' and '.join(moves)} on this shape" if moves else ""
     lengths = entry.get("steps") or [BASE_STEPS]
     trained = f" and {lengths[0]}-{lengths[-1]} training steps" if len(lengths) > 1 else ""
@@ -310,7 +338,7 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
         moving += f", so P holds for an original trained as long as the grid's ({BASE_STEPS} steps), not beyond"
     read = ""
     if trend and not same_rule and kept_fraction is not None:
-        read = (f"; the trend is measured for plans keeping {' or '.join(f'{k:g}' for k in rule)} of the experts, not "
+        read = (f"; the trend is measured for plans keeping {' or '.join(f'{k:g}' for k in measured_rules)} of the experts, not "
                 f"{kept_fraction:g}: the label stays at hidden {BASE_HIDDEN}'s")
     if follows:
         edge = f"hidden {round(BASE_HIDDEN * 2 ** inside['log2_hidden'])}, {round(BASE_LAYERS * 2 ** inside['log2_layers'])} layers"
@@ -318,7 +346,44 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
                 f"MAE {held['mae_moved']:.2f} along the trend against {held['mae_base']:.2f} at hidden {BASE_HIDDEN}'s label)")  # fmt: skip
     return {"halfwidth": halfwidth, "shift": shift, "measured": True, "change": change, "moves_with": moves,
             "text": (f"transfer measured at hidden {', '.join(map(str, entry['hidden']))} and {', '.join(map(str, entry['layers']))} "
-                     f"layers{trained} ({slope}{moving}); {target}{beyond}{read}: interval widened by {halfwidth:.2f} log2")}  # fmt: skip
+                     f"layers{trained} ({said}{moving}); {target}{beyond}{read}: interval widened by {halfwidth:.2f} log2")}  # fmt: skip
+
+
+def _kappa(rules: list[float], kept_fraction: float | None) -> float:
+    """A plan rule as log2(K/E / BASE_KEPT), held within the measured rules (BASE_KEPT's where none is given)."""
+    measured = [math.log2(k / BASE_KEPT) for k in rules]
+    k = math.log2(kept_fraction / BASE_KEPT) if kept_fraction else 0.0
+    return min(max(k, min(measured)), max(measured))
+
+
+def _rule_vector(names: list[str], name: str, kappa: float) -> np.ndarray:
+    """The coefficients' combination that is an axis's slope for the plan rule kappa: the axis's own
+    and, for width, kappa times the rule's width term."""
+    return np.array([1.0 if n == name else kappa if (name, n) == ("log2_hidden", "log2_hidden:kept") else 0.0 for n in names])
+
+
+def slope(entry: dict[str, Any], name: str, kappa: float = 0.0) -> tuple[float, tuple[float, float]] | None:
+    """An axis's fitted slope (log2 per doubling) for the plan rule log2(K/E / BASE_KEPT) = kappa, with
+    its 90% interval; None where the axis was not fitted."""
+    if entry["interval"].get(name) is None:
+        return None
+    names = list(entry["coef"])
+    g = _rule_vector(names, name, kappa)
+    value = float(g @ np.array([entry["coef"][n] for n in names]))
+    half = float(entry["t"] * math.sqrt(max(g @ np.array(entry["cov"]) @ g, 0.0)))
+    return value, (value - half, value + half)
+
+
+def slopes_text(entry: dict[str, Any], digits: int = 3) -> list[str]:
+    """Each fitted slope with its 90% interval, the width slope once per plan rule measured along width."""
+    rules = entry.get("trend_rules") or [BASE_KEPT]
+    out = []
+    for name, _, _, what in AXES:
+        for k in rules if name == "log2_hidden" else [BASE_KEPT]:
+            if (sl := slope(entry, name, math.log2(k / BASE_KEPT))) is not None:
+                rule = f" at K/E {k:g}" if name == "log2_hidden" and len(rules) > 1 else ""
+                out.append(f"{sl[0]:+.{digits}f} [{sl[1][0]:+.{digits}f}, {sl[1][1]:+.{digits}f}] log2 per doubling of {what}{rule}")
+    return out
 
 
 def _t(dof: float) -> float:

@@ -41,7 +41,7 @@ import numpy as np
 from planner.fidelity.learners import fit_shift
 from planner.fidelity.model import LOCAL_ORIGINALS, baselines, design, recipe_features, training_rows
 from planner.fidelity.scores import LEVEL, paired_difference, score_predictions
-from planner.fidelity.transfer import AXES, BASE_HIDDEN, fit_transfer, load_points, plural
+from planner.fidelity.transfer import BASE_HIDDEN, fit_transfer, load_points, plural, slopes_text
 
 __all__ = ["variants", "SCHEMES", "cross_validate", "skill_gate", "ke_gate", "render_report", "score_predictions", "paired_difference"]
 
@@ -233,11 +233,7 @@ def _transfer_text(fit: dict | None) -> str:
         return "not measured (calibrated at hidden 64, 3 layers only)"
     if not fit.get("fitted"):
         return f"{plural(fit['points'], 'point')} at hidden {fit['hidden']}, layers {fit['layers']}: not fitted ({fit['reason']})"
-    parts = []
-    for name, _, _, what in AXES:
-        if fit["interval"].get(name) is not None:
-            lo, hi = fit["interval"][name]
-            parts.append(f"{fit['coef'][name]:+.3f} [{lo:+.3f}, {hi:+.3f}] log2 per doubling of {what}")
+    parts = slopes_text(fit)
     held = fit.get("holdout")
     test = (f"; each point off the calibration scale fitted without it: MAE {held['mae_moved']:.3f} along the trend, {held['mae_base']:.3f} at "
             f"hidden {BASE_HIDDEN}'s label, over {plural(held['points'], 'point')}" if held else "")  # fmt: skip

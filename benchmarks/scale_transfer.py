@@ -6,10 +6,12 @@ the clustered plan at one K/E is built, and each recipe's critical knob is bisec
 original and the proxy with the grid's seeds, probe length and resolution; the shift and its
 standard error are the grid's labels (planner.fidelity.labels.knob_shift; router collapse's label is
 its margin shift, as in the grid: its curve runs are not needed for it); each point keeps both sides'
-per-seed margins, and a censored one the direction of its bound, which the fit takes as such. Every
-point is appended to
-the output as it completes, so the run resumes where it stopped and the largest points can be added
-where a GPU is lent (`--device cuda`). `--steps` trains the models longer than the grid's 300 + 300
+per-seed margins, and a censored one the direction of its bound, which the fit takes as such, and
+the original's fingerprint: a point at another K/E on a model made again from the same seed (the same
+fingerprint, grid settings and device) takes the original's margins from the earlier point and
+measures only its proxy (`original_reused`; measure_s is then the proxy's alone). Every point is
+appended to the output as it completes, so the run resumes where it stopped and the largest points
+can be added where a GPU is lent (`--device cuda`). `--steps` trains the models longer than the grid's 300 + 300
 steps (their names end in -t<steps>), so that a trend with width can be told from one with training.
 Then it prints the points and the fitted slopes of the shift in log2 width, depth and training
 length with their 90% intervals (planner.fidelity.transfer), which `planner calibrate fit` reads.
@@ -44,15 +46,23 @@ def point_name(family: str, hidden: int, layers: int, seed: int, steps: int) -> 
     return f"{family}-h{hidden}-l{layers}-s{seed}" + (f"-t{steps}" if steps != BASE_STEPS else "")
 
 
+def measured_originals(points: list[dict]) -> dict[tuple[str, str, str, str], dict]:
+    """The originals' margins already measured, by (original's fingerprint, recipe, device, grid key):
+    a model made again from its seed is the same model (the fingerprint says so), so a point at
+    another K/E on it measures only its proxy."""
+    return {(p["original_fingerprint"], p["recipe"], p["device"], p["grid"]): p["margins"]["original"]
+            for p in points if p.get("original_fingerprint") and p.get("grid") and p.get("margins")}  # fmt: skip
+
+
 def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: list[str], kept: float, device: str, work: Path,
-                  steps: int) -> list[dict]:  # fmt: skip
+                  steps: int, known: dict[tuple[str, str, str, str], dict] | None = None) -> list[dict]:  # fmt: skip
     from planner.arch.routing import routing_shape
     from planner.checkpoint import Checkpoint, build
     from planner.fidelity.grid import Grid
     from planner.fidelity.labels import knob_scale, knob_shift
     from planner.fidelity.transfer import censored_bound
     from planner.rl.grpo import Models
-    from planner.rl.margin import critical_knob
+    from planner.rl.margin import Margin, critical_knob
     from planner.families import scaled_family_config
     from planner.rl.models import ModelRecipe, make_model
     from planner.rl.recipes import recipe
@@ -73,12 +83,15 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     if not (proxy / "expert_map.json").is_file():
         stats = compute_stats(ckpt, experts=[k], methods=("agglomerative",), calib_tokens=grid.calib_tokens, seq_len=64)
         build(ckpt, plan_from_stats(stats, k, "agglomerative", model=str(original)), proxy, verify="never", force=True)
-    points = []
+    points, fingerprint = [], ckpt.fingerprint()
     for recipe_name in recipes:
         r = recipe(recipe_name)
         t0 = time.perf_counter()
+        before = (known or {}).get((fingerprint, recipe_name, device, grid.key()))
         margins = {side: critical_knob(Models(path, device), r, list(grid.margin_seeds), iters=grid.iters(recipe_name), steps=grid.margin_steps)
-                   for side, path in (("original", original), ("proxy", proxy))}  # fmt: skip
+                   for side, path in (("original", original), ("proxy", proxy)) if not (side == "original" and before)}  # fmt: skip
+        if before:
+            margins["original"] = Margin(before["recipe"], tuple(before["values"]), tuple(before["censored"]), before["probes"])
         shift = knob_shift(recipe_name, list(margins["original"].values), list(margins["proxy"].values),
                            original_censored=margins["original"].censored, proxy_censored=margins["proxy"].censored,
                            resolution=grid.resolution(recipe_name))  # fmt: skip
@@ -90,7 +103,8 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
                        "margins": {s: margins[s].to_json() for s in ("original", "proxy")},
                        "critical_original": margins["original"].mean * knob_scale(recipe_name),
                        "critical_proxy": margins["proxy"].mean * knob_scale(recipe_name), "device": device,
-                       "steps": steps, "make_s": round(made, 1), "measure_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
+                       "steps": steps, "make_s": round(made, 1), "measure_s": round(time.perf_counter() - t0, 1),
+                       "original_fingerprint": fingerprint, "grid": grid.key(), "original_reused": bool(before)})  # fmt: skip
     return points
 
 
@@ -142,7 +156,8 @@ def main() -> None:
             print(f"budget of {args.budget_s:.0f} s spent; {len(plan) - n + 1} points left for the next run", file=sys.stderr)
             break
         print(f"[{n}/{len(plan)}] {name}: {', '.join(todo)} on {args.device}", file=sys.stderr, flush=True)
-        points = measure_point(family, hidden, layers, seed, todo, args.kept_fraction, args.device, Path(args.workdir), args.steps)
+        known = measured_originals(json.loads(out.read_text())["points"] if out.is_file() else [])
+        points = measure_point(family, hidden, layers, seed, todo, args.kept_fraction, args.device, Path(args.workdir), args.steps, known)
         # runs for other points may share the output (one per core): read it again under a lock and add to what is there
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
         with open(Path(args.workdir) / "transfer.lock", "w") as lock:

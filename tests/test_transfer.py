@@ -224,3 +224,28 @@ def test_each_plan_rule_has_its_own_label_and_width_slope():
     # one rule alone: its terms are not fitted, and the fit is the one-rule fit
     alone = fit_transfer(quarter)[key]
     assert alone["interval"]["log2_kept"] is None and alone["coef"]["log2_kept"] == 0.0 and alone["trend_rules"] == [0.25]
+
+
+@pytest.mark.slow
+def test_a_point_at_another_rule_on_a_remade_original_measures_only_its_proxy(tmp_path):
+    """benchmarks/scale_transfer.py: a model made again from its seed has the same fingerprint, so a
+    point at another K/E takes the original's margins from the earlier point and bisects only the
+    proxy; a different grid setting (or fingerprint) measures both sides again."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scale_transfer.py"
+    spec = importlib.util.spec_from_file_location("scale_transfer", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ("gpt_oss-e32", 64, 2, 0, ["fp16-overflow"])
+    (first,) = bench.measure_point(*args, 0.25, "cpu", tmp_path / "a", 4)
+    assert not first["original_reused"] and first["margins"]["original"]["values"]
+    known = bench.measured_originals([first])
+    (second,) = bench.measure_point(*args, 0.5, "cpu", tmp_path / "b", 4, known)  # another workdir: the original is made again
+    assert second["original_fingerprint"] == first["original_fingerprint"] and second["original_reused"]
+    assert second["margins"]["original"] == first["margins"]["original"] and second["experts"] == 2 * first["experts"]
+    assert second["critical_original"] == first["critical_original"]
+    other = {(f, r, d, "another grid"): m for (f, r, d, _), m in known.items()}
+    (third,) = bench.measure_point(*args, 0.5, "cpu", tmp_path / "b", 4, other)
+    assert not third["original_reused"] and third["margins"]["original"] == first["margins"]["original"]

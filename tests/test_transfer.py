@@ -176,6 +176,8 @@ def test_a_bound_enters_the_fit_as_a_tail_probability():
     assert fit_transfer(points + [bound(top + 3, None)])[key]["points"] == len(points)  # no recorded direction: left out
     alone = fit_transfer(points + [{**bound(top + 3, "lower"), "steps": 1200}])[key]  # the only point at its training length
     assert alone["points"] == len(points) and alone["interval"]["log2_steps"] is None and alone["coef"] == exact["coef"]
+    other_rule = fit_transfer(points + [{**bound(top + 3, "lower"), "kept_fraction": 0.5}])[key]  # the only point of its plan rule
+    assert other_rule["points"] == len(points) and other_rule["coef"] == exact["coef"]
     below = fit_transfer(points + [bound(top - 10, "lower")])[key]
     assert below["bounds"] == 1 and below["coef"]["log2_hidden"] == pytest.approx(exact["coef"]["log2_hidden"], abs=1e-6)
     up = fit_transfer(points + [bound(top + 3, "lower")])[key]

@@ -114,12 +114,13 @@ def censored_bound(original: tuple[list[float], list[bool]], proxy: tuple[list[f
 
 
 def _fittable(at: list[dict]) -> list[dict]:
-    """The exact points, and the bounds at scales the exact points span along every axis they do not
-    vary along: a bound alone on an axis would pull that slope without limit."""
+    """The exact points, and the bounds at the scale (and plan rule) of the exact points along every
+    axis they do not vary along: a bound alone on an axis would pull that slope without limit."""
     exact = [p for p in at if not p.get("censored")]
     if not exact:
         return []
-    flat = [(field, base, exact[0].get(field) or base) for _, field, base, _ in AXES if len({p.get(field) or base for p in exact}) == 1]
+    fields = [(field, base) for _, field, base, _ in AXES] + [("kept_fraction", BASE_KEPT)]  # the plan rule, too
+    flat = [(field, base, exact[0].get(field) or base) for field, base in fields if len({p.get(field) or base for p in exact}) == 1]
     bounds = [p for p in at if p.get("censored") and all((p.get(field) or base) == value for field, base, value in flat)]
     return exact + bounds
 

@@ -11,7 +11,8 @@ calibration/transfer.json). Per (recipe, shape) the signed shift is fitted as
 
 and b and c are reported with their 90% intervals. Where points of more than one plan rule exist,
 each rule has its own label at the calibration scale (e) and its own width slope (b + f per doubling
-of K/E; a rule at one width has none and borrows b); depth and training length share one slope. A
+of K/E; a rule at one width has none and borrows b), measured up to its own widest point;
+depth and training length share one slope. A
 term enters only where the exact points identify it, so one rule's points fit the first line alone. Every scale is trained for the grid's 300 dense
 and 300 MoE steps unless a point says otherwise; where points at other training lengths exist, d
 separates training length from width (models of every width trained for the same steps are not
@@ -145,6 +146,7 @@ def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.
         widths = {k: {p.get("hidden") for p in at if rule(p) == k and not p.get("censored")} for k in {rule(p) for p in at}}
         entry: dict[str, Any] = {"recipe": recipe, "shape": shape, "points": len(at), "originals": len({p["original"] for p in at}),
                                  "kept_fraction": sorted(widths), "trend_rules": sorted(k for k, w in widths.items() if len(w) > 1),
+                                 "rule_hidden": {f"{k:g}": sorted(int(h or BASE_HIDDEN) for h in w) for k, w in sorted(widths.items())},
                                  **{field: sorted({int(p.get(field) or base) for p in at}) for _, field, base, _ in AXES}, **_fit(at, tau2)}  # fmt: skip
         if entry["fitted"] and holdout:
             entry["holdout"] = _holdout(at, tau2)
@@ -299,9 +301,11 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
     distance = {"log2_hidden": math.log2(hidden / BASE_HIDDEN), "log2_layers": math.log2(layers / BASE_LAYERS), "log2_steps": 0.0}
     rules = entry.get("kept_fraction") or [BASE_KEPT]
     kappa = _kappa(rules, kept_fraction)
+    # a rule's own widths bound its width trend (the fit's terms for it are measured there); depth and training are shared
+    own = (entry.get("rule_hidden") or {}).get(f"{round(BASE_KEPT * 2**kappa, 4):g}") or entry["hidden"]
     inside, far = {}, {}
     for name, field, base, _ in AXES:
-        d, measured = distance[name], entry.get(field) or [base]
+        d, measured = distance[name], (own if field == "hidden" else entry.get(field)) or [base]
         top = math.log2(max(measured) / base)
         if entry["interval"].get(name) is None and d != 0:
             return {"halfwidth": None, "measured": False, "text": f"transfer in {field} not measured ({target})"}
@@ -314,7 +318,7 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
     change = float(np.dot([entry["coef"][n] for n in names], v))
     half = float(entry["t"] * math.sqrt(max(v @ cov @ v, 0.0)))
     spread = half + sum(far.values())
-    beyond = f", beyond the measured hidden {max(entry['hidden'])} / {max(entry['layers'])} layers" if far else ""
+    beyond = f", beyond the measured hidden {max(own)} / {max(entry['layers'])} layers" if far else ""
     # a slope whose interval excludes zero: the calibration scale's label is measured not to hold at another scale
     at_rule = {what: slope(entry, name, kappa) for name, _, _, what in AXES}
     moves = [what for what, sl in at_rule.items() if sl is not None and (sl[1][0] > 0 or sl[1][1] < 0)]

@@ -213,7 +213,7 @@ def test_each_plan_rule_has_its_own_label_and_width_slope():
     at_quarter = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 3, 0.25)
     at_half = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 3, 0.5)
     assert at_quarter["shift"] == pytest.approx(0.8, abs=0.1) and at_half["shift"] == pytest.approx(0.2, abs=0.1)
-    assert "per doubling of width (plans keeping 0.5 of the experts)" in at_half["text"]
+    assert "per doubling of width at K/E 0.5" in at_half["text"]
     # a rule's trend is bounded by its own widths: K/E 0.5 measured to hidden 128 is extrapolated beyond it
     shorter = fit_transfer(quarter + [p for p in half if p["hidden"] < 256])[key]
     assert shorter["rule_hidden"] == {"0.25": [64, 128, 256], "0.5": [64, 128]}

@@ -332,9 +332,7 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
     follows = trend and same_rule
     shift = change if follows else 0.0
     halfwidth = spread if follows else abs(change) + spread
-    rule = f" (plans keeping {BASE_KEPT * 2**kappa:g} of the experts)" if len(rules) > 1 else ""
-    slopes = [f"slope {sl[0]:+.2f} [{sl[1][0]:+.2f}, {sl[1][1]:+.2f}] log2 per doubling of {what}{rule if what == 'width' else ''}"
-              for what, sl in at_rule.items() if what != "depth" and sl is not None]  # fmt: skip
+    slopes = [f"slope {text}" for text in slopes_text(entry, 2, BASE_KEPT * 2**kappa if len(rules) > 1 else None, skip=("depth",))]
     said = "; ".join(slopes) if entry["interval"].get("log2_hidden") else "; ".join(["one width", *slopes])
     moving = f"; the label moves with {' and '.join(moves)} on this shape" if moves else ""
     lengths = entry.get("steps") or [BASE_STEPS]
@@ -379,14 +377,16 @@ def slope(entry: dict[str, Any], name: str, kappa: float = 0.0) -> tuple[float, 
     return value, (value - half, value + half)
 
 
-def slopes_text(entry: dict[str, Any], digits: int = 3) -> list[str]:
-    """Each fitted slope with its 90% interval, the width slope once per plan rule measured along width."""
-    rules = entry.get("trend_rules") or [BASE_KEPT]
+def slopes_text(entry: dict[str, Any], digits: int = 3, kept: float | None = None, skip: tuple[str, ...] = ()) -> list[str]:
+    """Each fitted slope with its 90% interval: the width slope once per plan rule measured along
+    width, or for the rule `kept` alone; the axes named in `skip` ("depth", ...) left out."""
+    every = entry.get("trend_rules") or [BASE_KEPT]
+    rules = every if kept is None else [kept]
     out = []
     for name, _, _, what in AXES:
         for k in rules if name == "log2_hidden" else [BASE_KEPT]:
-            if (sl := slope(entry, name, math.log2(k / BASE_KEPT))) is not None:
-                rule = f" at K/E {k:g}" if name == "log2_hidden" and len(rules) > 1 else ""
+            if what not in skip and (sl := slope(entry, name, math.log2(k / BASE_KEPT))) is not None:
+                rule = f" at K/E {k:g}" if name == "log2_hidden" and (len(every) > 1 or kept not in (None, *every)) else ""
                 out.append(f"{sl[0]:+.{digits}f} [{sl[1][0]:+.{digits}f}, {sl[1][1]:+.{digits}f}] log2 per doubling of {what}{rule}")
     return out
 

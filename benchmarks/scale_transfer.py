@@ -11,8 +11,10 @@ the original's fingerprint: a point at another K/E on a model made again from th
 fingerprint, grid settings and device) takes the original's margins from the earlier point and
 measures only its proxy (`original_reused`; measure_s is then the proxy's alone). Every point is
 appended to the output as it completes, so the run resumes where it stopped and the largest points
-can be added where a GPU is lent (`--device cuda`). `--steps` trains the models longer than the grid's 300 + 300
-steps (their names end in -t<steps>), so that a trend with width can be told from one with training.
+can be added where a GPU is lent (`--device cuda`). `--steps` trains the models longer than the
+grid's 300 + 300 steps (their names end in -t<steps>), so that a trend with width can be told from
+one with training. `--kept-fraction` sets the plan rule (K/E); the fit gives each rule its own label
+and width slope.
 Then it prints the points and the fitted slopes of the shift in log2 width, depth and training
 length with their 90% intervals (planner.fidelity.transfer), which `planner calibrate fit` reads.
 

@@ -11,10 +11,10 @@ calibration/transfer.json). Per (recipe, shape) the signed shift is fitted as
 
 and b and c are reported with their 90% intervals. Where points of more than one plan rule exist,
 each rule has its own label at the calibration scale (e) and its own width slope (b + f per doubling
-of K/E; a rule at one width has none and borrows b), measured up to its own widest point;
-depth and training length share one slope. A
-term enters only where the exact points identify it, so one rule's points fit the first line alone. Every scale is trained for the grid's 300 dense
-and 300 MoE steps unless a point says otherwise; where points at other training lengths exist, d
+of K/E; a rule at one width has none and borrows b), measured up to its own widest point; depth and
+training length share one slope. A term enters only where the exact points identify it, so one
+rule's points fit the first line alone. Every scale is trained for the grid's 300 dense and 300 MoE
+steps unless a point says otherwise; where points at other training lengths exist, d
 separates training length from width (models of every width trained for the same steps are not
 equally far into training), and b is the width's effect at the grid's length. A point's error is its
 margin seeds' standard error and, beyond it, the spread between independently trained originals at
@@ -311,7 +311,7 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
             return {"halfwidth": None, "measured": False, "text": f"transfer in {field} not measured ({target})"}
         inside[name] = min(d, top)  # the fitted change up to the measured scale ...
         if d > top:  # ... and beyond it the slope (at the target's plan rule) at the far end of its interval
-            far[name] = (d - top) * max(abs(v) for v in slope(entry, name, kappa)[1])
+            far[name] = (d - top) * max(abs(end) for end in slope(entry, name, kappa)[1])
     names = list(entry["coef"])  # as the covariance is ordered
     v = np.array([inside.get(n, kappa * inside["log2_hidden"] if n == "log2_hidden:kept" else 0.0) for n in names])
     cov = np.array(entry["cov"])

@@ -85,11 +85,11 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     if not (proxy / "expert_map.json").is_file():
         stats = compute_stats(ckpt, experts=[k], methods=("agglomerative",), calib_tokens=grid.calib_tokens, seq_len=64)
         build(ckpt, plan_from_stats(stats, k, "agglomerative", model=str(original)), proxy, verify="never", force=True)
-    points, fingerprint = [], ckpt.fingerprint()
+    points, fingerprint, settings = [], ckpt.fingerprint(), grid.key()
     for recipe_name in recipes:
         r = recipe(recipe_name)
         t0 = time.perf_counter()
-        before = (known or {}).get((fingerprint, recipe_name, device, grid.key()))
+        before = (known or {}).get((fingerprint, recipe_name, device, settings))
         margins = {side: critical_knob(Models(path, device), r, list(grid.margin_seeds), iters=grid.iters(recipe_name), steps=grid.margin_steps)
                    for side, path in (("original", original), ("proxy", proxy)) if not (side == "original" and before)}  # fmt: skip
         if before:
@@ -106,7 +106,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
                        "critical_original": margins["original"].mean * knob_scale(recipe_name),
                        "critical_proxy": margins["proxy"].mean * knob_scale(recipe_name), "device": device,
                        "steps": steps, "make_s": round(made, 1), "measure_s": round(time.perf_counter() - t0, 1),
-                       "original_fingerprint": fingerprint, "grid": grid.key(), "original_reused": bool(before)})  # fmt: skip
+                       "original_fingerprint": fingerprint, "grid": settings, "original_reused": bool(before)})  # fmt: skip
     return points
 
 

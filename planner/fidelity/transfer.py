@@ -313,7 +313,7 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
         if d > top:  # ... and beyond it the slope (at the target's plan rule) at the far end of its interval
             far[name] = (d - top) * max(abs(end) for end in slope(entry, name, kappa)[1])
     names = list(entry["coef"])  # as the covariance is ordered
-    v = np.array([inside.get(n, kappa * inside["log2_hidden"] if n == "log2_hidden:kept" else 0.0) for n in names])
+    v = sum(inside[name] * _rule_vector(names, name, kappa) for name, *_ in AXES)  # each axis's change at the target's rule
     cov = np.array(entry["cov"])
     change = float(np.dot([entry["coef"][n] for n in names], v))
     half = float(entry["t"] * math.sqrt(max(v @ cov @ v, 0.0)))

@@ -10,8 +10,10 @@ per-seed margins, and a censored one the direction of its bound, which the fit t
 the original's fingerprint: a point at another K/E on a model made again from the same seed (the same
 fingerprint, grid settings and device) takes the original's margins from the earlier point and
 measures only its proxy (`original_reused`; measure_s is then the proxy's alone). Every point is
-appended to the output as it completes, so the run resumes where it stopped and the largest points
-can be added where a GPU is lent (`--device cuda`). `--steps` trains the models longer than the
+appended to the output as it completes, and each side's margins are kept beside its model as soon
+as they are measured, so the run resumes where it stopped (a stopped point keeps its models and
+finished bisections until it completes) and the largest points can be added where a GPU is lent
+(`--device cuda`). `--steps` trains the models longer than the
 grid's 300 + 300 steps (their names end in -t<steps>), so that a trend with width can be told from
 one with training. `--kept-fraction` sets the plan rule (K/E); the fit gives each rule its own label
 and width slope.
@@ -56,6 +58,24 @@ def measured_originals(points: list[dict]) -> dict[tuple[str, str, str, str], di
             for p in points if p.get("original_fingerprint") and p.get("grid") and p.get("margins")}  # fmt: skip
 
 
+def side_margin(model: Path, fingerprint: str, recipe_name: str, device: str, settings: str, measure) -> Margin:
+    """One side's margins, kept beside its model as soon as they are measured: a point stopped between
+    its two bisections (a hidden-512 point takes hours on one core) resumes at the second. Kept
+    margins count only for the same model (fingerprint), grid settings and device."""
+    from planner.files import write_text_atomic
+    from planner.rl.margin import Margin
+
+    kept = model.with_name(f"{model.name}.{recipe_name}.{device}.margins.json")
+    key = {"fingerprint": fingerprint, "grid": settings}
+    if kept.is_file():
+        stored = json.loads(kept.read_text())
+        if {k: stored.get(k) for k in key} == key:
+            return Margin.from_json(stored["margins"])
+    margin = measure()
+    write_text_atomic(kept, json.dumps({**key, "margins": margin.to_json()}))
+    return margin
+
+
 def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: list[str], kept: float, device: str, work: Path,
                   steps: int, known: dict[tuple[str, str, str, str], dict] | None = None) -> list[dict]:  # fmt: skip
     from planner.arch.routing import routing_shape
@@ -90,10 +110,12 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
         r = recipe(recipe_name)
         t0 = time.perf_counter()
         before = (known or {}).get((fingerprint, recipe_name, device, settings))
-        margins = {side: critical_knob(Models(path, device), r, list(grid.margin_seeds), iters=grid.iters(recipe_name), steps=grid.margin_steps)
-                   for side, path in (("original", original), ("proxy", proxy)) if not (side == "original" and before)}  # fmt: skip
-        if before:
-            margins["original"] = Margin(before["recipe"], tuple(before["values"]), tuple(before["censored"]), before["probes"])
+        margins = {"original": Margin.from_json(before)} if before else {}
+        for side, path in (("original", original), ("proxy", proxy)):
+            if side not in margins:
+                margins[side] = side_margin(path, Checkpoint(path).fingerprint(), recipe_name, device, settings,
+                                            lambda: critical_knob(Models(path, device), r, list(grid.margin_seeds), iters=grid.iters(recipe_name),
+                                                                  steps=grid.margin_steps))  # fmt: skip
         shift = knob_shift(recipe_name, list(margins["original"].values), list(margins["proxy"].values),
                            original_censored=margins["original"].censored, proxy_censored=margins["proxy"].censored,
                            resolution=grid.resolution(recipe_name))  # fmt: skip

@@ -3,6 +3,7 @@ the widening grows with the distance beyond the measured scale, and an unmeasure
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -248,6 +249,16 @@ def test_a_point_at_another_rule_on_a_remade_original_measures_only_its_proxy(tm
     args = ("gpt_oss-e32", 64, 2, 0, ["fp16-overflow"])
     (first,) = bench.measure_point(*args, 0.25, "cpu", tmp_path / "a", 4)
     assert not first["original_reused"] and first["margins"]["original"]["values"]
+    # a point stopped after a side's bisection resumes from the margins kept beside that side's model
+    kept = tmp_path / "a" / bench.point_name(*args[:4], 4) / "original.fp16-overflow.cpu.margins.json"
+    stored = json.loads(kept.read_text())
+    planted = [v + 1.0 for v in stored["margins"]["values"]]
+    kept.write_text(json.dumps({**stored, "margins": {**stored["margins"], "values": planted}}))
+    (resumed,) = bench.measure_point(*args, 0.25, "cpu", tmp_path / "a", 4)
+    assert resumed["margins"]["original"]["values"] == planted and resumed["margins"]["proxy"] == first["margins"]["proxy"]
+    kept.write_text(json.dumps({**stored, "fingerprint": "another model", "margins": {**stored["margins"], "values": planted}}))
+    (remeasured,) = bench.measure_point(*args, 0.25, "cpu", tmp_path / "a", 4)  # kept margins of another model are not taken
+    assert remeasured["margins"]["original"] == first["margins"]["original"]
     known = bench.measured_originals([first])
     (second,) = bench.measure_point(*args, 0.5, "cpu", tmp_path / "b", 4, known)  # another workdir: the original is made again
     assert second["original_fingerprint"] == first["original_fingerprint"] and second["original_reused"]

@@ -44,6 +44,10 @@ class Margin:
         return {"recipe": self.recipe, "values": list(self.values), "censored": list(self.censored), "mean": self.mean,
                 "spread": self.spread, "probes": self.probes}  # fmt: skip
 
+    @classmethod
+    def from_json(cls, d: dict) -> Margin:
+        return cls(d["recipe"], tuple(d["values"]), tuple(d["censored"]), d["probes"])
+
 
 def _bisect(fault, lo: float, hi: float, iters: int) -> tuple[float, bool, int]:
     """Bisect [lo, hi] for the smallest faulting knob: (value, censored, probes).

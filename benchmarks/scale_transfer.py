@@ -70,9 +70,14 @@ def side_margin(model: Path, fingerprint: str, recipe_name: str, device: str, se
     if kept.is_file():
         stored = json.loads(kept.read_text())
         if {k: stored.get(k) for k in key} == key:
+            print(f"  {model.parent.name}/{model.name}: {recipe_name} margins kept from a stopped run", file=sys.stderr, flush=True)
             return Margin.from_json(stored["margins"])
+    t0 = time.perf_counter()
     margin = measure()
     write_text_atomic(kept, json.dumps({**key, "margins": margin.to_json()}))
+    knobs = ", ".join(f"{v:+.2f}" + (" (censored)" if c else "") for v, c in zip(margin.values, margin.censored))
+    print(f"  {model.parent.name}/{model.name}: {recipe_name} critical knob per seed {knobs}, "
+          f"{margin.probes} probes in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
     return margin
 
 
@@ -97,6 +102,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     start = time.perf_counter()
     if not (original / "config.json").is_file():
         make_model(family, original, ModelRecipe(dense_steps=steps, moe_steps=steps, seed=seed), config=config, device=device)
+        print(f"  {name}: original made in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     made = time.perf_counter() - start
     ckpt = Checkpoint(original)
     e, top_k = ckpt.arch.original_num_experts, ckpt.arch.moe.top_k

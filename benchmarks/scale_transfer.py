@@ -16,7 +16,10 @@ finished bisections until it completes) and the largest points can be added wher
 (`--device cuda`). `--steps` trains the models longer than the
 grid's 300 + 300 steps (their names end in -t<steps>), so that a trend with width can be told from
 one with training. `--kept-fraction` sets the plan rule (K/E); the fit gives each rule its own label
-and width slope.
+and width slope. A router-collapse point also records where each side's routing starts
+(`start_collapse`: the detector's normalised top-k share at the first step, per margin seed, before
+any anti-balance pressure), since its label is read against that start; `--balance-only` makes the
+models and prints only that, in seconds to minutes where a point takes up to hours.
 Then it prints the points and the fitted slopes of the shift in log2 width, depth and training
 length with their 90% intervals (planner.fidelity.transfer), which `planner calibrate fit` reads.
 
@@ -24,6 +27,7 @@ length with their 90% intervals (planner.fidelity.transfer), which `planner cali
     python benchmarks/scale_transfer.py --recipes router-collapse --hidden 64,128   # one recipe, the cheaper widths
     python benchmarks/scale_transfer.py --recipes router-collapse --hidden 64 --steps 1200   # training length apart from width
     python benchmarks/scale_transfer.py --device cuda --hidden 64,256,1024 --budget-s 540
+    python benchmarks/scale_transfer.py --balance-only --families deepseek_v3-e256 --hidden 64,128,256 --layers 3 --seeds 0
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import shutil
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,18 +87,24 @@ def side_margin(model: Path, fingerprint: str, recipe_name: str, device: str, se
     return margin
 
 
-def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: list[str], kept: float, device: str, work: Path,
-                  steps: int, known: dict[tuple[str, str, str, str], dict] | None = None) -> list[dict]:  # fmt: skip
-    from planner.arch.routing import routing_shape
-    from planner.checkpoint import Checkpoint, build
-    from planner.fidelity.grid import Grid
-    from planner.fidelity.labels import knob_scale, knob_shift
-    from planner.fidelity.transfer import censored_bound
-    from planner.rl.grpo import Models
-    from planner.rl.margin import Margin, critical_knob
-    from planner.families import scaled_family_config
-    from planner.rl.models import ModelRecipe, make_model
+def start_balance(model: Path, device: str, seeds: list[int]) -> list[float]:
+    """Per seed, the router-collapse detector's statistic (the normalised top-k share of the most
+    collapsed MoE layer: 0 balanced, 1 collapsed) over a model's first step at the recipe's weakest
+    anti-balance knob: how close to the fault's threshold the model starts before any pressure."""
+    from planner.rl.grpo import GRPO, Models
     from planner.rl.recipes import recipe
+
+    r, models = recipe("router-collapse"), Models(model, device)
+    return [GRPO(models, r.config(r.lo, seed=s, steps=1)).run()[0]["collapse_max"] for s in seeds]
+
+
+def prepare(family: str, hidden: int, layers: int, seed: int, kept: float, device: str, work: Path, steps: int):
+    """The point's original (made unless already on disk) and its agglomerative proxy at K/E `kept`:
+    (checkpoint of the original, original's dir, proxy's dir, K, seconds to make)."""
+    from planner.checkpoint import Checkpoint, build
+    from planner.families import scaled_family_config
+    from planner.fidelity.grid import Grid
+    from planner.rl.models import ModelRecipe, make_model
     from planner.stats.compute import compute_stats, plan_from_stats
 
     grid = Grid()
@@ -105,13 +117,32 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
         print(f"  {name}: original made in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     made = time.perf_counter() - start
     ckpt = Checkpoint(original)
-    e, top_k = ckpt.arch.original_num_experts, ckpt.arch.moe.top_k
     k = Grid(families=(family,), kept_fractions=(kept,)).experts(family)[0]
     proxy = work / name / f"K{k}-agglomerative"
     if not (proxy / "expert_map.json").is_file():
         stats = compute_stats(ckpt, experts=[k], methods=("agglomerative",), calib_tokens=grid.calib_tokens, seq_len=64)
         build(ckpt, plan_from_stats(stats, k, "agglomerative", model=str(original)), proxy, verify="never", force=True)
+    return ckpt, original, proxy, k, made
+
+
+def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: list[str], kept: float, device: str, work: Path,
+                  steps: int, known: dict[tuple[str, str, str, str], dict] | None = None) -> list[dict]:  # fmt: skip
+    from planner.arch.routing import routing_shape
+    from planner.checkpoint import Checkpoint
+    from planner.fidelity.grid import Grid
+    from planner.fidelity.labels import knob_scale, knob_shift
+    from planner.fidelity.transfer import censored_bound
+    from planner.rl.grpo import Models
+    from planner.rl.margin import Margin, critical_knob
+    from planner.rl.recipes import recipe
+
+    grid, name = Grid(), point_name(family, hidden, layers, seed, steps)
+    ckpt, original, proxy, k, made = prepare(family, hidden, layers, seed, kept, device, work, steps)
+    e, top_k = ckpt.arch.original_num_experts, ckpt.arch.moe.top_k
     points, fingerprint, settings = [], ckpt.fingerprint(), grid.key()
+    # where each side starts, before any anti-balance pressure: a router-collapse label is read against it
+    start = {side: start_balance(path, device, list(grid.margin_seeds)) for side, path in (("original", original), ("proxy", proxy))
+             } if "router-collapse" in recipes else None  # fmt: skip
     for recipe_name in recipes:
         r = recipe(recipe_name)
         t0 = time.perf_counter()
@@ -134,8 +165,32 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
                        "critical_original": margins["original"].mean * knob_scale(recipe_name),
                        "critical_proxy": margins["proxy"].mean * knob_scale(recipe_name), "device": device,
                        "steps": steps, "make_s": round(made, 1), "measure_s": round(time.perf_counter() - t0, 1),
-                       "original_fingerprint": fingerprint, "grid": settings, "original_reused": bool(before)})  # fmt: skip
+                       "original_fingerprint": fingerprint, "grid": settings, "original_reused": bool(before)}
+                      | ({"start_collapse": start} if recipe_name == "router-collapse" else {}))  # fmt: skip
     return points
+
+
+def balance_table(args: argparse.Namespace) -> None:
+    """Where the originals and their proxies start: the mean over the grid's margin seeds of the
+    normalised top-k share of the most collapsed MoE layer at the first step, against the router-
+    collapse detector's threshold."""
+    from planner.fidelity.grid import Grid
+    from planner.render import table
+    from planner.runs.detect import THRESHOLDS
+
+    seeds, rows = list(Grid().margin_seeds), []
+    for family, hidden, layers, seed in scales(args):
+        _, original, proxy, k, _ = prepare(family, hidden, layers, seed, args.kept_fraction, args.device, Path(args.workdir), args.steps)
+        at = [float(np.mean(start_balance(path, args.device, seeds))) for path in (original, proxy)]
+        print(f"  {original.parent.name}: original starts at {at[0]:.3f}, proxy K={k} at {at[1]:.3f}", file=sys.stderr, flush=True)
+        rows.append([family, hidden, layers, seed, args.steps, k, f"{at[0]:.3f}", f"{at[1]:.3f}", f"{THRESHOLDS['router-collapse']:g}"])
+    print(table(["family", "hidden", "layers", "seed", "steps", "proxy K", "original starts", "proxy starts", "threshold"], rows))
+
+
+def scales(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
+    """(family, hidden, layers, seed) of every point asked for."""
+    return [(f, int(h), int(layer), int(s)) for f in args.families.split(",") for h in args.hidden.split(",")
+            for layer in args.layers.split(",") for s in args.seeds.split(",")]  # fmt: skip
 
 
 def main() -> None:
@@ -150,6 +205,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="dense and MoE training steps (the grid's: 300)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | npu: where models train and recipes run")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new points after this many seconds")
+    parser.add_argument("--balance-only", action="store_true",
+                        help="make the models and print where each side's routing starts (the router-collapse detector's "
+                             "statistic at the first step), without bisecting; the models stay for the points")
     parser.add_argument("--workdir", default=str(ROOT / "calibration" / "work" / "transfer"))
     parser.add_argument("-o", "--output", default=str(ROOT / "calibration" / "transfer.json"))
     args = parser.parse_args()
@@ -168,13 +226,15 @@ def main() -> None:
     from planner.render import table
     from planner.families import family_architecture
 
+    if args.balance_only:
+        balance_table(args)
+        return
     out = Path(args.output)
     data = json.loads(out.read_text()) if out.is_file() else {"schema": TRANSFER_SCHEMA, "points": []}
     done = {(p["original"], p["recipe"], p["kept_fraction"], p.get("steps")) for p in data["points"]}
     recipes = args.recipes.split(",")
     start = time.perf_counter()
-    plan = [(f, int(h), int(layer), int(s)) for f in args.families.split(",") for h in args.hidden.split(",")
-            for layer in args.layers.split(",") for s in args.seeds.split(",")]  # fmt: skip
+    plan = scales(args)
     for n, (family, hidden, layers, seed) in enumerate(plan, 1):
         name = point_name(family, hidden, layers, seed, args.steps)
         k = Grid(families=(family,), kept_fractions=(args.kept_fraction,)).experts(family)[0]

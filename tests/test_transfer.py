@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -259,6 +261,13 @@ def test_a_point_at_another_rule_on_a_remade_original_measures_only_its_proxy(tm
     kept.write_text(json.dumps({**stored, "fingerprint": "another model", "margins": {**stored["margins"], "values": planted}}))
     (remeasured,) = bench.measure_point(*args, 0.25, "cpu", tmp_path / "a", 4)  # kept margins of another model are not taken
     assert remeasured["margins"]["original"] == first["margins"]["original"]
+    # where each side starts (the router-collapse detector's statistic at the first step): the table of --balance-only
+    start = bench.start_balance(kept.parent / "original", "cpu", [0, 1, 2, 3])
+    assert len(start) == 4 and all(0.0 <= v <= 1.0 for v in start) and start == bench.start_balance(kept.parent / "original", "cpu", [0, 1, 2, 3])
+    out = subprocess.run([sys.executable, str(path), "--balance-only", "--families", "gpt_oss-e32", "--hidden", "64", "--layers", "2",
+                          "--seeds", "0", "--steps", "4", "--workdir", str(tmp_path / "a")], capture_output=True, text=True, check=True).stdout
+    row = out.splitlines()[-1].split()
+    assert row[:6] == ["gpt_oss-e32", "64", "2", "0", "4", str(first["experts"])] and float(row[6]) == pytest.approx(np.mean(start), abs=6e-4)
     known = bench.measured_originals([first])
     (second,) = bench.measure_point(*args, 0.5, "cpu", tmp_path / "b", 4, known)  # another workdir: the original is made again
     assert second["original_fingerprint"] == first["original_fingerprint"] and second["original_reused"]

@@ -139,7 +139,9 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     grid, name = Grid(), point_name(family, hidden, layers, seed, steps)
     ckpt, original, proxy, k, made = prepare(family, hidden, layers, seed, kept, device, work, steps)
     e, top_k = ckpt.arch.original_num_experts, ckpt.arch.moe.top_k
-    points, fingerprint, settings = [], ckpt.fingerprint(), grid.key()
+    points, settings = [], grid.key()
+    fingerprints = {"original": ckpt.fingerprint(), "proxy": Checkpoint(proxy).fingerprint()}
+    fingerprint = fingerprints["original"]
     # where each side starts, before any anti-balance pressure: a router-collapse label is read against it
     start = {side: start_balance(path, device, list(grid.margin_seeds)) for side, path in (("original", original), ("proxy", proxy))
              } if "router-collapse" in recipes else None  # fmt: skip
@@ -150,7 +152,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
         margins = {"original": Margin.from_json(before)} if before else {}
         for side, path in (("original", original), ("proxy", proxy)):
             if side not in margins:
-                margins[side] = side_margin(path, Checkpoint(path).fingerprint(), recipe_name, device, settings,
+                margins[side] = side_margin(path, fingerprints[side], recipe_name, device, settings,
                                             lambda: critical_knob(Models(path, device), r, list(grid.margin_seeds), iters=grid.iters(recipe_name),
                                                                   steps=grid.margin_steps))  # fmt: skip
         shift = knob_shift(recipe_name, list(margins["original"].values), list(margins["proxy"].values),

@@ -49,11 +49,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def point_name(family: str, hidden: int, layers: int, seed: int, steps: int) -> str:
-    """The original's name: its scale, seed and (where not the grid's) training steps."""
+def point_name(family: str, hidden: int, layers: int, seed: int, steps: int, balancing: str = "none") -> str:
+    """The original's name: its scale, seed, (where not the grid's) training steps, and -bal where it
+    was trained with its shape's published load balancing."""
     from planner.fidelity.transfer import BASE_STEPS
 
-    return f"{family}-h{hidden}-l{layers}-s{seed}" + (f"-t{steps}" if steps != BASE_STEPS else "")
+    return f"{family}-h{hidden}-l{layers}-s{seed}" + (f"-t{steps}" if steps != BASE_STEPS else "") + ("-bal" if balancing == "published" else "")
 
 
 def measured_originals(points: list[dict]) -> dict[tuple[str, str, str, str], dict]:
@@ -98,7 +99,7 @@ def start_balance(model: Path, device: str, seeds: list[int]) -> list[float]:
     return [GRPO(models, r.config(r.lo, seed=s, steps=1)).run()[0]["collapse_max"] for s in seeds]
 
 
-def prepare(family: str, hidden: int, layers: int, seed: int, kept: float, device: str, work: Path, steps: int):
+def prepare(family: str, hidden: int, layers: int, seed: int, kept: float, device: str, work: Path, steps: int, balancing: str = "none"):
     """The point's original (made unless already on disk) and its agglomerative proxy at K/E `kept`:
     (checkpoint of the original, original's dir, proxy's dir, K, seconds to make)."""
     from planner.checkpoint import Checkpoint, build
@@ -109,12 +110,14 @@ def prepare(family: str, hidden: int, layers: int, seed: int, kept: float, devic
 
     grid = Grid()
     config = scaled_family_config(family, hidden, layers)
-    name = point_name(family, hidden, layers, seed, steps)
+    name = point_name(family, hidden, layers, seed, steps, balancing)
     original = work / name / "original"
     start = time.perf_counter()
     if not (original / "config.json").is_file():
-        make_model(family, original, ModelRecipe(dense_steps=steps, moe_steps=steps, seed=seed), config=config, device=device)
-        print(f"  {name}: original made in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        report = make_model(family, original, ModelRecipe(dense_steps=steps, moe_steps=steps, seed=seed, balancing=balancing), config=config,
+                            device=device)  # fmt: skip
+        print(f"  {name}: original made in {time.perf_counter() - start:.0f} s; its routing over the last steps: "
+              f"{report['routing_end']}", file=sys.stderr, flush=True)  # fmt: skip
     made = time.perf_counter() - start
     ckpt = Checkpoint(original)
     k = Grid(families=(family,), kept_fractions=(kept,)).experts(family)[0]
@@ -126,7 +129,7 @@ def prepare(family: str, hidden: int, layers: int, seed: int, kept: float, devic
 
 
 def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: list[str], kept: float, device: str, work: Path,
-                  steps: int, known: dict[tuple[str, str, str, str], dict] | None = None) -> list[dict]:  # fmt: skip
+                  steps: int, known: dict[tuple[str, str, str, str], dict] | None = None, balancing: str = "none") -> list[dict]:  # fmt: skip
     from planner.arch.routing import routing_shape
     from planner.checkpoint import Checkpoint
     from planner.fidelity.grid import Grid
@@ -136,8 +139,8 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     from planner.rl.margin import Margin, critical_knob
     from planner.rl.recipes import recipe
 
-    grid, name = Grid(), point_name(family, hidden, layers, seed, steps)
-    ckpt, original, proxy, k, made = prepare(family, hidden, layers, seed, kept, device, work, steps)
+    grid, name = Grid(), point_name(family, hidden, layers, seed, steps, balancing)
+    ckpt, original, proxy, k, made = prepare(family, hidden, layers, seed, kept, device, work, steps, balancing)
     e, top_k = ckpt.arch.original_num_experts, ckpt.arch.moe.top_k
     points, settings = [], grid.key()
     fingerprints = {"original": ckpt.fingerprint(), "proxy": Checkpoint(proxy).fingerprint()}
@@ -166,7 +169,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
                        "margins": {s: margins[s].to_json() for s in ("original", "proxy")},
                        "critical_original": margins["original"].mean * knob_scale(recipe_name),
                        "critical_proxy": margins["proxy"].mean * knob_scale(recipe_name), "device": device,
-                       "steps": steps, "make_s": round(made, 1), "measure_s": round(time.perf_counter() - t0, 1),
+                       "steps": steps, "balancing": balancing, "make_s": round(made, 1), "measure_s": round(time.perf_counter() - t0, 1),
                        "original_fingerprint": fingerprint, "grid": settings, "original_reused": bool(before)}
                       | ({"start_collapse": start} if recipe_name == "router-collapse" else {}))  # fmt: skip
     return points
@@ -182,11 +185,12 @@ def balance_table(args: argparse.Namespace) -> None:
 
     seeds, rows = list(Grid().margin_seeds), []
     for family, hidden, layers, seed in scales(args):
-        _, original, proxy, k, _ = prepare(family, hidden, layers, seed, args.kept_fraction, args.device, Path(args.workdir), args.steps)
+        _, original, proxy, k, _ = prepare(family, hidden, layers, seed, args.kept_fraction, args.device, Path(args.workdir), args.steps,
+                                           args.balancing)  # fmt: skip
         at = [float(np.mean(start_balance(path, args.device, seeds))) for path in (original, proxy)]
         print(f"  {original.parent.name}: original starts at {at[0]:.3f}, proxy K={k} at {at[1]:.3f}", file=sys.stderr, flush=True)
-        rows.append([family, hidden, layers, seed, args.steps, k, f"{at[0]:.3f}", f"{at[1]:.3f}", f"{THRESHOLDS['router-collapse']:g}"])
-    print(table(["family", "hidden", "layers", "seed", "steps", "proxy K", "original starts", "proxy starts", "threshold"], rows))
+        rows.append([family, hidden, layers, seed, args.steps, args.balancing, k, f"{at[0]:.3f}", f"{at[1]:.3f}", f"{THRESHOLDS['router-collapse']:g}"])
+    print(table(["family", "hidden", "layers", "seed", "steps", "balancing", "proxy K", "original starts", "proxy starts", "threshold"], rows))
 
 
 def scales(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
@@ -205,6 +209,9 @@ def main() -> None:
                         help="measured on the same model, which is deleted after its point: name every recipe wanted")
     parser.add_argument("--kept-fraction", type=float, default=0.25)
     parser.add_argument("--steps", type=int, default=300, help="dense and MoE training steps (the grid's: 300)")
+    parser.add_argument("--balancing", default="none", choices=("none", "published"),
+                        help="how the originals' MoE stage is trained: without load balancing (the grid's models so far) or with "
+                             "their shape's published balancing (planner.rl.models)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | npu: where models train and recipes run")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new points after this many seconds")
     parser.add_argument("--balance-only", action="store_true",
@@ -233,12 +240,12 @@ def main() -> None:
         return
     out = Path(args.output)
     data = json.loads(out.read_text()) if out.is_file() else {"schema": TRANSFER_SCHEMA, "points": []}
-    done = {(p["original"], p["recipe"], p["kept_fraction"], p.get("steps")) for p in data["points"]}
+    done = {(p["original"], p["recipe"], p["kept_fraction"], p.get("steps")) for p in data["points"]}  # the name says the balancing
     recipes = args.recipes.split(",")
     start = time.perf_counter()
     plan = scales(args)
     for n, (family, hidden, layers, seed) in enumerate(plan, 1):
-        name = point_name(family, hidden, layers, seed, args.steps)
+        name = point_name(family, hidden, layers, seed, args.steps, args.balancing)
         k = Grid(families=(family,), kept_fractions=(args.kept_fraction,)).experts(family)[0]
         kept = k / family_architecture(family).original_num_experts  # a point's identity: its model, recipe, K/E and training
         todo = [r for r in recipes if (name, r, kept, args.steps) not in done]
@@ -249,7 +256,8 @@ def main() -> None:
             break
         print(f"[{n}/{len(plan)}] {name}: {', '.join(todo)} on {args.device}", file=sys.stderr, flush=True)
         known = measured_originals(json.loads(out.read_text())["points"] if out.is_file() else [])
-        points = measure_point(family, hidden, layers, seed, todo, args.kept_fraction, args.device, Path(args.workdir), args.steps, known)
+        points = measure_point(family, hidden, layers, seed, todo, args.kept_fraction, args.device, Path(args.workdir), args.steps, known,
+                               args.balancing)  # fmt: skip
         # runs for other points may share the output (one per core): read it again under a lock and add to what is there
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
         with open(Path(args.workdir) / "transfer.lock", "w") as lock:
@@ -259,7 +267,7 @@ def main() -> None:
             data["provenance"] = {"command": " ".join(["python", *sys.argv]), "python": platform.python_version(), "machine": platform.machine()}
             write_text_atomic(out, json.dumps(data, indent=1))
         shutil.rmtree(Path(args.workdir) / name, ignore_errors=True)  # the models are remade from their seed if ever needed
-    seed = lambda p: re.search(r"-s(\d+)(-t\d+)?$", p["original"]).group(1)  # noqa: E731  (names end in -s<seed>[-t<steps>])
+    seed = lambda p: re.search(r"-s(\d+)(-t\d+)?(-bal)?$", p["original"]).group(1)  # noqa: E731  (names end in -s<seed>[-t<steps>][-bal])
     rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], seed(p), p.get("steps"), f"{p['kept_fraction']:g}", f"{p['shift_log2']:+.3f}",
              f"{p['shift_se']:.3f}", p["outcome"], p["device"], p["make_s"], p["measure_s"]] for p in data["points"]]  # fmt: skip
     print(table(["family", "recipe", "hidden", "layers", "seed", "steps", "K/E", "shift", "se", "outcome", "device", "make s", "measure s"], rows))

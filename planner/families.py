@@ -20,7 +20,12 @@ import yaml
 from planner.errors import ConfigError, SpecError
 
 __all__ = ["family_configs", "family_config", "family_architecture", "family_of_shape", "small_config", "scaled_backbone",
-           "scaled_family_config", "arch_family"]  # fmt: skip
+           "scaled_family_config", "arch_family", "family_balancing", "BALANCE_KEYS"]  # fmt: skip
+
+# a family's published load balancing (`balance:` in families.yaml), as planner.rl.models applies it
+# when it trains the MoE stage: the balance loss's coefficient (1 at an even load) and whether it is
+# taken over the batch or per sequence, the router z-loss's, and the correction bias's update speed
+BALANCE_KEYS = {"loss": float, "scope": str, "z_loss": float, "bias_rate": float, "source": str}
 
 
 # keys of a published config.json that a small model does not carry over: its precision, quantisation
@@ -148,6 +153,27 @@ def family_config(family: str) -> dict[str, Any]:
     if family not in configs:
         raise SpecError(f"unknown calibration family {family!r}; one of {', '.join(configs)}")
     return dict(configs[family])
+
+
+def family_balancing(family: str) -> dict[str, Any]:
+    """The load balancing `family`'s original was trained with, as published (families.yaml `balance:`):
+    every key of BALANCE_KEYS, absent ones 0 (scope "batch")."""
+    family_config(family)  # an unknown family's error
+    entry = _families_file()["families"][family].get("balance")
+    if not isinstance(entry, Mapping) or not entry.get("source"):
+        raise ConfigError(f"families.yaml: family {family!r} states no published load balancing (`balance:` with its `source`)")
+    bad = sorted(set(entry) - set(BALANCE_KEYS))
+    if bad:
+        raise ConfigError(f"families.yaml: family {family!r} balance has unknown keys {bad}; known: {', '.join(BALANCE_KEYS)}")
+    out = {"loss": 0.0, "scope": "batch", "z_loss": 0.0, "bias_rate": 0.0} | dict(entry)
+    try:
+        out = {k: BALANCE_KEYS[k](v) for k, v in out.items()}
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"families.yaml: family {family!r} balance {dict(entry)}: {e}") from None
+    if out["scope"] not in ("batch", "sequence") or any(not 0.0 <= out[k] < 10.0 for k in ("loss", "z_loss", "bias_rate")):
+        raise ConfigError(f"families.yaml: family {family!r} balance {dict(entry)}: scope must be batch or sequence and the "
+                          "coefficients and rate in [0, 10)")  # fmt: skip
+    return out
 
 
 def family_architecture(family: str):

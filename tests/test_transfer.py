@@ -66,6 +66,21 @@ def test_the_fit_recovers_planted_slopes_and_the_widening_grows_with_distance():
     assert flat["halfwidth"] >= abs(flat["change"])
 
 
+def test_points_of_originals_trained_with_their_published_balancing_are_fitted_apart():
+    """The estimator's grid originals were trained without load balancing: points of balanced
+    originals never move that fit, and get their own under recipe|shape|published."""
+    plain = planted(-0.2, 0.1)
+    balanced = [dict(p, balancing="published", shift_log2=p["shift_log2"] + 3.0) for p in planted(0.0, 0.0, seed=1)]
+    fits = fit_transfer(plain + balanced)
+    alone = fit_transfer(plain)["fp16-overflow|softmax/top8of128/renorm"]
+    key = "fp16-overflow|softmax/top8of128/renorm"
+    assert fits[key]["coef"] == alone["coef"] and fits[key]["balancing"] == "none" and fits[key]["points"] == 18
+    apart = fits[key + "|published"]
+    assert apart["balancing"] == "published" and apart["points"] == 18 and abs(apart["coef"]["intercept"] - 3.1) < 0.1
+    assert widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)["change"] == pytest.approx(
+        widening(fit_transfer(plain), "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)["change"])
+
+
 def test_an_unmeasured_shape_or_direction_is_said_not_measured():
     fits = fit_transfer(planted(0.0, 0.0))
     other = widening(fits, "fp16-overflow", "sigmoid/top8of256/renorm", 7168, 61)

@@ -81,9 +81,12 @@ def rl() -> None:
 @click.option("--families", default="qwen3_moe,deepseek_v3", show_default=True)
 @click.option("--dense-steps", type=click.IntRange(min=1), default=300, show_default=True)
 @click.option("--moe-steps", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option("--balancing", type=click.Choice(["none", "published"]), default="none", show_default=True,
+              help="Train the MoE stage without load balancing (as the calibration grids' models are made) or with each "
+                   "shape's published balancing (balance loss, correction-bias updates; calibration/families.yaml).")
 @click.option("--force", is_flag=True, help="Replace existing model directories.")
 @click.option("--json", "as_json", is_flag=True)
-def make_models(out_dir, families, dense_steps, moe_steps, force, as_json) -> None:
+def make_models(out_dir, families, dense_steps, moe_steps, balancing, force, as_json) -> None:
     """Make the small upcycled MoE models deterministically (OUT_DIR/FAMILY)."""
     from planner.families import family_configs
     from planner.rl.models import ModelRecipe, make_model
@@ -106,14 +109,15 @@ def make_models(out_dir, families, dense_steps, moe_steps, force, as_json) -> No
                     raise SpecError(f"{target} exists; pass --force to replace it")
                 shutil.rmtree(target)
             target.parent.mkdir(parents=True, exist_ok=True)
-            reports[family] = make_model(family, target, ModelRecipe(dense_steps=dense_steps, moe_steps=moe_steps),
+            reports[family] = make_model(family, target, ModelRecipe(dense_steps=dense_steps, moe_steps=moe_steps, balancing=balancing),
                                          progress=lambda stage, d, t, f=family: progress(f"{f} {stage}", d, t))  # fmt: skip
         if as_json:
             return emit_json(reports)
         rows = [[f, f"{r['parameters']:,}", f"{r['dense_loss'][1]:.3f}", f"{r['moe_loss'][1]:.3f}",
-                 *(f"{r['expert_cosine_similarity'][q]:.2f}" for q in ("p5", "p50", "p95")), f"{r['seconds']:.0f}"]
+                 *(f"{r['expert_cosine_similarity'][q]:.2f}" for q in ("p5", "p50", "p95")),
+                 "-" if r["routing_end"].get("collapse_max") is None else f"{r['routing_end']['collapse_max']:.3f}", f"{r['seconds']:.0f}"]
                 for f, r in reports.items()]  # fmt: skip
-        click.echo(table(["family", "params", "dense loss", "MoE loss", "cos p5", "cos p50", "cos p95", "s"], rows))
+        click.echo(table(["family", "params", "dense loss", "MoE loss", "cos p5", "cos p50", "cos p95", "collapse at end", "s"], rows))
 
     run_body(body)
 

@@ -72,8 +72,8 @@ MAX_FAILURES = 3  # a grid point that raised this often is reported, not retried
 PHASES = ("originals", "proxies")
 # what the models and proxies under a workdir depend on
 _MODEL_FIELDS = ("families", "originals", "kept_fractions", "methods", "random_draws", "calib_tokens", "dense_steps", "moe_steps",
-                 "controls", "first_original", "numerics")  # fmt: skip
-_ADDED_LATER = ("controls", "first_original", "jobs", "numerics")  # settings with a default that leaves earlier grids' keys as they were
+                 "controls", "first_original", "numerics", "balancing")  # fmt: skip
+_ADDED_LATER = ("controls", "first_original", "jobs", "numerics", "balancing")  # settings with a default that leaves earlier grids' keys as they were
 # one code path for making models that every x86-64 CPU with AVX2 runs the same way (`numerics: portable`)
 PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2", "OPENBLAS_CORETYPE": "Haswell",
                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # fmt: skip
@@ -110,6 +110,9 @@ class Grid:
     # models from the same seeds) or "portable" (PORTABLE_ENV: the same bytes on any AVX2 machine).
     # Not in the key: the points of one grid carry the fingerprint of the models they were measured on
     numerics: str = "native"
+    # how the originals' MoE stage is trained (planner.rl.models.ModelRecipe): "none" (the routers learn from the
+    # language-model loss alone: the grids measured so far) or "published" (each shape's published load balancing)
+    balancing: str = "none"
 
     def seeds(self) -> range:
         """The model seeds of the grid's originals."""
@@ -137,6 +140,10 @@ class Grid:
             job_settings(job)
         if self.numerics not in NUMERICS:
             raise SpecError(f"grid: numerics {self.numerics!r}: one of {', '.join(NUMERICS)}")
+        from planner.rl.models import BALANCINGS
+
+        if self.balancing not in BALANCINGS:
+            raise SpecError(f"grid: balancing {self.balancing!r}: one of {', '.join(BALANCINGS)}")
         if not 0 <= self.first_original < self.originals:
             raise SpecError(f"grid: first_original {self.first_original} must lie in [0, originals={self.originals})")
         positive = ("originals", "margin_steps", "curve_steps", "calib_tokens")
@@ -323,7 +330,7 @@ def _prepare_original(grid: Grid, family: str, seed: int, root: Path) -> dict[st
     base = f"{family}-s{seed}"
     original = root / "original"
     if not (original / "config.json").is_file():
-        make_model(family, original, ModelRecipe(dense_steps=grid.dense_steps, moe_steps=grid.moe_steps, seed=seed))
+        make_model(family, original, ModelRecipe(dense_steps=grid.dense_steps, moe_steps=grid.moe_steps, seed=seed, balancing=grid.balancing))
     ckpt = Checkpoint(original)
     top_k = ckpt.arch.moe.top_k
     records[f"{base}/original"] = {"family": family, "original": base, "seed": seed, "model": "original", "path": str(original),

@@ -114,6 +114,13 @@ def censored_bound(original: tuple[list[float], list[bool]], proxy: tuple[list[f
     return ways.pop() if len(ways) == 1 else None
 
 
+def _made(point: dict) -> str:
+    """How the point's originals were trained (planner.rl.models.ModelRecipe.balancing): points of
+    originals trained with their published load balancing are fitted apart, under "recipe|shape|
+    published", and the estimator reads only the fit of its grid's originals (trained without)."""
+    return point.get("balancing") or "none"
+
+
 def _fittable(at: list[dict]) -> list[dict]:
     """The exact points, and the bounds at the scale (and plan rule) of the exact points along every
     axis they do not vary along: a bound alone on an axis would pull that slope without limit."""
@@ -138,8 +145,8 @@ def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.
     tau2 = tau2 or between_variance
     out: dict[str, dict[str, Any]] = {}
     usable = _usable(points)
-    for recipe, shape in sorted({(p["recipe"], p["shape"]) for p in usable}):
-        at = _fittable([p for p in usable if (p["recipe"], p["shape"]) == (recipe, shape)])
+    for recipe, shape, made in sorted({(p["recipe"], p["shape"], _made(p)) for p in usable}):
+        at = _fittable([p for p in usable if (p["recipe"], p["shape"], _made(p)) == (recipe, shape, made)])
         if not at:  # bounds alone: nothing measured to fit them to
             continue
         rule = lambda p: round(float(p.get("kept_fraction") or BASE_KEPT), 4)  # noqa: E731
@@ -150,7 +157,7 @@ def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.
                                  **{field: sorted({int(p.get(field) or base) for p in at}) for _, field, base, _ in AXES}, **_fit(at, tau2)}  # fmt: skip
         if entry["fitted"] and holdout:
             entry["holdout"] = _holdout(at, tau2)
-        out[f"{recipe}|{shape}"] = entry
+        out[f"{recipe}|{shape}" + ("" if made == "none" else f"|{made}")] = entry | {"balancing": made}
     return out
 
 

@@ -34,6 +34,7 @@ from planner.hf import require_torch
 from planner.rl.corpus import prompt_windows
 from planner.rl.device import Device, keep_freed_memory
 from planner.rl.experts import fast_eager_experts, fit_scan_chunks
+from planner.rl.routers import Routers, collapse_share, expert_counts, router_attr, routing_probs, sigmoid_scored, switch_loss
 
 __all__ = ["RLConfig", "GRPO", "Models", "reward_lowercase", "write_metrics", "read_metrics"]
 
@@ -121,28 +122,6 @@ def _round_mantissa(torch, w, bits: float):
     return torch.round(w / step) * step
 
 
-class _Routers:
-    """Forward hooks on every router: logits (with their graph, for the balance loss) and top-k."""
-
-    def __init__(self, model, router_attr: str):
-        self.calls: list[tuple] = []
-        self.handles = []
-        for name, module in model.named_modules():
-            if re.search(rf"\.layers\.\d+\.\w+\.{router_attr}$", name):
-                self.handles.append(module.register_forward_hook(self._hook))
-
-    def _hook(self, module, args, out):
-        if len(out) == 3:
-            logits, _, ids = out
-        else:  # llama4 routers return (scores, logits)
-            scores, logits = out
-            ids = scores.topk(getattr(module, "top_k", 1), dim=-1).indices
-        self.calls.append((logits, ids))
-
-    def clear(self) -> None:
-        self.calls = []
-
-
 class Models:
     """A checkpoint's weights loaded once: the policy (eager experts for fp16, transformers' default
     otherwise), a frozen reference and a rollout copy. Runs reset them from the saved initial state,
@@ -197,16 +176,12 @@ class GRPO:
         self.vocab = text.vocab_size
         if self.vocab < 256:
             raise SpecError(f"the harness samples byte-level prompts; {self.models.path} has a vocabulary of {self.vocab} < 256")
-        from planner.checkpoint.reader import family_names
-
-        router_attr = family_names(text.model_type)["memory"]["router"].split(".")[0]
-        from planner.arch import Architecture
-
-        self.sigmoid_router = Architecture.from_config(text.to_dict()).moe.scoring in ("sigmoid", "sigmoid_topk")
+        router_name = router_attr(self.policy.config)
+        self.sigmoid_router = sigmoid_scored(self.policy.config)
         if not hasattr(self.policy, "_planner_routers"):
-            self.policy._planner_routers = _Routers(self.policy, router_attr)
+            self.policy._planner_routers = Routers(self.policy, router_name)
         self.routers = self.policy._planner_routers
-        self.router_params = [p for n, p in self.policy.named_parameters() if re.search(rf"\.{router_attr}\.", n)]
+        self.router_params = [p for n, p in self.policy.named_parameters() if re.search(rf"\.{router_name}\.", n)]
         self.expert_params = [p for n, p in self.policy.named_parameters() if ".experts." in n]
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
         self.scale = 2.0 ** (config.loss_scale_log2 if config.loss_scale_log2 is not None else 16)
@@ -272,28 +247,21 @@ class GRPO:
         return logp, entropy, logits.detach().abs().max()
 
     def _balance(self):
-        """Switch-transformer balance loss E * sum_e f_e P_e averaged over MoE layers, rescaled from
-        its range [1 (balanced), E/k (all tokens on k experts)] to [0, 1] so that one coefficient
+        """The Switch balance loss (planner.rl.routers.switch_loss) averaged over MoE layers, rescaled
+        from its range [1 (balanced), E/k (all tokens on k experts)] to [0, 1] so that one coefficient
         means the same pressure for any E; the per-layer load CV, normalised router entropy and
         top-k share (the share of routed tokens on the k most loaded experts)."""
         torch = self.torch
         losses, cvs, ents, shares = [], [], [], []
-        for logits, ids in self.routers.calls:
-            if self.sigmoid_router:  # DeepSeek-V3 / GLM score experts by sigmoid: normalise the scores
-                scores = torch.sigmoid(logits.float())
-                probs = scores / scores.sum(-1, keepdim=True)
-            else:
-                probs = torch.softmax(logits.float(), -1)
+        for _, logits, ids in self.routers.calls:
+            probs = routing_probs(logits, self.sigmoid_router)
             e, k = probs.shape[-1], ids.shape[-1]
-            counts = torch.bincount(ids.reshape(-1), minlength=e).float()
-            frac = counts / counts.sum()
+            counts = expert_counts(ids, e)
             # with E <= k every token uses every expert: the loss is constant, there is nothing to balance
-            losses.append((e * (frac * probs.mean(0)).sum() - 1.0) / (e / k - 1.0) if e > k else probs.sum() * 0.0)
+            losses.append((switch_loss(probs, ids) - 1.0) / (e / k - 1.0) if e > k else probs.sum() * 0.0)
             cvs.append(load_cv(counts))
             ents.append(float((-(probs * probs.clamp_min(1e-12).log()).sum(-1)).mean().detach() / math.log(e)))
-            share = float(frac.sort(descending=True).values[:k].sum())  # k/E when balanced, 1 when collapsed
-            # the same from 0 (balanced) to 1 (collapsed) for any E; NaN where E <= k (nothing can collapse)
-            shares.append((share, (share - k / e) / (1.0 - k / e) if e > k else float("nan")))
+            shares.append(collapse_share(counts, k))
         loss = torch.stack(losses).mean() if losses else torch.zeros(())
         return loss, cvs, ents, shares
 

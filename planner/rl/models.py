@@ -5,6 +5,15 @@ production MoEs often are (sparse upcycling, Komatsuzaki et al. 2022): a dense m
 expert starts as a copy of its dense MLP plus small noise, and the MoE then trains further. Experts
 end up partly redundant, as in upcycled models, rather than nearly orthogonal as from-scratch tiny
 MoEs are. The pairwise cosine similarity of experts' weights is reported per family.
+
+`ModelRecipe(balancing="published")` trains the MoE stage with the load balancing its shape was
+published with (planner.families.family_balancing: the balance loss at the published coefficient,
+over the batch or per sequence, the router z-loss, and for the sigmoid routers with a correction
+bias the auxiliary-loss-free bias update at the published speed; planner.rl.routers), so that the
+original starts its RL runs as evenly loaded as its training made it. With "none" (the first grids'
+models) the routers train on the language-model loss alone, and the correction bias stays zero.
+The report gives where the routing ended: the router-collapse detector's statistic (normalised top-k
+share) of the most collapsed MoE layer over the last 20 steps, and the largest correction bias.
 """
 
 from __future__ import annotations
@@ -18,12 +27,14 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from planner.families import arch_family, family_config
+from planner.errors import SpecError
+from planner.families import arch_family, family_balancing, family_config
 from planner.hf import require_torch
 from planner.rl.corpus import split_bytes
 from planner.rl.experts import fast_eager_experts
+from planner.rl.routers import Routers, collapse_share, expert_counts, routing_probs, sigmoid_scored, switch_loss, update_correction_bias, z_loss
 
-__all__ = ["ModelRecipe", "make_model", "expert_similarity"]
+__all__ = ["ModelRecipe", "BALANCINGS", "make_model", "expert_similarity"]
 
 @dataclass(frozen=True)
 class ModelRecipe:
@@ -34,30 +45,71 @@ class ModelRecipe:
     lr: float = 2e-3
     noise: float = 0.05  # relative std of the noise that breaks the symmetry between upcycled experts
     seed: int = 0
+    balancing: str = "none"  # "published": the MoE stage trains with the family's published load balancing
+
+    def __post_init__(self) -> None:
+        if self.balancing not in BALANCINGS:
+            raise SpecError(f"balancing {self.balancing!r}: one of {', '.join(BALANCINGS)}")
 
 
-def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None, device: str = "cpu") -> list[float]:
+BALANCINGS = ("none", "published")
+NO_BALANCING = {"loss": 0.0, "scope": "batch", "z_loss": 0.0, "bias_rate": 0.0}  # the routing is still followed, for the report
+TAIL = 20  # the last steps whose routing the report summarises
+
+
+def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None, device: str = "cpu",
+           balance: Mapping[str, Any] | None = None) -> tuple[list[float], dict]:  # fmt: skip
+    """Train `model` on the corpus; (its language-model losses, where its routing ended). `balance`:
+    the load balancing (planner.families.family_balancing, or NO_BALANCING), or None where the
+    routing is not followed (the dense stage)."""
     torch, _ = require_torch("training the small models")
     model.to(device)
     data = split_bytes("train")
     rng = np.random.default_rng(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30) * (0.1 + 0.9 * (1 - s / steps)))
+    routers = Routers(model) if balance is not None else None
+    sigmoid = routers is not None and sigmoid_scored(model.config)
+    sequences = recipe.batch if balance is not None and balance["scope"] == "sequence" else 1
+    tail: dict[int, tuple] = {}  # per router: its module's top-k and the routed slots per expert over the last TAIL steps
     losses = []
     model.train()
     for step in range(steps):
         starts = rng.integers(0, data.size - recipe.seq - 1, size=recipe.batch)
         batch = torch.from_numpy(np.stack([data[s : s + recipe.seq] for s in starts]).astype(np.int64)).to(device)
-        loss = model(input_ids=batch, labels=batch).loss
+        if routers is not None:
+            routers.clear()
+        lm = model(input_ids=batch, labels=batch).loss
+        loss = lm
+        if routers is not None and routers.calls:
+            calls = routers.calls
+            if balance["loss"]:
+                loss = loss + balance["loss"] * torch.stack([switch_loss(routing_probs(lg, sigmoid), ids, sequences) for _, lg, ids in calls]).mean()
+            if balance["z_loss"]:
+                loss = loss + balance["z_loss"] * torch.stack([z_loss(lg) for _, lg, _ in calls]).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.item())
+        if routers is not None:
+            if balance["bias_rate"]:
+                update_correction_bias(routers.calls, balance["bias_rate"])
+            if step >= steps - TAIL:
+                for i, (_, lg, ids) in enumerate(routers.calls):
+                    tail[i] = (ids.shape[-1], tail.get(i, (0, 0.0))[1] + expert_counts(ids.detach().cpu(), lg.shape[-1]))
+        losses.append(lm.item())
         if progress:
             progress(step + 1, steps)
-    return losses
+    ended: dict[str, Any] = {}
+    if routers is not None:
+        shares = [collapse_share(counts, k)[1] for k, counts in tail.values()]
+        biases = [float(m.e_score_correction_bias.abs().max()) for m in {id(m): m for m, _, _ in routers.calls}.values()
+                  if getattr(m, "e_score_correction_bias", None) is not None]  # fmt: skip
+        ended = {"collapse_max": round(float(np.nanmax(shares)), 4) if shares and not np.all(np.isnan(shares)) else None,
+                 "correction_bias_abs_max": round(max(biases), 4) if biases else None}  # fmt: skip
+        routers.remove()
+    return losses, ended
 
 
 def expert_similarity(model) -> dict[str, float]:
@@ -100,7 +152,7 @@ def make_model(family: str, out_dir: Path, recipe: ModelRecipe = ModelRecipe(),
         dense_cfg.update(n_group=1, topk_group=1)
     dense = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**dense_cfg), experts_implementation="eager")
     fast_eager_experts(dense)
-    dense_losses = _train(dense, recipe.dense_steps, recipe, recipe.seed, progress and (lambda d, t: progress("dense", d, t)), device)
+    dense_losses, _ = _train(dense, recipe.dense_steps, recipe, recipe.seed, progress and (lambda d, t: progress("dense", d, t)), device)
     dense.to("cpu")
     moe = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config), experts_implementation="eager")
     dense_state = dense.state_dict()
@@ -115,7 +167,9 @@ def make_model(family: str, out_dir: Path, recipe: ModelRecipe = ModelRecipe(),
             elif source is not None and source.shape == param.shape:
                 param.copy_(source)
     fast_eager_experts(moe)
-    moe_losses = _train(moe, recipe.moe_steps, recipe, recipe.seed + 2, progress and (lambda d, t: progress("moe", d, t)), device)
+    balance = family_balancing(family) if recipe.balancing == "published" else NO_BALANCING
+    moe_losses, ended = _train(moe, recipe.moe_steps, recipe, recipe.seed + 2, progress and (lambda d, t: progress("moe", d, t)), device,
+                               balance)  # fmt: skip
     moe.to("cpu").eval()
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")  # renamed to out_dir once complete
@@ -127,6 +181,8 @@ def make_model(family: str, out_dir: Path, recipe: ModelRecipe = ModelRecipe(),
         "dense_loss": [round(dense_losses[0], 4), round(float(np.mean(dense_losses[-20:])), 4)],
         "moe_loss": [round(moe_losses[0], 4), round(float(np.mean(moe_losses[-20:])), 4)],
         "expert_cosine_similarity": expert_similarity(moe),
+        "balancing": {"mode": recipe.balancing, **balance},
+        "routing_end": ended,
         "recipe": recipe.__dict__,
         "seconds": round(time.perf_counter() - start, 1),
     }

@@ -19,7 +19,11 @@ one with training. `--kept-fraction` sets the plan rule (K/E); the fit gives eac
 and width slope. A router-collapse point also records where each side's routing starts
 (`start_collapse`: the detector's normalised top-k share at the first step, per margin seed, before
 any anti-balance pressure), since its label is read against that start; `--balance-only` makes the
-models and prints only that, in seconds to minutes where a point takes up to hours.
+models and prints only that, in seconds to minutes where a point takes up to hours. Both keep the
+starts in calibration/starts.json (planner.fidelity.starts), which the estimator states beside its
+router-collapse predictions. `--balancing published` makes the originals with their shape's
+published load balancing (planner.rl.models; their names end in -bal), and the fit takes their
+points apart from the others'.
 Then it prints the points and the fitted slopes of the shift in log2 width, depth and training
 length with their 90% intervals (planner.fidelity.transfer), which `planner calibrate fit` reads.
 
@@ -175,21 +179,44 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     return points
 
 
+def start_row(family: str, hidden: int, layers: int, seed: int, steps: int, balancing: str, k: int, start: dict[str, list[float]]) -> dict:
+    """A row of calibration/starts.json (planner.fidelity.starts): where a model and its proxy start."""
+    from planner.runs.detect import THRESHOLDS
+
+    return {"family": family, "hidden": hidden, "layers": layers, "seed": seed, "steps": steps, "balancing": balancing, "proxy_experts": k,
+            "original": [round(v, 4) for v in start["original"]], "proxy": [round(v, 4) for v in start["proxy"]],
+            "threshold": THRESHOLDS["router-collapse"]}  # fmt: skip
+
+
+def keep_starts(rows: list[dict], path: Path, workdir: Path) -> None:
+    """Add `rows` to the starts file under the workdir's lock (runs on other cores share it)."""
+    from planner.fidelity.starts import STARTS_SCHEMA, load_starts, merge_starts
+    from planner.files import write_text_atomic
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / "transfer.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        merged = merge_starts(load_starts(path), rows)
+        write_text_atomic(path, json.dumps({"schema": STARTS_SCHEMA, "rows": merged}, indent=1))
+
+
 def balance_table(args: argparse.Namespace) -> None:
     """Where the originals and their proxies start: the mean over the grid's margin seeds of the
     normalised top-k share of the most collapsed MoE layer at the first step, against the router-
-    collapse detector's threshold."""
+    collapse detector's threshold; each row is kept in the starts file as it is measured."""
     from planner.fidelity.grid import Grid
     from planner.render import table
-    from planner.runs.detect import THRESHOLDS
 
     seeds, rows = list(Grid().margin_seeds), []
     for family, hidden, layers, seed in scales(args):
         _, original, proxy, k, _ = prepare(family, hidden, layers, seed, args.kept_fraction, args.device, Path(args.workdir), args.steps,
                                            args.balancing)  # fmt: skip
-        at = [float(np.mean(start_balance(path, args.device, seeds))) for path in (original, proxy)]
+        start = {side: start_balance(path, args.device, seeds) for side, path in (("original", original), ("proxy", proxy))}
+        row = start_row(family, hidden, layers, seed, args.steps, args.balancing, k, start)
+        keep_starts([row], Path(args.starts), Path(args.workdir))
+        at = [float(np.mean(row[side])) for side in ("original", "proxy")]
         print(f"  {original.parent.name}: original starts at {at[0]:.3f}, proxy K={k} at {at[1]:.3f}", file=sys.stderr, flush=True)
-        rows.append([family, hidden, layers, seed, args.steps, args.balancing, k, f"{at[0]:.3f}", f"{at[1]:.3f}", f"{THRESHOLDS['router-collapse']:g}"])
+        rows.append([family, hidden, layers, seed, args.steps, args.balancing, k, f"{at[0]:.3f}", f"{at[1]:.3f}", f"{row['threshold']:g}"])
     print(table(["family", "hidden", "layers", "seed", "steps", "balancing", "proxy K", "original starts", "proxy starts", "threshold"], rows))
 
 
@@ -219,6 +246,8 @@ def main() -> None:
                              "statistic at the first step), without bisecting; the models stay for the points")
     parser.add_argument("--workdir", default=str(ROOT / "calibration" / "work" / "transfer"))
     parser.add_argument("-o", "--output", default=str(ROOT / "calibration" / "transfer.json"))
+    parser.add_argument("--starts", default=str(ROOT / "calibration" / "starts.json"),
+                        help="where the routing starts are kept (--balance-only, and every router-collapse point)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from planner.errors import SpecError
@@ -266,6 +295,10 @@ def main() -> None:
             data["points"].extend(points)
             data["provenance"] = {"command": " ".join(["python", *sys.argv]), "python": platform.python_version(), "machine": platform.machine()}
             write_text_atomic(out, json.dumps(data, indent=1))
+        starts = [start_row(family, hidden, layers, seed, args.steps, args.balancing, p["experts"], p["start_collapse"])
+                  for p in points if p.get("start_collapse")]  # fmt: skip
+        if starts:
+            keep_starts(starts, Path(args.starts), Path(args.workdir))
         shutil.rmtree(Path(args.workdir) / name, ignore_errors=True)  # the models are remade from their seed if ever needed
     seed = lambda p: re.search(r"-s(\d+)(-t\d+)?(-bal)?$", p["original"]).group(1)  # noqa: E731  (names end in -s<seed>[-t<steps>][-bal])
     rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], seed(p), p.get("steps"), f"{p['kept_fraction']:g}", f"{p['shift_log2']:+.3f}",

@@ -37,6 +37,7 @@ from planner.fidelity.jobs import (JOB_DIMENSIONS, JOB_TOLERANCE_LOG2, _job_join
                                    _token_mixer, job_offset, job_onset)
 from planner.fidelity.model import (FULL_FEATURES, LOCAL_ORIGINALS, ROUTING_FEATURES, SHIFT_FEATURES, SIGNS, ShiftModel, _finite,
                                     baselines, design, features_of, recipe_features, training_rows)  # fmt: skip
+from planner.fidelity.starts import start_text
 
 __all__ = ["ShiftModel", "FidelityEstimator", "FULL_FEATURES", "SHIFT_FEATURES", "ROUTING_FEATURES", "SIGNS", "features_of",
            "recipe_features", "baselines", "default_estimator_path", "training_rows", "knob_translation", "design", "family_text"]
@@ -96,6 +97,14 @@ def _transfer(points: list[dict] | None) -> dict[str, dict]:
 
     points = load_points() if points is None else points
     return fit_transfer(points) if points else {}
+
+
+def _starts(rows: list[dict] | None) -> dict[str, dict]:
+    """Per family, where its originals' routing starts (planner.fidelity.starts; the packaged rows
+    where none are given)."""
+    from planner.fidelity.starts import load_starts, summarise
+
+    return summarise(load_starts() if rows is None else rows)
 
 
 def _every_plan_reproduced(rows: list[dict], recipe: str) -> dict[str, dict]:
@@ -167,8 +176,9 @@ def family_text(family: dict) -> str:
     score = (f"held-out shift MAE of {model} {h['mae']:.3f} ({against}noise floor {h['noise_mae']:.3f}), interval coverage "
              f"{h['coverage']:.2f}" if h.get("mae") is not None else "no held-out score")  # fmt: skip
     auc = f", AUC {h['auc']:.3f}" if h.get("auc") is not None else ""
+    start = start_text(family.get("start"))
     return (f"family {family['name']} ({family['routing_shape']}): {family['originals']} originals, {family['rows']} rows; {score}{auc}; "
-            f"{family['scale']}")  # fmt: skip
+            f"{family['scale']}" + (f"; {start}" if start else ""))  # fmt: skip
 
 
 
@@ -184,7 +194,7 @@ class FidelityEstimator:
 
     @classmethod
     def fit(cls, rows: list[dict], *, info: dict | None = None, validate: bool = True,
-            transfer_points: list[dict] | None = None, report: dict | None = None) -> "FidelityEstimator":  # fmt: skip
+            transfer_points: list[dict] | None = None, report: dict | None = None, starts: list[dict] | None = None) -> "FidelityEstimator":  # fmt: skip
         """Fit on `rows`; with `validate`, the gates come from leaving one original out
         (planner.fidelity.validate.cross_validate), or from `report`, such a report of the same rows
         made already."""
@@ -232,7 +242,7 @@ class FidelityEstimator:
                                "gate": {"skill": False, "reason": "not validated"},
                                "gates": {name: {"skill": False, "reason": "not validated"} for name in families},
                                "ke_gates": {name: {"ok": False, "reason": "not validated"} for name in families}}  # fmt: skip
-        estimator = cls(recipes, dict(info or {}, rows=len(rows), transfer=_transfer(transfer_points)), TOLERANCE_LOG2)
+        estimator = cls(recipes, dict(info or {}, rows=len(rows), transfer=_transfer(transfer_points), starts=_starts(starts)), TOLERANCE_LOG2)
         if validate:
             from planner.fidelity.validate import cross_validate, ke_gate, skill_gate
 
@@ -502,6 +512,8 @@ class FidelityEstimator:
             out["family"] = {"name": family, "routing_shape": entry["families"][family]["routing_shape"],
                              "originals": entry["families"][family]["originals"], "rows": entry["families"][family]["rows"],
                              "held_out": held, "scale": self.scale(row, recipe)["text"]}  # fmt: skip
+            if recipe == "router-collapse" and self.info.get("starts", {}).get(family):  # the label is read against where they start
+                out["family"]["start"] = self.info["starts"][family]
         translation = knob_translation(recipe, out)
         if translation:
             out["knob_translation"] = translation

@@ -1,0 +1,81 @@
+"""Where the calibration originals' routing starts, before any anti-balance pressure.
+
+A router-collapse label is read against the original: how hard the recipe must push before the most
+collapsed MoE layer's normalised top-k share passes the detector's threshold (0 balanced, 1
+collapsed, threshold 0.9). An original that starts half-way there collapses sooner than one that
+starts balanced, so the label depends on how the originals were trained.
+`benchmarks/scale_transfer.py --balance-only` measures the start (the statistic over the first step
+at the recipe's weakest knob, per margin seed) of a family's original and its clustered proxy, for
+originals trained without load balancing (the grids' so far) and with their shape's published
+balancing (planner.rl.models), and keeps the rows in calibration/starts.json. `summarise` gives,
+per family, the mean start of its originals at the calibration scale under each way of training,
+which the estimator states beside every router-collapse prediction.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["STARTS_SCHEMA", "default_starts_path", "load_starts", "merge_starts", "summarise", "start_text", "IDENTITY"]
+
+STARTS_SCHEMA = "planner.starts/1"
+# what makes a row: the model (family, scale, seed, training length and balancing) and the proxy's K
+IDENTITY = ("family", "hidden", "layers", "seed", "steps", "balancing", "proxy_experts")
+
+
+def default_starts_path() -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("planner._calibration"))) / "starts.json"
+
+
+def load_starts(path: str | Path | None = None) -> list[dict]:
+    """The measured rows (empty where the file does not exist)."""
+    from planner.errors import SpecError
+    from planner.files import read_json
+
+    p = Path(path) if path is not None else default_starts_path()
+    if not p.is_file():
+        return []
+    data = read_json(p, "routing starts")
+    if data.get("schema") != STARTS_SCHEMA:
+        raise SpecError(f"{p}: not a routing-starts file (schema {data.get('schema')!r}, want {STARTS_SCHEMA})")
+    return list(data.get("rows", []))
+
+
+def merge_starts(rows: list[dict], new: list[dict]) -> list[dict]:
+    """`rows` with `new` added, a new row replacing an old one of the same identity."""
+    key = lambda r: tuple(r.get(k) for k in IDENTITY)  # noqa: E731
+    fresh = {key(r) for r in new}
+    return [r for r in rows if key(r) not in fresh] + list(new)
+
+
+def summarise(rows: list[dict], hidden: int = 64, layers: int = 3, steps: int = 300) -> dict[str, dict[str, Any]]:
+    """Per family, per way of training ("none", "published"): the mean start of its originals at the
+    given scale (each original's mean over its margin seeds, then over originals), how many originals,
+    and the mean of their clustered proxies' starts."""
+    out: dict[str, dict[str, Any]] = {}
+    at = [r for r in rows if (r["hidden"], r["layers"], r["steps"]) == (hidden, layers, steps)]
+    for family, made in sorted({(r["family"], r["balancing"]) for r in at}):
+        mine = [r for r in at if (r["family"], r["balancing"]) == (family, made)]
+        by_seed = {r["seed"]: r for r in mine}  # one row per original (the proxy's K aside)
+        out.setdefault(family, {})[made] = {
+            "original": round(float(np.mean([np.mean(r["original"]) for r in by_seed.values()])), 3),
+            "proxy": round(float(np.mean([np.mean(r["proxy"]) for r in mine])), 3),
+            "originals": len(by_seed), "threshold": mine[0]["threshold"]}  # fmt: skip
+    return out
+
+
+def start_text(starts: dict[str, Any] | None) -> str:
+    """The words for where a family's originals start (empty where not measured)."""
+    if not starts or "none" not in starts:
+        return ""
+    plain = starts["none"]
+    text = (f"its originals were trained without load balancing and start {plain['original']:.2f} of the way from balanced to "
+            f"collapsed before any push (proxies {plain['proxy']:.2f}; the detector fires at {plain['threshold']:g})")  # fmt: skip
+    if "published" in starts:
+        text += f"; trained with the shape's published balancing an original starts at {starts['published']['original']:.2f}"
+    return text

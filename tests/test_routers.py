@@ -119,3 +119,31 @@ def test_an_unknown_balancing_is_refused():
 
     with pytest.raises(SpecError, match="balancing 'loss-free'"):
         ModelRecipe(balancing="loss-free")
+
+
+@pytest.mark.slow
+def test_a_grid_of_balanced_originals_names_them_apart_and_keeps_earlier_grids_keys(tmp_path):
+    """`balancing: published` trains the grid's originals with the shape's balancing; their names end
+    in -bal, so their rows never meet the unbalanced originals' of the same seeds, and the setting
+    enters the key only when set (the grids measured before keep their studies)."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    from planner.fidelity.grid import Grid, prepare, study_name
+
+    grid = Grid(families=("deepseek_v3",), originals=1, recipes=("router-collapse",), kept_fractions=(0.25,), methods=("agglomerative",),
+                random_draws=1, calib_tokens=128, dense_steps=3, moe_steps=5, balancing="published")  # fmt: skip
+    plain = replace(grid, balancing="none")
+    assert plain.key() != grid.key()
+    assert plain.model_settings().get("balancing") is None and grid.model_settings()["balancing"] == "published"
+    assert "deepseek_v3-s0-bal" in study_name(grid, "router-collapse", "originals", grid.original("deepseek_v3", 0))
+    records = prepare(grid, tmp_path / "w")
+    assert records and all(key.startswith("deepseek_v3-s0-bal/") for key in records)
+    original = records["deepseek_v3-s0-bal/original"]["path"]
+    report = json.loads((tmp_path / "w" / "models" / "deepseek_v3-s0-bal" / "original" / "make_report.json").read_text())
+    assert report["balancing"]["mode"] == "published" and report["balancing"]["bias_rate"] == 0.001
+    biases = [v for n, v in load_file(f"{original}/model.safetensors").items() if n.endswith("e_score_correction_bias")]
+    assert biases and max(float(b.abs().max()) for b in biases) > 0
+    with pytest.raises(Exception, match="balancing 'some'"):
+        Grid(balancing="some")

@@ -198,7 +198,7 @@ def merged(dataset: Path, rows: list[dict], provenance: dict, grid: Grid) -> tup
     from planner.fidelity.dataset import job_key, production_rows
 
     old = read_dataset(dataset)
-    ours = {f"{family}-s{seed}" for family in grid.families for seed in grid.seeds()}
+    ours = {grid.original(family, seed) for family in grid.families for seed in grid.seeds()}
     if len(grid.jobs) > 1:
         again = {job_key(r) for r in rows}
         kept = [r for r in old if not (r.get("source") == "grid" and job_key(r) in again)]

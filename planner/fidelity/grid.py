@@ -118,6 +118,11 @@ class Grid:
         """The model seeds of the grid's originals."""
         return range(self.first_original, self.originals)
 
+    def original(self, family: str, seed: int) -> str:
+        """An original's name, FAMILY-sSEED, and -bal where it trains with its shape's published balancing
+        (another model from the same seed: its rows must not meet the unbalanced original's)."""
+        return f"{family}-s{seed}" + ("-bal" if self.balancing == "published" else "")
+
     def __post_init__(self) -> None:
         from planner.plan import SELECTION_METHODS
         from planner.families import family_configs
@@ -327,7 +332,7 @@ def _prepare_original(grid: Grid, family: str, seed: int, root: Path) -> dict[st
 
     experts = grid.experts(family)
     records: dict[str, dict] = {}
-    base = f"{family}-s{seed}"
+    base = grid.original(family, seed)
     original = root / "original"
     if not (original / "config.json").is_file():
         make_model(family, original, ModelRecipe(dense_steps=grid.dense_steps, moe_steps=grid.moe_steps, seed=seed, balancing=grid.balancing))
@@ -387,7 +392,7 @@ def _prepare_portable(grid: Grid, family: str, seed: int, root: Path) -> dict[st
     proc = subprocess.run([sys.executable, "-m", "planner.fidelity.grid", "--prepare", family, str(seed), str(root)],
                           input=grid.to_yaml(), capture_output=True, text=True, env={**os.environ, **PORTABLE_ENV})  # fmt: skip
     if proc.returncode:
-        raise SpecError(f"making {family}-s{seed} under {root} (numerics: portable) failed: {proc.stderr.strip()[-2000:]}")
+        raise SpecError(f"making {grid.original(family, seed)} under {root} (numerics: portable) failed: {proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -404,13 +409,13 @@ def prepare(grid: Grid, workdir: Path, progress=None) -> dict[str, dict]:
         write_text_atomic(stamp, json.dumps(settings, indent=1))
     # one original at a time per process, under a lock in its folder: a second run sharing the work
     # directory prepares another original meanwhile, and waits only for those the first one holds
-    bases = [f"{family}-s{seed}" for family in grid.families for seed in grid.seeds()]
+    bases = [grid.original(family, seed) for family in grid.families for seed in grid.seeds()]
     by_base: dict[str, dict[str, dict]] = {}
     pending = [(family, seed) for family in grid.families for seed in grid.seeds()]
     for blocking in (False, True):
         waiting = []
         for family, seed in pending:
-            base = f"{family}-s{seed}"
+            base = grid.original(family, seed)
             with _folder_lock(workdir / "models" / base, blocking=blocking) as held:
                 if not held:
                     waiting.append((family, seed))
@@ -727,7 +732,7 @@ def collect(storage: str, grid: Grid, phase: str, recipes: tuple[str, ...] | Non
     import optuna
 
     out = {}
-    studies = [(r, f"{family}-s{seed}") for r in recipes or grid.recipes for family in grid.families for seed in grid.seeds()
+    studies = [(r, grid.original(family, seed)) for r in recipes or grid.recipes for family in grid.families for seed in grid.seeds()
                if grid.measured_on(r, seed)]  # fmt: skip
     for recipe_name, base in studies:
         try:

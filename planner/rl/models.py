@@ -9,8 +9,9 @@ MoEs are. The pairwise cosine similarity of experts' weights is reported per fam
 `ModelRecipe(balancing="published")` trains the MoE stage with the load balancing its shape was
 published with (planner.families.family_balancing: the balance loss at the published coefficient,
 over the batch or per sequence, the router z-loss, and for the sigmoid routers with a correction
-bias the auxiliary-loss-free bias update at the published speed; planner.rl.routers), so that the
-original starts its RL runs as evenly loaded as its training made it. With "none" (the first grids'
+bias the auxiliary-loss-free bias update at the published speed, then run on to where it settles:
+`settle_correction_bias`; planner.rl.routers), so that the original starts its RL runs as evenly
+loaded as its training made it. With "none" (the first grids'
 models) the routers train on the language-model loss alone, and the correction bias stays zero.
 The report gives where the routing ended: the router-collapse detector's statistic (normalised top-k
 share) of the most collapsed MoE layer over the last 20 steps, and the largest correction bias.
@@ -19,6 +20,7 @@ share) of the most collapsed MoE layer over the last 20 steps, and the largest c
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ from planner.rl.corpus import split_bytes
 from planner.rl.experts import fast_eager_experts
 from planner.rl.routers import Routers, collapse_share, expert_counts, routing_probs, sigmoid_scored, switch_loss, update_correction_bias, z_loss
 
-__all__ = ["ModelRecipe", "BALANCINGS", "make_model", "expert_similarity"]
+__all__ = ["ModelRecipe", "BALANCINGS", "make_model", "expert_similarity", "settle_correction_bias"]
 
 @dataclass(frozen=True)
 class ModelRecipe:
@@ -55,6 +57,7 @@ class ModelRecipe:
 BALANCINGS = ("none", "published")
 NO_BALANCING = {"loss": 0.0, "scope": "batch", "z_loss": 0.0, "bias_rate": 0.0}  # the routing is still followed, for the report
 TAIL = 20  # the last steps whose routing the report summarises
+SETTLE_WINDOW, SETTLE_HALVINGS, SETTLE_PASSES = 50, 4, 1500  # settle_correction_bias: passes a window, halvings of its step, at most
 
 
 def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None, device: str = "cpu",
@@ -110,6 +113,51 @@ def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None, dev
                  "correction_bias_abs_max": round(max(biases), 4) if biases else None}  # fmt: skip
         routers.remove()
     return losses, ended
+
+
+def settle_correction_bias(model, recipe: ModelRecipe, rate: float, seed: int, device: str = "cpu",
+                           progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Loss-free balancing run to where it settles. A real model's bias updates over hundreds of
+    thousands of steps (DeepSeek-V3: 14.3T tokens); the grid's 300 MoE steps move a bias by 0.3 at
+    most, short of where a wider model's scores need it. So, with the weights as trained: forward
+    passes without gradients on training batches, each moving every correction bias by a step
+    towards an even load as a training step does, in windows of SETTLE_WINDOW passes; the step
+    starts at 2^SETTLE_HALVINGS times `rate` and halves after each window in which no bias drifted
+    one way (each moved less than half of what the window could move it), and the search ends after
+    such a window at `rate` itself (or after SETTLE_PASSES passes). Returns the passes, the last
+    window's largest drift, and where the routing ended (as `_train` reports it) over that window."""
+    torch, _ = require_torch("settling the correction bias")
+    modules = {id(m): m for m in model.modules() if getattr(m, "e_score_correction_bias", None) is not None}
+    if not modules:
+        return {}
+    routers = Routers(model)
+    data = split_bytes("train")
+    rng = np.random.default_rng(seed)
+    passes, step, window, drift = 0, rate * 2**SETTLE_HALVINGS, {}, math.inf
+    model.eval()
+    with torch.no_grad():
+        while passes < SETTLE_PASSES:
+            before = {k: m.e_score_correction_bias.clone() for k, m in modules.items()}
+            window = {}
+            for _ in range(SETTLE_WINDOW):
+                starts = rng.integers(0, data.size - recipe.seq - 1, size=recipe.batch)
+                routers.clear()
+                model(input_ids=torch.from_numpy(np.stack([data[s : s + recipe.seq] for s in starts]).astype(np.int64)).to(device))
+                update_correction_bias(routers.calls, step)
+                for i, (_, lg, ids) in enumerate(routers.calls):
+                    window[i] = (ids.shape[-1], window.get(i, (0, 0.0))[1] + expert_counts(ids.cpu(), lg.shape[-1]))
+                passes += 1
+            drift = max(float((m.e_score_correction_bias - before[k]).abs().max()) for k, m in modules.items())
+            if progress:
+                progress("settle", passes, SETTLE_PASSES)
+            if drift < SETTLE_WINDOW * step / 2:  # settled at this step
+                if step <= rate:
+                    break
+                step = max(rate, step / 2)
+    routers.remove()
+    shares = [collapse_share(counts, k)[1] for k, counts in window.values()]
+    return {"passes": passes, "drift": round(drift, 5), "collapse_max": round(float(np.nanmax(shares)), 4),
+            "correction_bias_abs_max": round(max(float(m.e_score_correction_bias.abs().max()) for m in modules.values()), 4)}
 
 
 def expert_similarity(model) -> dict[str, float]:
@@ -170,6 +218,9 @@ def make_model(family: str, out_dir: Path, recipe: ModelRecipe = ModelRecipe(),
     balance = family_balancing(family) if recipe.balancing == "published" else NO_BALANCING
     moe_losses, ended = _train(moe, recipe.moe_steps, recipe, recipe.seed + 2, progress and (lambda d, t: progress("moe", d, t)), device,
                                balance)  # fmt: skip
+    if balance["bias_rate"]:  # the bias where its updates settle, as a long pretraining leaves it
+        settled = settle_correction_bias(moe, recipe, balance["bias_rate"], recipe.seed + 3, device, progress)
+        ended = {**{k: settled[k] for k in ("collapse_max", "correction_bias_abs_max")}, "settle": settled} if settled else ended
     moe.to("cpu").eval()
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")  # renamed to out_dir once complete

@@ -301,9 +301,9 @@ def main() -> None:
             keep_starts(starts, Path(args.starts), Path(args.workdir))
         shutil.rmtree(Path(args.workdir) / name, ignore_errors=True)  # the models are remade from their seed if ever needed
     seed = lambda p: re.search(r"-s(\d+)(-t\d+)?(-bal)?$", p["original"]).group(1)  # noqa: E731  (names end in -s<seed>[-t<steps>][-bal])
-    rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], seed(p), p.get("steps"), f"{p['kept_fraction']:g}", f"{p['shift_log2']:+.3f}",
+    rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], seed(p), p.get("steps"), p.get("balancing", "none"), f"{p['kept_fraction']:g}", f"{p['shift_log2']:+.3f}",
              f"{p['shift_se']:.3f}", p["outcome"], p["device"], p["make_s"], p["measure_s"]] for p in data["points"]]  # fmt: skip
-    print(table(["family", "recipe", "hidden", "layers", "seed", "steps", "K/E", "shift", "se", "outcome", "device", "make s", "measure s"], rows))
+    print(table(["family", "recipe", "hidden", "layers", "seed", "steps", "balancing", "K/E", "shift", "se", "outcome", "device", "make s", "measure s"], rows))
     for key, fit in fit_transfer(data["points"]).items():
         if not fit.get("fitted"):
             print(f"{key}: not fitted ({fit.get('reason')})")

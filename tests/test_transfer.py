@@ -280,9 +280,14 @@ def test_a_point_at_another_rule_on_a_remade_original_measures_only_its_proxy(tm
     start = bench.start_balance(kept.parent / "original", "cpu", [0, 1, 2, 3])
     assert len(start) == 4 and all(0.0 <= v <= 1.0 for v in start) and start == bench.start_balance(kept.parent / "original", "cpu", [0, 1, 2, 3])
     out = subprocess.run([sys.executable, str(path), "--balance-only", "--families", "gpt_oss-e32", "--hidden", "64", "--layers", "2",
-                          "--seeds", "0", "--steps", "4", "--workdir", str(tmp_path / "a")], capture_output=True, text=True, check=True).stdout
+                          "--seeds", "0", "--steps", "4", "--workdir", str(tmp_path / "a"), "--starts", str(tmp_path / "starts.json")],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
     row = out.splitlines()[-1].split()
-    assert row[:6] == ["gpt_oss-e32", "64", "2", "0", "4", str(first["experts"])] and float(row[6]) == pytest.approx(np.mean(start), abs=6e-4)
+    assert row[:7] == ["gpt_oss-e32", "64", "2", "0", "4", "none", str(first["experts"])] and float(row[7]) == pytest.approx(np.mean(start), abs=6e-4)
+    from planner.fidelity.starts import load_starts
+
+    (kept_row,) = load_starts(tmp_path / "starts.json")  # and kept, as the estimator reads it
+    assert kept_row["balancing"] == "none" and kept_row["original"] == pytest.approx(start, abs=1e-4) and kept_row["proxy_experts"] == first["experts"]
     known = bench.measured_originals([first])
     (second,) = bench.measure_point(*args, 0.5, "cpu", tmp_path / "b", 4, known)  # another workdir: the original is made again
     assert second["original_fingerprint"] == first["original_fingerprint"] and second["original_reused"]

@@ -60,11 +60,37 @@ TAIL = 20  # the last steps whose routing the report summarises
 SETTLE_WINDOW, SETTLE_HALVINGS, SETTLE_PASSES = 50, 4, 1500  # settle_correction_bias: passes a window, halvings of its step, at most
 
 
+def _batch(torch, data, rng, recipe: ModelRecipe, device: str):
+    """A batch of `recipe.batch` random windows of `recipe.seq` bytes of the training corpus."""
+    starts = rng.integers(0, data.size - recipe.seq - 1, size=recipe.batch)
+    return torch.from_numpy(np.stack([data[s : s + recipe.seq] for s in starts]).astype(np.int64)).to(device)
+
+
+def _biased(model) -> list:
+    """The routers of `model` that steer selection by a correction bias."""
+    return [m for m in model.modules() if getattr(m, "e_score_correction_bias", None) is not None]
+
+
+def _tally(slots: dict[int, tuple], calls) -> None:
+    """Add one step's routed slots per expert to `slots` (per router call, with its top-k)."""
+    for i, (_, logits, ids) in enumerate(calls):
+        slots[i] = (ids.shape[-1], slots.get(i, (0, 0.0))[1] + expert_counts(ids.detach().cpu(), logits.shape[-1]))
+
+
+def _routing_end(slots: dict[int, tuple], biased: list) -> dict[str, Any]:
+    """Where the routing ended over the tallied steps: the router-collapse detector's statistic of
+    the most collapsed layer, and the largest correction bias."""
+    shares = [collapse_share(counts, k)[1] for k, counts in slots.values()]
+    finite = [v for v in shares if not math.isnan(v)]
+    return {"collapse_max": round(max(finite), 4) if finite else None,
+            "correction_bias_abs_max": round(max(float(m.e_score_correction_bias.abs().max()) for m in biased), 4) if biased else None}  # fmt: skip
+
+
 def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None, device: str = "cpu",
            balance: Mapping[str, Any] | None = None) -> tuple[list[float], dict]:  # fmt: skip
-    """Train `model` on the corpus; (its language-model losses, where its routing ended). `balance`:
-    the load balancing (planner.families.family_balancing, or NO_BALANCING), or None where the
-    routing is not followed (the dense stage)."""
+    """Train `model` on the corpus; (its language-model losses, where its routing ended over the last
+    TAIL steps). `balance`: the load balancing (planner.families.family_balancing, or NO_BALANCING),
+    or None where the routing is not followed (the dense stage)."""
     torch, _ = require_torch("training the small models")
     model.to(device)
     data = split_bytes("train")
@@ -74,12 +100,11 @@ def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None, dev
     routers = Routers(model) if balance is not None else None
     sigmoid = routers is not None and sigmoid_scored(model.config)
     sequences = recipe.batch if balance is not None and balance["scope"] == "sequence" else 1
-    tail: dict[int, tuple] = {}  # per router: its module's top-k and the routed slots per expert over the last TAIL steps
+    tail: dict[int, tuple] = {}
     losses = []
     model.train()
     for step in range(steps):
-        starts = rng.integers(0, data.size - recipe.seq - 1, size=recipe.batch)
-        batch = torch.from_numpy(np.stack([data[s : s + recipe.seq] for s in starts]).astype(np.int64)).to(device)
+        batch = _batch(torch, data, rng, recipe, device)
         if routers is not None:
             routers.clear()
         lm = model(input_ids=batch, labels=batch).loss
@@ -99,20 +124,14 @@ def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None, dev
             if balance["bias_rate"]:
                 update_correction_bias(routers.calls, balance["bias_rate"])
             if step >= steps - TAIL:
-                for i, (_, lg, ids) in enumerate(routers.calls):
-                    tail[i] = (ids.shape[-1], tail.get(i, (0, 0.0))[1] + expert_counts(ids.detach().cpu(), lg.shape[-1]))
+                _tally(tail, routers.calls)
         losses.append(lm.item())
         if progress:
             progress(step + 1, steps)
-    ended: dict[str, Any] = {}
-    if routers is not None:
-        shares = [collapse_share(counts, k)[1] for k, counts in tail.values()]
-        biases = [float(m.e_score_correction_bias.abs().max()) for m in {id(m): m for m, _, _ in routers.calls}.values()
-                  if getattr(m, "e_score_correction_bias", None) is not None]  # fmt: skip
-        ended = {"collapse_max": round(float(np.nanmax(shares)), 4) if shares and not np.all(np.isnan(shares)) else None,
-                 "correction_bias_abs_max": round(max(biases), 4) if biases else None}  # fmt: skip
-        routers.remove()
-    return losses, ended
+    if routers is None:
+        return losses, {}
+    routers.remove()
+    return losses, _routing_end(tail, _biased(model))
 
 
 def settle_correction_bias(model, recipe: ModelRecipe, rate: float, seed: int, device: str = "cpu",
@@ -127,8 +146,8 @@ def settle_correction_bias(model, recipe: ModelRecipe, rate: float, seed: int, d
     such a window at `rate` itself (or after SETTLE_PASSES passes). Returns the passes, the last
     window's largest drift, and where the routing ended (as `_train` reports it) over that window."""
     torch, _ = require_torch("settling the correction bias")
-    modules = {id(m): m for m in model.modules() if getattr(m, "e_score_correction_bias", None) is not None}
-    if not modules:
+    biased = _biased(model)
+    if not biased:
         return {}
     routers = Routers(model)
     data = split_bytes("train")
@@ -137,17 +156,15 @@ def settle_correction_bias(model, recipe: ModelRecipe, rate: float, seed: int, d
     model.eval()
     with torch.no_grad():
         while passes < SETTLE_PASSES:
-            before = {k: m.e_score_correction_bias.clone() for k, m in modules.items()}
+            before = [m.e_score_correction_bias.clone() for m in biased]
             window = {}
             for _ in range(SETTLE_WINDOW):
-                starts = rng.integers(0, data.size - recipe.seq - 1, size=recipe.batch)
                 routers.clear()
-                model(input_ids=torch.from_numpy(np.stack([data[s : s + recipe.seq] for s in starts]).astype(np.int64)).to(device))
+                model(input_ids=_batch(torch, data, rng, recipe, device))
                 update_correction_bias(routers.calls, step)
-                for i, (_, lg, ids) in enumerate(routers.calls):
-                    window[i] = (ids.shape[-1], window.get(i, (0, 0.0))[1] + expert_counts(ids.cpu(), lg.shape[-1]))
+                _tally(window, routers.calls)
                 passes += 1
-            drift = max(float((m.e_score_correction_bias - before[k]).abs().max()) for k, m in modules.items())
+            drift = max(float((m.e_score_correction_bias - b).abs().max()) for m, b in zip(biased, before))
             if progress:
                 progress("settle", passes, SETTLE_PASSES)
             if drift < SETTLE_WINDOW * step / 2:  # settled at this step
@@ -155,9 +172,7 @@ def settle_correction_bias(model, recipe: ModelRecipe, rate: float, seed: int, d
                     break
                 step = max(rate, step / 2)
     routers.remove()
-    shares = [collapse_share(counts, k)[1] for k, counts in window.values()]
-    return {"passes": passes, "drift": round(drift, 5), "collapse_max": round(float(np.nanmax(shares)), 4),
-            "correction_bias_abs_max": round(max(float(m.e_score_correction_bias.abs().max()) for m in modules.values()), 4)}
+    return {"passes": passes, "drift": round(drift, 5), **_routing_end(window, biased)}
 
 
 def expert_similarity(model) -> dict[str, float]:

@@ -77,8 +77,14 @@ def test_points_of_originals_trained_with_their_published_balancing_are_fitted_a
     assert fits[key]["coef"] == alone["coef"] and fits[key]["balancing"] == "none" and fits[key]["points"] == 18
     apart = fits[key + "|published"]
     assert apart["balancing"] == "published" and apart["points"] == 18 and abs(apart["coef"]["intercept"] - 3.1) < 0.1
-    assert widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)["change"] == pytest.approx(
-        widening(fit_transfer(plain), "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)["change"])
+    said = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)
+    assert said["change"] == pytest.approx(widening(fit_transfer(plain), "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)["change"])
+    # and the prediction says what the balanced originals measured, point by point, with their own width slope
+    first = apart["measured"][0]
+    assert (first["hidden"], first["layers"], first["kept_fraction"]) == (64, 3, 0.25) and len(apart["measured"]) == 18
+    assert "on originals trained with the shape's published load balancing, which start near balanced, the shift measures K/E 0.25: " \
+           f"{first['shift']:+.2f} at hidden 64" in said["text"] and "(18 originals; width slope" in said["text"]
+    assert "published load balancing" not in widening(fit_transfer(plain), "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)["text"]
 
 
 def test_an_unmeasured_shape_or_direction_is_said_not_measured():

@@ -57,7 +57,7 @@ import numpy as np
 
 __all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "widening", "default_transfer_path", "between_variance",
            "AXES", "BASE_HIDDEN", "BASE_LAYERS", "BASE_STEPS", "BASE_KEPT", "BOUNDS", "censored_bound", "slope",
-           "slopes_text"]
+           "slopes_text", "balanced_text"]
 
 TRANSFER_SCHEMA = "planner.transfer/1"
 BASE_HIDDEN, BASE_LAYERS, BASE_STEPS = 64, 3, 300  # the calibration families' scale and training length
@@ -157,8 +157,32 @@ def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.
                                  **{field: sorted({int(p.get(field) or base) for p in at}) for _, field, base, _ in AXES}, **_fit(at, tau2)}  # fmt: skip
         if entry["fitted"] and holdout:
             entry["holdout"] = _holdout(at, tau2)
+        if made != "none":  # read beside the grid originals' fit, not instead of it: its points as measured
+            entry["measured"] = [{"hidden": int(p.get("hidden") or BASE_HIDDEN), "layers": int(p.get("layers") or BASE_LAYERS),
+                                  "kept_fraction": rule(p), "shift": round(float(p["shift_log2"]), 3), "se": round(float(p["shift_se"]), 3),
+                                  "bound": p.get("bound") if p.get("censored") else None}
+                                 for p in sorted(at, key=lambda p: (rule(p), p.get("hidden") or 0, p.get("layers") or 0, p["original"]))]  # fmt: skip
         out[f"{recipe}|{shape}" + ("" if made == "none" else f"|{made}")] = entry | {"balancing": made}
     return out
+
+
+def balanced_text(fits: dict[str, dict[str, Any]], recipe: str, shape: str) -> str:
+    """The points measured on originals trained with the shape's published load balancing (the grid's
+    were trained without), as measured, and their fitted width slope where they have one; empty
+    where there are none."""
+    entry = fits.get(f"{recipe}|{shape}|published")
+    if not entry or not entry.get("measured"):
+        return ""
+    rules = sorted({m["kept_fraction"] for m in entry["measured"]})
+    parts = []
+    for k in rules:
+        at = [m for m in entry["measured"] if m["kept_fraction"] == k]
+        shown = ", ".join(f"{'>=' if m['bound'] == 'lower' else '<=' if m['bound'] == 'upper' else ''}{m['shift']:+.2f} at hidden {m['hidden']}"
+                          + (f" / {m['layers']} layers" if m["layers"] != BASE_LAYERS else "") for m in at)  # fmt: skip
+        parts.append(f"K/E {k:g}: {shown}")
+    slope_said = f"; width slope {', '.join(slopes_text(entry, 2, skip=('depth', 'training length')))}" if entry.get("fitted") else ""
+    return (f"on originals trained with the shape's published load balancing, which start near balanced, the shift measures "
+            f"{'; '.join(parts)} ({plural(entry['originals'], 'original')}{slope_said})")  # fmt: skip
 
 
 def _columns(at: list[dict]) -> dict[str, np.ndarray]:
@@ -354,9 +378,11 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
         edge = f"hidden {round(BASE_HIDDEN * 2 ** inside['log2_hidden'])}, {round(BASE_LAYERS * 2 ** inside['log2_layers'])} layers"
         read = (f"; the label follows the fitted trend by {shift:+.2f} log2 to {edge} (held out over {plural(held['points'], 'point')}: "
                 f"MAE {held['mae_moved']:.2f} along the trend against {held['mae_base']:.2f} at hidden {BASE_HIDDEN}'s label)")  # fmt: skip
+    balanced = balanced_text(fits, recipe, shape)
     return {"halfwidth": halfwidth, "shift": shift, "measured": True, "change": change, "moves_with": moves,
             "text": (f"transfer measured at hidden {', '.join(map(str, entry['hidden']))} and {', '.join(map(str, entry['layers']))} "
-                     f"layers{trained} ({said}{moving}); {target}{beyond}{read}: interval widened by {halfwidth:.2f} log2")}  # fmt: skip
+                     f"layers{trained} ({said}{moving}); {target}{beyond}{read}: interval widened by {halfwidth:.2f} log2"
+                     + (f"; {balanced}" if balanced else ""))}  # fmt: skip
 
 
 def _kappa(rules: list[float], kept_fraction: float | None) -> float:

@@ -141,6 +141,21 @@ def test_committed_dataset_meets_the_grid_spec_and_reports():
             assert (f["p_reproduced"] is None) == (f["status"] != "calibrated")
             if not gate["skill"] and entry["every_plan_reproduced"].get(family):
                 assert f"every legal plan reproduces this fault on the calibration data of {family}" in f["reason"]
+    # where the originals start is the committed starts file's, as the fit summarises it
+    from planner.fidelity.starts import load_starts, summarise
+
+    assert estimator.info["starts"] == summarise(load_starts())
+
+
+def test_a_router_collapse_answer_says_how_its_originals_were_trained():
+    """DeepSeek-V3's router-collapse P rests on originals trained without load balancing: the answer
+    says where they start, and what originals trained with the shape's own balancing measured."""
+    result = CliRunner().invoke(main, ["suggest", "--model", "deepseek-v3", "--hardware", "atlas-a3", "--budget", "64npu",
+                                       "--fault", "router-collapse"])  # fmt: skip
+    assert result.exit_code in (0, 1), result.output
+    text = " ".join(result.output.split())
+    assert "rests on family deepseek_v3-e256" in text and "its originals were trained without load balancing and start" in text
+    assert "on originals trained with the shape's published load balancing, which start near balanced, the shift measures K/E 0.25:" in text
 
 
 @pytest.mark.slow

@@ -83,7 +83,7 @@ def test_points_of_originals_trained_with_their_published_balancing_are_fitted_a
     first = apart["measured"][0]
     assert (first["hidden"], first["layers"], first["kept_fraction"]) == (64, 3, 0.25) and len(apart["measured"]) == 18
     assert "on originals trained with the shape's published load balancing, which start near balanced, the shift measures K/E 0.25: " \
-           f"{first['shift']:+.2f} at hidden 64" in said["text"] and "(18 originals; width slope" in said["text"]
+           f"{first['shift']:+.2f} at hidden 64" in said["text"] and "(18 points; width slope" in said["text"]
     assert "published load balancing" not in widening(fit_transfer(plain), "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)["text"]
 
 

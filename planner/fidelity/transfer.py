@@ -182,7 +182,7 @@ def balanced_text(fits: dict[str, dict[str, Any]], recipe: str, shape: str) -> s
         parts.append(f"K/E {k:g}: {shown}")
     slope_said = f"; width slope {', '.join(slopes_text(entry, 2, skip=('depth', 'training length')))}" if entry.get("fitted") else ""
     return (f"on originals trained with the shape's published load balancing, which start near balanced, the shift measures "
-            f"{'; '.join(parts)} ({plural(entry['originals'], 'original')}{slope_said})")  # fmt: skip
+            f"{'; '.join(parts)} ({plural(entry['points'], 'point')}{slope_said})")  # fmt: skip
 
 
 def _columns(at: list[dict]) -> dict[str, np.ndarray]:

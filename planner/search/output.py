@@ -131,6 +131,9 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
         lines.append("")
         lines.append("no proxy clears every constraint (no plan is written):")
         lines.extend(f"  - {d}" for d in s.diagnosis)
+        rests = next((o.fidelity["family"] for o in s.pareto if o.fidelity.get("family")), None)
+        if rests:  # what the predicted P above rests on
+            lines.append("  the predicted P rests on " + family_text(rests))
     if any(o.experts != o.cost.original_experts for o in s.pareto):  # a front of the original alone says nothing
         lines.append("")
         front = [["original" if o.experts == o.cost.original_experts else o.experts, o.method if o.experts != o.cost.original_experts else "-",

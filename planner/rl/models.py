@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from planner.errors import SpecError
-from planner.families import arch_family, family_balancing, family_config
+from planner.families import NO_BALANCING, arch_family, family_balancing, family_config
 from planner.hf import require_torch
 from planner.rl.corpus import split_bytes
 from planner.rl.experts import fast_eager_experts
@@ -55,7 +55,6 @@ class ModelRecipe:
 
 
 BALANCINGS = ("none", "published")
-NO_BALANCING = {"loss": 0.0, "scope": "batch", "z_loss": 0.0, "bias_rate": 0.0}  # the routing is still followed, for the report
 TAIL = 20  # the last steps whose routing the report summarises
 SETTLE_WINDOW, SETTLE_HALVINGS, SETTLE_PASSES = 50, 4, 1500  # settle_correction_bias: passes a window, halvings of its step, at most
 
@@ -230,7 +229,7 @@ def make_model(family: str, out_dir: Path, recipe: ModelRecipe = ModelRecipe(),
             elif source is not None and source.shape == param.shape:
                 param.copy_(source)
     fast_eager_experts(moe)
-    balance = family_balancing(family) if recipe.balancing == "published" else NO_BALANCING
+    balance = family_balancing(family) if recipe.balancing == "published" else NO_BALANCING  # the routing is still followed, for the report
     moe_losses, ended = _train(moe, recipe.moe_steps, recipe, recipe.seed + 2, progress and (lambda d, t: progress("moe", d, t)), device,
                                balance)  # fmt: skip
     if balance["bias_rate"]:  # the bias where its updates settle, as a long pretraining leaves it

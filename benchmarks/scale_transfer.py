@@ -236,7 +236,9 @@ def main() -> None:
                         help="measured on the same model, which is deleted after its point: name every recipe wanted")
     parser.add_argument("--kept-fraction", type=float, default=0.25)
     parser.add_argument("--steps", type=int, default=300, help="dense and MoE training steps (the grid's: 300)")
-    parser.add_argument("--balancing", default="none", choices=("none", "published"),
+    from planner.families import BALANCINGS
+
+    parser.add_argument("--balancing", default="none", choices=BALANCINGS,
                         help="how the originals' MoE stage is trained: without load balancing (the grid's models so far) or with "
                              "their shape's published balancing (planner.rl.models)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | npu: where models train and recipes run")

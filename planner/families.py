@@ -20,13 +20,15 @@ import yaml
 from planner.errors import ConfigError, SpecError
 
 __all__ = ["family_configs", "family_config", "family_architecture", "family_of_shape", "small_config", "scaled_backbone",
-           "scaled_family_config", "arch_family", "family_balancing", "BALANCE_KEYS", "NO_BALANCING"]  # fmt: skip
+           "scaled_family_config", "arch_family", "family_balancing", "BALANCE_KEYS", "NO_BALANCING", "BALANCINGS"]  # fmt: skip
 
 # a family's published load balancing (`balance:` in families.yaml), as planner.rl.models applies it
 # when it trains the MoE stage: the balance loss's coefficient (1 at an even load) and whether it is
 # taken over the batch or per sequence, the router z-loss's, and the correction bias's update speed
 BALANCE_KEYS = {"loss": float, "scope": str, "z_loss": float, "bias_rate": float, "source": str}
 NO_BALANCING = {"loss": 0.0, "scope": "batch", "z_loss": 0.0, "bias_rate": 0.0}  # what a key left out means
+# how an original's MoE stage may be trained: with no balancing (the grids measured so far) or its published one
+BALANCINGS = ("none", "published")
 
 
 # keys of a published config.json that a small model does not carry over: its precision, quantisation

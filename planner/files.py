@@ -12,7 +12,7 @@ import yaml
 
 from planner.errors import SpecError
 
-__all__ = ["read_text", "read_yaml", "read_json", "refuse_existing", "new_output", "write_text_atomic", "write_csv_atomic"]
+__all__ = ["read_text", "read_yaml", "read_json", "read_records", "refuse_existing", "new_output", "write_text_atomic", "write_csv_atomic"]
 
 
 def read_text(path: Path, what: str, hint: str = "") -> str:
@@ -72,6 +72,18 @@ def read_json(path: str | Path, what: str, hint: str = "") -> Any:
         return json.loads(read_text(p, what, hint))
     except json.JSONDecodeError as exc:
         raise SpecError(f"{p}: not a {what} (invalid JSON at line {exc.lineno})") from None
+
+
+def read_records(path: str | Path, what: str, schema: str, key: str) -> list:
+    """The list under `key` of a JSON file of `schema` (`{"schema": ..., key: [...]}`); empty where
+    the file does not exist yet."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    data = read_json(p, what)
+    if data.get("schema") != schema:
+        raise SpecError(f"{p}: not a {what} (schema {data.get('schema')!r}, want {schema})")
+    return list(data.get(key, []))
 
 
 def refuse_existing(path: str | Path, force: bool, note: str = "") -> Path:

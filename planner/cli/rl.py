@@ -14,6 +14,7 @@ import click
 
 from planner.cli.common import emit_json, parse_seeds, progress_line, run_body
 from planner.errors import SpecError
+from planner.families import BALANCINGS
 from planner.files import new_output, refuse_existing, write_text_atomic
 from planner.render import label_text, table
 
@@ -81,7 +82,7 @@ def rl() -> None:
 @click.option("--families", default="qwen3_moe,deepseek_v3", show_default=True)
 @click.option("--dense-steps", type=click.IntRange(min=1), default=300, show_default=True)
 @click.option("--moe-steps", type=click.IntRange(min=1), default=300, show_default=True)
-@click.option("--balancing", type=click.Choice(["none", "published"]), default="none", show_default=True,
+@click.option("--balancing", type=click.Choice(BALANCINGS), default="none", show_default=True,
               help="Train the MoE stage without load balancing (as the calibration grids' models are made) or with each "
                    "shape's published balancing (balance loss, correction-bias updates; calibration/families.yaml).")
 @click.option("--force", is_flag=True, help="Replace existing model directories.")

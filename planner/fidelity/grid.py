@@ -145,7 +145,7 @@ class Grid:
             job_settings(job)
         if self.numerics not in NUMERICS:
             raise SpecError(f"grid: numerics {self.numerics!r}: one of {', '.join(NUMERICS)}")
-        from planner.rl.models import BALANCINGS
+        from planner.families import BALANCINGS
 
         if self.balancing not in BALANCINGS:
             raise SpecError(f"grid: balancing {self.balancing!r}: one of {', '.join(BALANCINGS)}")

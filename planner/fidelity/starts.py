@@ -34,16 +34,9 @@ def default_starts_path() -> Path:
 
 def load_starts(path: str | Path | None = None) -> list[dict]:
     """The measured rows (empty where the file does not exist)."""
-    from planner.errors import SpecError
-    from planner.files import read_json
+    from planner.files import read_records
 
-    p = Path(path) if path is not None else default_starts_path()
-    if not p.is_file():
-        return []
-    data = read_json(p, "routing starts")
-    if data.get("schema") != STARTS_SCHEMA:
-        raise SpecError(f"{p}: not a routing-starts file (schema {data.get('schema')!r}, want {STARTS_SCHEMA})")
-    return list(data.get("rows", []))
+    return read_records(path if path is not None else default_starts_path(), "routing-starts file", STARTS_SCHEMA, "rows")
 
 
 def merge_starts(rows: list[dict], new: list[dict]) -> list[dict]:

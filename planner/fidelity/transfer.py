@@ -81,16 +81,9 @@ def default_transfer_path() -> Path:
 
 def load_points(path: str | Path | None = None) -> list[dict]:
     """The measured points (empty where the file does not exist yet)."""
-    from planner.errors import SpecError
-    from planner.files import read_json
+    from planner.files import read_records
 
-    p = Path(path) if path is not None else default_transfer_path()
-    if not p.is_file():
-        return []
-    data = read_json(p, "scale-transfer points")
-    if data.get("schema") != TRANSFER_SCHEMA:
-        raise SpecError(f"{p}: not a scale-transfer file (schema {data.get('schema')!r}, want {TRANSFER_SCHEMA})")
-    return list(data.get("points", []))
+    return read_records(path if path is not None else default_transfer_path(), "scale-transfer file", TRANSFER_SCHEMA, "points")
 
 
 def _usable(points: Iterable[dict]) -> list[dict]:

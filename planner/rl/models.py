@@ -30,13 +30,13 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from planner.errors import SpecError
-from planner.families import NO_BALANCING, arch_family, family_balancing, family_config
+from planner.families import BALANCINGS, NO_BALANCING, arch_family, family_balancing, family_config
 from planner.hf import require_torch
 from planner.rl.corpus import split_bytes
 from planner.rl.experts import fast_eager_experts
 from planner.rl.routers import Routers, collapse_share, expert_counts, routing_probs, sigmoid_scored, switch_loss, update_correction_bias, z_loss
 
-__all__ = ["ModelRecipe", "BALANCINGS", "make_model", "expert_similarity", "settle_correction_bias"]
+__all__ = ["ModelRecipe", "make_model", "expert_similarity", "settle_correction_bias"]
 
 @dataclass(frozen=True)
 class ModelRecipe:
@@ -54,7 +54,6 @@ class ModelRecipe:
             raise SpecError(f"balancing {self.balancing!r}: one of {', '.join(BALANCINGS)}")
 
 
-BALANCINGS = ("none", "published")
 TAIL = 20  # the last steps whose routing the report summarises
 SETTLE_WINDOW, SETTLE_HALVINGS, SETTLE_PASSES = 50, 4, 1500  # settle_correction_bias: passes a window, halvings of its step, at most
 

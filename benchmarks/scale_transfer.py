@@ -56,9 +56,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def point_name(family: str, hidden: int, layers: int, seed: int, steps: int, balancing: str = "none") -> str:
     """The original's name: its scale, seed, (where not the grid's) training steps, and -bal where it
     was trained with its shape's published load balancing."""
+    from planner.families import trained_name
     from planner.fidelity.transfer import BASE_STEPS
 
-    return f"{family}-h{hidden}-l{layers}-s{seed}" + (f"-t{steps}" if steps != BASE_STEPS else "") + ("-bal" if balancing == "published" else "")
+    return trained_name(f"{family}-h{hidden}-l{layers}-s{seed}" + (f"-t{steps}" if steps != BASE_STEPS else ""), balancing)
 
 
 def measured_originals(points: list[dict]) -> dict[tuple[str, str, str, str], dict]:

@@ -20,7 +20,8 @@ import yaml
 from planner.errors import ConfigError, SpecError
 
 __all__ = ["family_configs", "family_config", "family_architecture", "family_of_shape", "small_config", "scaled_backbone",
-           "scaled_family_config", "arch_family", "family_balancing", "BALANCE_KEYS", "NO_BALANCING", "BALANCINGS"]  # fmt: skip
+           "scaled_family_config", "arch_family", "family_balancing", "BALANCE_KEYS", "NO_BALANCING", "BALANCINGS",
+           "trained_name", "how_trained"]  # fmt: skip
 
 # a family's published load balancing (`balance:` in families.yaml), as planner.rl.models applies it
 # when it trains the MoE stage: the balance loss's coefficient (1 at an even load) and whether it is
@@ -29,6 +30,21 @@ BALANCE_KEYS = {"loss": float, "scope": str, "z_loss": float, "bias_rate": float
 NO_BALANCING = {"loss": 0.0, "scope": "batch", "z_loss": 0.0, "bias_rate": 0.0}  # what a key left out means
 # how an original's MoE stage may be trained: with no balancing (the grids measured so far) or its published one
 BALANCINGS = ("none", "published")
+BALANCED_MARK = "-bal"  # ends the name of an original, or a calibration family, trained with its published balancing
+
+
+def trained_name(name: str, balancing: str) -> str:
+    """A family's or an original's name as trained: BALANCED_MARK appended where its MoE stage
+    trained with the shape's published balancing (another model from the same seed, and another
+    calibration family: its rows must never meet those of the originals trained without)."""
+    return name + (BALANCED_MARK if balancing == "published" else "")
+
+
+def how_trained(name: str) -> tuple[str, str]:
+    """(the name without the mark, how it trained: "none" or "published") of a `trained_name`."""
+    if name.endswith(BALANCED_MARK):
+        return name[: -len(BALANCED_MARK)], "published"
+    return name, "none"
 
 
 # keys of a published config.json that a small model does not carry over: its precision, quantisation

@@ -204,6 +204,34 @@ def test_a_measured_scale_trend_moves_the_prediction_of_its_plan_rule_only():
         assert low <= a["shift_log2"] - scale["halfwidth"] + 1e-9 and high >= a["shift_log2"] + scale["halfwidth"] - 1e-9
 
 
+def test_a_shape_with_originals_trained_with_their_published_balancing_is_read_on_those():
+    """A real model trained with its shape's load balancing: where the shape has a calibration family
+    of originals trained so (names ending in -bal), with LOCAL_ORIGINALS or more, its rows, gates,
+    start and scale trend speak; with fewer, the family trained without does."""
+    plain = _synthetic("plan")
+    balanced = [{**r, "family": "f-bal", "original": r["original"] + "-bal", "shift_log2": r["shift_log2"] - 0.6,
+                 "reproduced": float(abs(r["shift_log2"] - 0.6) < 1.0)} for r in _synthetic("plan", seed=1)]  # fmt: skip
+    points = [{"recipe": "router-collapse", "shape": "softmax/top4of32/renorm", "hidden": h, "layers": n, "original": f"h{h}-l{n}-s{s}-bal",
+               "shift_log2": -1.0 + 0.01 * s, "shift_se": 0.1, "kept_fraction": 0.25, "balancing": "published"}
+              for h in (64, 128, 256) for n in (3, 6) for s in range(2)]  # fmt: skip
+    est = FidelityEstimator.fit(plain + balanced, transfer_points=points)
+    row = {**plain[0], "hidden_size": 1024, "num_layers": 6}
+    assert est.family(row, "router-collapse") == "f-bal" and est.recipes["router-collapse"]["shapes"]["softmax/top4of32/renorm"] == ["f", "f-bal"]
+    got = est.predict(row, "router-collapse")
+    assert got["family"]["name"] == "f-bal" and got["family"]["balancing"] == "published" and got["family"]["originals"] == 4
+    assert got["family"]["scale"].startswith("transfer on originals trained with the shape's published load balancing measured at hidden 64")
+    alone = FidelityEstimator.fit(plain, transfer_points=[])
+    assert got["status"] == "calibrated" and got["shift_log2"] < alone.predict(row, "router-collapse")["shift_log2"] - 0.3  # its own level
+    few = FidelityEstimator.fit(plain + [r for r in balanced if r["original"] in ("f-s0-bal", "f-s1-bal")], transfer_points=points)
+    kept = few.predict(row, "router-collapse")
+    assert few.family(row, "router-collapse") == "f" and kept["family"]["balancing"] == "none"
+    assert "transfer not measured beyond hidden 64" in kept["family"]["scale"]  # the unbalanced originals' trend: none measured
+    # leaving a family out leaves its twin out with it: one shape's originals, whichever way trained
+    from planner.fidelity.validate import cross_validate
+
+    assert cross_validate(plain + balanced, schemes=("family",))["recipes"]["router-collapse"]["family"] == {"groups": 1}
+
+
 def test_statuses_not_applicable_and_uncalibrated():
     est = FidelityEstimator.fit(_synthetic("plan"))
     row = _synthetic("plan")[0]
@@ -344,6 +372,24 @@ def mini_grid(tmp_path_factory):
     records = prepare(grid, root / "work")
     assert len(records) == 3  # the original and two proxies
     return grid, path, root / "work"
+
+
+@pytest.mark.slow
+def test_a_grid_of_originals_trained_with_their_published_balancing_is_a_family_of_its_own(tmp_path):
+    """Its originals are other models than the same seeds' trained without (names ending in -bal),
+    and its rows form the calibration family FAMILY-bal, which the estimator reads for the shape."""
+    from planner.fidelity.calibrate import run
+    from planner.fidelity.grid import Grid
+
+    grid = Grid(families=("qwen3_moe",), originals=1, recipes=("rollout-mismatch",), kept_fractions=(0.5,), methods=("agglomerative",),
+                random_draws=0, margin_seeds=(0, 1), resolution_static=2.0, calib_tokens=128, dense_steps=5, moe_steps=5,
+                balancing="published")  # fmt: skip
+    path = tmp_path / "grid.yaml"
+    path.write_text(grid.to_yaml())
+    rows = run(Grid.load(path), str(path), f"sqlite:///{tmp_path / 'b.db'}", tmp_path / "work", 1, tmp_path / "d.csv")
+    assert rows and {(r["family"], r["original"]) for r in rows} == {("qwen3_moe-bal", "qwen3_moe-s0-bal")}
+    made = json.loads((tmp_path / "work" / "models.json").read_text())
+    assert {r["original"] for r in made.values()} == {"qwen3_moe-s0-bal"}
 
 
 @pytest.mark.slow

@@ -24,8 +24,12 @@ def test_starts_are_averaged_per_original_at_the_calibration_scale_and_merged_by
     assert got["published"]["original"] == pytest.approx(0.1)
     text = start_text(got)
     assert "trained without load balancing and start 0.50 of the way from balanced to collapsed before any push (proxies 0.50" in text
-    assert "published balancing an original starts at 0.10" in text and "fires at 0.9" in text
+    assert "trained with the shape's published load balancing an original starts at 0.10" in text and "fires at 0.9" in text
     assert start_text(None) == "" and start_text({"published": got["published"]}) == ""
+    own = start_text(got, "published")  # a family of balanced originals: its own start first, the other beside it
+    assert own.startswith("its originals were trained with the shape's published load balancing and start 0.10")
+    assert own.endswith("; trained without load balancing an original starts at 0.50")
+    assert start_text({"none": got["none"]}, "published") == ""
     again = merge_starts(rows, [row(original=(0.0, 0.0))])
     assert len(again) == len(rows) and again[-1]["original"] == [0.0, 0.0]
     path = tmp_path / "starts.json"

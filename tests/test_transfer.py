@@ -85,6 +85,14 @@ def test_points_of_originals_trained_with_their_published_balancing_are_fitted_a
     assert "on originals trained with the shape's published load balancing, which start near balanced, the shift measures K/E 0.25: " \
            f"{first['shift']:+.2f} at hidden 64" in said["text"] and "(18 points; width slope" in said["text"]
     assert "published load balancing" not in widening(fit_transfer(plain), "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)["text"]
+    # a calibration family of balanced originals reads their own fit, and nothing is set beside it
+    own = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25, "published")
+    assert own["change"] == pytest.approx(widening({key: apart}, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)["change"])
+    assert own["text"].startswith("transfer on originals trained with the shape's published load balancing measured at hidden 64, 128, 256")
+    assert "the shift measures" not in own["text"]
+    none = widening(fit_transfer(plain), "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25, "published")
+    assert none["halfwidth"] is None and none["text"].startswith(
+        "transfer not measured beyond hidden 64 on originals trained with the shape's published load balancing")
 
 
 def test_an_unmeasured_shape_or_direction_is_said_not_measured():

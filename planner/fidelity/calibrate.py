@@ -18,6 +18,7 @@ import numpy as np
 
 from planner.arch import Architecture
 from planner.errors import SpecError
+from planner.families import trained_name
 from planner.fidelity.dataset import ID_COLUMNS, architecture_features, pair_row, read_dataset, shape_key, write_dataset
 from planner.fidelity.estimator import FidelityEstimator
 from planner.fidelity.model import features_of
@@ -85,8 +86,9 @@ def export(storage: str, grid: Grid, workdir: Path, skip: frozenset = frozenset(
                 if fits and (original is None or result is None):
                     continue
                 arch = architecture_features(configs[base], record["experts"])
-                row = {"family": record["family"], "routing_shape": shape_key(configs[base]), "original": base, "model": record["model"],
-                       "method": record["method"],
+                # originals trained with their shape's published balancing are a calibration family of their own
+                row = {"family": trained_name(record["family"], grid.balancing), "routing_shape": shape_key(configs[base]), "original": base,
+                       "model": record["model"], "method": record["method"],
                        "recipe": recipe_name, "experts": record["experts"], "original_experts": records[f"{base}/original"]["experts"],
                        "top_k": record["top_k"], "source": "grid"}  # fmt: skip
                 row.update(features_of(record["statistics"], arch))

@@ -33,6 +33,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from planner.errors import SpecError
+from planner.families import how_trained
 from planner.fidelity.jobs import (JOB_DIMENSIONS, JOB_TOLERANCE_LOG2, _job_joint, _job_onsets, _job_rows, _job_support, _job_transfer,
                                    _token_mixer, job_offset, job_onset)
 from planner.fidelity.model import (FULL_FEATURES, LOCAL_ORIGINALS, ROUTING_FEATURES, SHIFT_FEATURES, SIGNS, ShiftModel, _finite,
@@ -176,7 +177,7 @@ def family_text(family: dict) -> str:
     score = (f"held-out shift MAE of {model} {h['mae']:.3f} ({against}noise floor {h['noise_mae']:.3f}), interval coverage "
              f"{h['coverage']:.2f}" if h.get("mae") is not None else "no held-out score")  # fmt: skip
     auc = f", AUC {h['auc']:.3f}" if h.get("auc") is not None else ""
-    start = start_text(family.get("start"))
+    start = start_text(family.get("start"), family.get("balancing", "none"))
     return (f"family {family['name']} ({family['routing_shape']}): {family['originals']} originals, {family['rows']} rows; {score}{auc}; "
             f"{family['scale']}" + (f"; {start}" if start else ""))  # fmt: skip
 
@@ -255,10 +256,14 @@ class FidelityEstimator:
         return estimator
 
     def family(self, row: Mapping[str, Any], recipe: str) -> str | None:
-        """The calibration family whose routing shape `row`'s model has, for `recipe`, or None."""
+        """The calibration family whose routing shape `row`'s model has, for `recipe`, or None. Where
+        the shape has a family of originals trained with its published load balancing, as the real
+        model was, with LOCAL_ORIGINALS or more, that one; else the family trained without."""
         entry = self.recipes.get(recipe) or {}
-        found = entry.get("shapes", {}).get(str(row.get("routing_shape") or ""))
-        return found[0] if found else None
+        found = entry.get("shapes", {}).get(str(row.get("routing_shape") or "")) or []
+        families = entry.get("families", {})
+        balanced = [f for f in found if how_trained(f)[1] == "published" and families.get(f, {}).get("originals", 0) >= LOCAL_ORIGINALS]
+        return (balanced or [f for f in found if how_trained(f)[1] == "none"] or found or [None])[0]
 
     def status(self, row: Mapping[str, Any], recipe: str) -> tuple[str, str, str | None]:
         """(status, reason, variant) of a prediction for `row` under `recipe`: the gates of the family
@@ -305,7 +310,9 @@ class FidelityEstimator:
         hidden = int(row["hidden_size"]) if _finite(row.get("hidden_size")) else None
         layers = int(row["num_layers"]) if _finite(row.get("num_layers")) else None
         kept = float(row["kept_fraction"]) if _finite(row.get("kept_fraction")) else None
-        return widening(self.info.get("transfer", {}), recipe, str(row.get("routing_shape") or ""), hidden, layers, kept)
+        family = self.family(row, recipe)
+        made = how_trained(family)[1] if family else "none"  # the trend measured on originals trained as the family's were
+        return widening(self.info.get("transfer", {}), recipe, str(row.get("routing_shape") or ""), hidden, layers, kept, made)
 
     def features(self, recipe: str) -> tuple[str, ...]:
         """The features the recipe's full model was fitted on (older files: SHIFT_FEATURES)."""
@@ -509,11 +516,12 @@ class FidelityEstimator:
                 g = entry["ke_gates"][family]
                 held = {"variant": variant, "mae": g.get("mae"), "baseline": "the recipe mean", "baseline_mae": g.get("mae_mean")}
             held.update({k: g.get(k) for k in ("noise_mae", "coverage", "auc")})
-            out["family"] = {"name": family, "routing_shape": entry["families"][family]["routing_shape"],
+            shape_family, made = how_trained(family)
+            out["family"] = {"name": family, "balancing": made, "routing_shape": entry["families"][family]["routing_shape"],
                              "originals": entry["families"][family]["originals"], "rows": entry["families"][family]["rows"],
                              "held_out": held, "scale": self.scale(row, recipe)["text"]}  # fmt: skip
-            if recipe == "router-collapse" and self.info.get("starts", {}).get(family):  # the label is read against where they start
-                out["family"]["start"] = self.info["starts"][family]
+            if recipe == "router-collapse" and self.info.get("starts", {}).get(shape_family):  # the label is read against where they start
+                out["family"]["start"] = self.info["starts"][shape_family]
         translation = knob_translation(recipe, out)
         if translation:
             out["knob_translation"] = translation

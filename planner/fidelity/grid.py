@@ -121,7 +121,9 @@ class Grid:
     def original(self, family: str, seed: int) -> str:
         """An original's name, FAMILY-sSEED, and -bal where it trains with its shape's published balancing
         (another model from the same seed: its rows must not meet the unbalanced original's)."""
-        return f"{family}-s{seed}" + ("-bal" if self.balancing == "published" else "")
+        from planner.families import trained_name
+
+        return trained_name(f"{family}-s{seed}", self.balancing)
 
     def __post_init__(self) -> None:
         from planner.plan import SELECTION_METHODS

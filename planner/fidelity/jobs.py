@@ -276,10 +276,10 @@ def _job_transfer(rows: list[dict], recipe: str, support: Mapping[str, Mapping[s
 def _token_mixer(family: str) -> str | None:
     """A calibration family's token mixer: "attention", or the linear mixer of a hybrid backbone
     (gdn, mamba2); None for a family the catalog does not define (pairs added by hand)."""
-    from planner.families import family_architecture
+    from planner.families import family_architecture, how_trained
 
     try:
-        arch = family_architecture(family)
+        arch = family_architecture(how_trained(family)[0])
     except SpecError:
         return None
     return arch.linear.kind if arch.is_hybrid else "attention"

@@ -62,13 +62,17 @@ def summarise(rows: list[dict], hidden: int = 64, layers: int = 3, steps: int = 
     return out
 
 
-def start_text(starts: dict[str, Any] | None) -> str:
-    """The words for where a family's originals start (empty where not measured)."""
-    if not starts or "none" not in starts:
+TRAINED = {"none": "without load balancing", "published": "with the shape's published load balancing"}
+
+
+def start_text(starts: dict[str, Any] | None, balancing: str = "none") -> str:
+    """The words for where a family's originals start, trained as `balancing` says, and where an
+    original trained the other way starts, where measured (empty where the family's way was not)."""
+    if not starts or balancing not in starts:
         return ""
-    plain = starts["none"]
-    text = (f"its originals were trained without load balancing and start {plain['original']:.2f} of the way from balanced to "
-            f"collapsed before any push (proxies {plain['proxy']:.2f}; the detector fires at {plain['threshold']:g})")  # fmt: skip
-    if "published" in starts:
-        text += f"; trained with the shape's published balancing an original starts at {starts['published']['original']:.2f}"
+    own = starts[balancing]
+    text = (f"its originals were trained {TRAINED[balancing]} and start {own['original']:.2f} of the way from balanced to "
+            f"collapsed before any push (proxies {own['proxy']:.2f}; the detector fires at {own['threshold']:g})")  # fmt: skip
+    for other in (w for w in starts if w != balancing):
+        text += f"; trained {TRAINED[other]} an original starts at {starts[other]['original']:.2f}"
     return text

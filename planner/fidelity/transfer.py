@@ -110,7 +110,7 @@ def censored_bound(original: tuple[list[float], list[bool]], proxy: tuple[list[f
 def _made(point: dict) -> str:
     """How the point's originals were trained (planner.rl.models.ModelRecipe.balancing): points of
     originals trained with their published load balancing are fitted apart, under "recipe|shape|
-    published", and the estimator reads only the fit of its grid's originals (trained without)."""
+    published", which the estimator reads for a calibration family of originals trained alike."""
     return point.get("balancing") or "none"
 
 
@@ -306,17 +306,19 @@ def between_variance(y: np.ndarray, x: np.ndarray, variance: np.ndarray) -> floa
 
 
 def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: int | None, layers: int | None,
-             kept_fraction: float | None = None) -> dict[str, Any]:  # fmt: skip
+             kept_fraction: float | None = None, balancing: str = "none") -> dict[str, Any]:  # fmt: skip
     """Where a prediction at (hidden, layers) for (recipe, shape) and a plan keeping `kept_fraction`
     of the experts lies along the measured trend (`shift`), how much its shift interval must widen
-    (log2 units), and the words for it."""
-    entry = fits.get(f"{recipe}|{shape}")
+    (log2 units), and the words for it: the trend of originals trained as `balancing` says (those of
+    a calibration family trained with the published balancing read the points fitted apart)."""
+    entry = fits.get(f"{recipe}|{shape}" + ("" if balancing == "none" else f"|{balancing}"))
     target = f"hidden {hidden}, {layers} layers" if hidden else "the target"
+    on = "" if balancing == "none" else " on originals trained with the shape's published load balancing"
     if entry is None or not entry.get("fitted"):
         if entry is None:
-            said = f"transfer not measured beyond hidden {BASE_HIDDEN}"
+            said = f"transfer not measured beyond hidden {BASE_HIDDEN}{on}"
         else:  # points too few for a slope: where they lie, and why no slope
-            said = (f"transfer not fitted (points at hidden {', '.join(map(str, entry['hidden']))} and "
+            said = (f"transfer{on} not fitted (points at hidden {', '.join(map(str, entry['hidden']))} and "
                     f"{', '.join(map(str, entry['layers']))} layers; {entry['reason']})")  # fmt: skip
         return {"halfwidth": None, "measured": False, "text": f"{said}: {target} is outside the calibrated scale"}
     if hidden is None or layers is None:
@@ -371,9 +373,9 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
         edge = f"hidden {round(BASE_HIDDEN * 2 ** inside['log2_hidden'])}, {round(BASE_LAYERS * 2 ** inside['log2_layers'])} layers"
         read = (f"; the label follows the fitted trend by {shift:+.2f} log2 to {edge} (held out over {plural(held['points'], 'point')}: "
                 f"MAE {held['mae_moved']:.2f} along the trend against {held['mae_base']:.2f} at hidden {BASE_HIDDEN}'s label)")  # fmt: skip
-    balanced = balanced_text(fits, recipe, shape)
+    balanced = balanced_text(fits, recipe, shape) if balancing == "none" else ""  # the balanced points beside the trend it follows
     return {"halfwidth": halfwidth, "shift": shift, "measured": True, "change": change, "moves_with": moves,
-            "text": (f"transfer measured at hidden {', '.join(map(str, entry['hidden']))} and {', '.join(map(str, entry['layers']))} "
+            "text": (f"transfer{on} measured at hidden {', '.join(map(str, entry['hidden']))} and {', '.join(map(str, entry['layers']))} "
                      f"layers{trained} ({said}{moving}); {target}{beyond}{read}: interval widened by {halfwidth:.2f} log2"
                      + (f"; {balanced}" if balanced else ""))}  # fmt: skip
 

@@ -1,6 +1,7 @@
 """Validation of the fidelity estimator on held-out originals and held-out families.
 
-For each recipe and each scheme (leave one original out; leave one family out) every fold refits
+For each recipe and each scheme (leave one original out; leave one family out, with its
+twin of the same shape trained the other way) every fold refits
 the full shift model and its baselines (K/E alone; the recipe's mean shift; where the full model
 knows the routing type, K/E with the routing type) on the other groups and predicts the held-out
 group's rows. Scores, per recipe and variant:
@@ -62,7 +63,7 @@ def _held_out(rows: list[dict], recipe: str, names: tuple[str, ...], key: str, t
     used = training_rows(rows, recipe, recipe_features(recipe))
     n = len(used)
     out = {k: np.full(n, np.nan) for k in ("pred", "low", "high", "p", "base")}
-    keys = np.array([str(r[key]) for r in used])
+    keys = np.array([_group(r, key) for r in used])
     for group in sorted(set(keys)):
         test = keys == group
         train = [r for r, t in zip(used, test) if not t]
@@ -77,6 +78,14 @@ def _held_out(rows: list[dict], recipe: str, names: tuple[str, ...], key: str, t
         out["base"][test] = np.mean(decided) if decided else np.nan
     out["rows"], out["key"] = used, key
     return out
+
+
+def _group(row: dict, key: str) -> str:
+    """The held-out group of a row: its original, or its family, which leaves out the family of the
+    same shape trained the other way with it (planner.families.trained_name: one shape's originals)."""
+    from planner.families import how_trained
+
+    return how_trained(str(row[key]))[0] if key == "family" else str(row[key])
 
 
 def _of_family(h: dict, family: str) -> dict:
@@ -102,7 +111,7 @@ def cross_validate(rows: list[dict], schemes: tuple[str, ...] = tuple(SCHEMES), 
         used = training_rows(rows, recipe, recipe_features(recipe))
         for scheme in schemes:
             key = SCHEMES[scheme]
-            groups = {str(r[key]) for r in used}
+            groups = {_group(r, key) for r in used}
             if len(groups) < 2:
                 entry[scheme] = {"groups": len(groups)}
                 continue

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -227,9 +228,14 @@ def test_a_shape_with_originals_trained_with_their_published_balancing_is_read_o
     assert few.family(row, "router-collapse") == "f" and kept["family"]["balancing"] == "none"
     assert "transfer not measured beyond hidden 64" in kept["family"]["scale"]  # the unbalanced originals' trend: none measured
     # leaving a family out leaves its twin out with it: one shape's originals, whichever way trained
-    from planner.fidelity.validate import cross_validate
+    from planner.fidelity.transfer import fit_transfer
+    from planner.fidelity.validate import cross_validate, render_report
 
     assert cross_validate(plain + balanced, schemes=("family",))["recipes"]["router-collapse"]["family"] == {"groups": 1}
+    # and the report gives each family the scale trend of originals trained as its own were
+    report = cross_validate(plain + balanced, schemes=("original",)) | {"transfer": fit_transfer(points)}
+    text = render_report(report)
+    assert "scale transfer, f: not measured" in text and re.search(r"scale transfer, f-bal: [+-]\d\.\d+ \[", text)
 
 
 def test_statuses_not_applicable_and_uncalibrated():

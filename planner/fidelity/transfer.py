@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-__all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "widening", "default_transfer_path", "between_variance",
+__all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "fit_key", "widening", "default_transfer_path", "between_variance",
            "AXES", "BASE_HIDDEN", "BASE_LAYERS", "BASE_STEPS", "BASE_KEPT", "BOUNDS", "censored_bound", "slope",
            "slopes_text", "balanced_text"]
 
@@ -107,6 +107,12 @@ def censored_bound(original: tuple[list[float], list[bool]], proxy: tuple[list[f
     return ways.pop() if len(ways) == 1 else None
 
 
+def fit_key(recipe: str, shape: str, balancing: str = "none") -> str:
+    """The name of a fit: "recipe|shape", and "|published" for points on originals trained with the
+    shape's published load balancing (fitted apart)."""
+    return f"{recipe}|{shape}" + ("" if balancing == "none" else f"|{balancing}")
+
+
 def _made(point: dict) -> str:
     """How the point's originals were trained (planner.rl.models.ModelRecipe.balancing): points of
     originals trained with their published load balancing are fitted apart, under "recipe|shape|
@@ -155,7 +161,7 @@ def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.
                                   "kept_fraction": rule(p), "shift": round(float(p["shift_log2"]), 3), "se": round(float(p["shift_se"]), 3),
                                   "bound": p.get("bound") if p.get("censored") else None}
                                  for p in sorted(at, key=lambda p: (rule(p), p.get("hidden") or 0, p.get("layers") or 0, p["original"]))]  # fmt: skip
-        out[f"{recipe}|{shape}" + ("" if made == "none" else f"|{made}")] = entry | {"balancing": made}
+        out[fit_key(recipe, shape, made)] = entry | {"balancing": made}
     return out
 
 
@@ -163,7 +169,7 @@ def balanced_text(fits: dict[str, dict[str, Any]], recipe: str, shape: str) -> s
     """The points measured on originals trained with the shape's published load balancing (the grid's
     were trained without), as measured, and their fitted width slope where they have one; empty
     where there are none."""
-    entry = fits.get(f"{recipe}|{shape}|published")
+    entry = fits.get(fit_key(recipe, shape, "published"))
     if not entry or not entry.get("measured"):
         return ""
     rules = sorted({m["kept_fraction"] for m in entry["measured"]})
@@ -311,7 +317,7 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
     of the experts lies along the measured trend (`shift`), how much its shift interval must widen
     (log2 units), and the words for it: the trend of originals trained as `balancing` says (those of
     a calibration family trained with the published balancing read the points fitted apart)."""
-    entry = fits.get(f"{recipe}|{shape}" + ("" if balancing == "none" else f"|{balancing}"))
+    entry = fits.get(fit_key(recipe, shape, balancing))
     target = f"hidden {hidden}, {layers} layers" if hidden else "the target"
     on = "" if balancing == "none" else " on originals trained with the shape's published load balancing"
     if entry is None or not entry.get("fitted"):

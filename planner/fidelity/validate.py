@@ -39,10 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from planner.families import how_trained
 from planner.fidelity.learners import fit_shift
 from planner.fidelity.model import LOCAL_ORIGINALS, baselines, design, recipe_features, training_rows
 from planner.fidelity.scores import LEVEL, paired_difference, score_predictions
-from planner.fidelity.transfer import BASE_HIDDEN, fit_transfer, load_points, plural, slopes_text
+from planner.fidelity.transfer import BASE_HIDDEN, fit_key, fit_transfer, load_points, plural, slopes_text
 
 __all__ = ["variants", "SCHEMES", "cross_validate", "skill_gate", "ke_gate", "render_report", "score_predictions", "paired_difference"]
 
@@ -83,8 +84,6 @@ def _held_out(rows: list[dict], recipe: str, names: tuple[str, ...], key: str, t
 def _group(row: dict, key: str) -> str:
     """The held-out group of a row: its original, or its family, which leaves out the family of the
     same shape trained the other way with it (planner.families.trained_name: one shape's originals)."""
-    from planner.families import how_trained
-
     return how_trained(str(row[key]))[0] if key == "family" else str(row[key])
 
 
@@ -297,7 +296,7 @@ def render_report(report: dict[str, Any]) -> str:
             if sp:
                 lines.append(f"  across {sp['originals']} originals, {family}: their own knob SD {sp['original_knob_sd']:.3f}; per (K, plan rule), "
                              f"{sp['cells']} cells: proxy knob SD {sp['proxy_knob_sd']:.3f}, shift SD {sp['shift_sd']:.3f} (log2)")  # fmt: skip
-            transfer = report.get("transfer", {}).get(f"{recipe}|{entry.get('shapes', {}).get(family, '')}")
+            transfer = report.get("transfer", {}).get(fit_key(recipe, entry.get("shapes", {}).get(family, ""), how_trained(family)[1]))
             lines.append(f"  scale transfer, {family}: {_transfer_text(transfer)}")
         lines += render_job_holdout(recipe, entry.get("job_holdout", {}))
     return "\n".join(lines)

@@ -1,10 +1,9 @@
 """Validation of the fidelity estimator on held-out originals and held-out families.
 
-For each recipe and each scheme (leave one original out; leave one family out, with its
-twin of the same shape trained the other way) every fold refits
-the full shift model and its baselines (K/E alone; the recipe's mean shift; where the full model
-knows the routing type, K/E with the routing type) on the other groups and predicts the held-out
-group's rows. Scores, per recipe and variant:
+For each recipe and each scheme (leave one original out; leave one family out, with its twin of
+the same shape trained the other way) every fold refits the full shift model and its baselines
+(K/E alone; the recipe's mean shift; where the full model knows the routing type, K/E with the
+routing type) on the other groups and predicts the held-out group's rows. Scores, per recipe and variant:
 
 shift        MAE of the signed shift (log2 units), next to the noise floor: the MAE that measurement
              noise alone would give, sqrt(2/pi) x the rows' standard error of the shift; RMSE;

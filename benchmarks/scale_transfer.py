@@ -93,17 +93,6 @@ def side_margin(model: Path, fingerprint: str, recipe_name: str, device: str, se
     return margin
 
 
-def start_balance(model: Path, device: str, seeds: list[int]) -> list[float]:
-    """Per seed, the router-collapse detector's statistic (the normalised top-k share of the most
-    collapsed MoE layer: 0 balanced, 1 collapsed) over a model's first step at the recipe's weakest
-    anti-balance knob: how close to the fault's threshold the model starts before any pressure."""
-    from planner.rl.grpo import GRPO, Models
-    from planner.rl.recipes import recipe
-
-    r, models = recipe("router-collapse"), Models(model, device)
-    return [GRPO(models, r.config(r.lo, seed=s, steps=1)).run()[0]["collapse_max"] for s in seeds]
-
-
 def prepare(family: str, hidden: int, layers: int, seed: int, kept: float, device: str, work: Path, steps: int, balancing: str = "none"):
     """The point's original (made unless already on disk) and its agglomerative proxy at K/E `kept`:
     (checkpoint of the original, original's dir, proxy's dir, K, seconds to make)."""
@@ -139,6 +128,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     from planner.checkpoint import Checkpoint
     from planner.fidelity.grid import Grid
     from planner.fidelity.labels import knob_scale, knob_shift
+    from planner.fidelity.starts import measure_start
     from planner.fidelity.transfer import censored_bound
     from planner.rl.grpo import Models
     from planner.rl.margin import Margin, critical_knob
@@ -151,7 +141,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     fingerprints = {"original": ckpt.fingerprint(), "proxy": Checkpoint(proxy).fingerprint()}
     fingerprint = fingerprints["original"]
     # where each side starts, before any anti-balance pressure: a router-collapse label is read against it
-    start = {side: start_balance(path, device, list(grid.margin_seeds)) for side, path in (("original", original), ("proxy", proxy))
+    start = {side: measure_start(path, device, list(grid.margin_seeds)) for side, path in (("original", original), ("proxy", proxy))
              } if "router-collapse" in recipes else None  # fmt: skip
     for recipe_name in recipes:
         r = recipe(recipe_name)
@@ -206,13 +196,14 @@ def balance_table(args: argparse.Namespace) -> None:
     normalised top-k share of the most collapsed MoE layer at the first step, against the router-
     collapse detector's threshold; each row is kept in the starts file as it is measured."""
     from planner.fidelity.grid import Grid
+    from planner.fidelity.starts import measure_start
     from planner.render import table
 
     seeds, rows = list(Grid().margin_seeds), []
     for family, hidden, layers, seed in scales(args):
         _, original, proxy, k, _ = prepare(family, hidden, layers, seed, args.kept_fraction, args.device, Path(args.workdir), args.steps,
                                            args.balancing)  # fmt: skip
-        start = {side: start_balance(path, args.device, seeds) for side, path in (("original", original), ("proxy", proxy))}
+        start = {side: measure_start(path, args.device, seeds) for side, path in (("original", original), ("proxy", proxy))}
         row = start_row(family, hidden, layers, seed, args.steps, args.balancing, k, start)
         keep_starts([row], Path(args.starts), Path(args.workdir))
         at = [float(np.mean(row[side])) for side in ("original", "proxy")]

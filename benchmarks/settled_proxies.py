@@ -70,11 +70,10 @@ def settle(source: Path, out: Path, family: str, grid) -> dict:
 
 
 def start(model: Path, seeds: list[int]) -> float:
-    from planner.rl.grpo import GRPO, Models
-    from planner.rl.recipes import recipe
+    """Where a model starts (planner.fidelity.starts.measure_start), the mean over the margin seeds."""
+    from planner.fidelity.starts import measure_start
 
-    r, models = recipe(RECIPE), Models(model, "cpu")
-    return float(np.mean([GRPO(models, r.config(r.lo, seed=s, steps=1)).run()[0]["collapse_max"] for s in seeds]))
+    return float(np.mean(measure_start(model, "cpu", seeds)))
 
 
 def main() -> None:
@@ -102,6 +101,7 @@ def main() -> None:
     rows = json.loads(out.read_text())["rows"] if out.is_file() else []
     original = grid_margin(grid, results, args.original, "originals", unit_id(args.original, "original", RECIPE))
     models = work / "models" / args.original
+    original_start = start(models / "original", seeds)
     for plan in args.plans.split(","):
         if any((row["original"], row["plan"]) == (args.original, plan) for row in rows):
             continue
@@ -114,7 +114,7 @@ def main() -> None:
                                    resolution=grid.resolution(RECIPE))
                   for side, values, censored in (("grid", proxy["values"], proxy["censored"]), ("settled", list(m.values), list(m.censored)))}  # fmt: skip
         rows.append({"original": args.original, "plan": plan, "settle": report,
-                     "start": {"original": start(models / "original", seeds), "grid": start(models / plan, seeds), "settled": start(settled_dir, seeds)},
+                     "start": {"original": original_start, "grid": start(models / plan, seeds), "settled": start(settled_dir, seeds)},
                      "critical": {"original": original["mean"] * knob_scale(RECIPE), "grid": proxy["mean"] * knob_scale(RECIPE),
                                   "settled": m.mean * knob_scale(RECIPE)},
                      "margins": {"settled": m.to_json()},

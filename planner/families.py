@@ -21,7 +21,7 @@ from planner.errors import ConfigError, SpecError
 
 __all__ = ["family_configs", "family_config", "family_architecture", "family_of_shape", "small_config", "scaled_backbone",
            "scaled_family_config", "arch_family", "family_balancing", "BALANCE_KEYS", "NO_BALANCING", "BALANCINGS",
-           "trained_name", "how_trained"]  # fmt: skip
+           "TRAINED", "trained_name", "how_trained"]  # fmt: skip
 
 # a family's published load balancing (`balance:` in families.yaml), as planner.rl.models applies it
 # when it trains the MoE stage: the balance loss's coefficient (1 at an even load) and whether it is
@@ -30,6 +30,7 @@ BALANCE_KEYS = {"loss": float, "scope": str, "z_loss": float, "bias_rate": float
 NO_BALANCING = {"loss": 0.0, "scope": "batch", "z_loss": 0.0, "bias_rate": 0.0}  # what a key left out means
 # how an original's MoE stage may be trained: with no balancing (the grids measured so far) or its published one
 BALANCINGS = ("none", "published")
+TRAINED = {"none": "without load balancing", "published": "with the shape's published load balancing"}  # the words for each
 BALANCED_MARK = "-bal"  # ends the name of an original, or a calibration family, trained with its published balancing
 
 

@@ -291,8 +291,10 @@ def test_a_point_at_another_rule_on_a_remade_original_measures_only_its_proxy(tm
     (remeasured,) = bench.measure_point(*args, 0.25, "cpu", tmp_path / "a", 4)  # kept margins of another model are not taken
     assert remeasured["margins"]["original"] == first["margins"]["original"]
     # where each side starts (the router-collapse detector's statistic at the first step): the table of --balance-only
-    start = bench.start_balance(kept.parent / "original", "cpu", [0, 1, 2, 3])
-    assert len(start) == 4 and all(0.0 <= v <= 1.0 for v in start) and start == bench.start_balance(kept.parent / "original", "cpu", [0, 1, 2, 3])
+    from planner.fidelity.starts import measure_start
+
+    start = measure_start(kept.parent / "original", "cpu", [0, 1, 2, 3])
+    assert len(start) == 4 and all(0.0 <= v <= 1.0 for v in start) and start == measure_start(kept.parent / "original", "cpu", [0, 1, 2, 3])
     out = subprocess.run([sys.executable, str(path), "--balance-only", "--families", "gpt_oss-e32", "--hidden", "64", "--layers", "2",
                           "--seeds", "0", "--steps", "4", "--workdir", str(tmp_path / "a"), "--starts", str(tmp_path / "starts.json")],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip

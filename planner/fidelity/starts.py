@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["STARTS_SCHEMA", "default_starts_path", "load_starts", "merge_starts", "summarise", "start_text", "IDENTITY"]
+__all__ = ["STARTS_SCHEMA", "default_starts_path", "load_starts", "merge_starts", "measure_start", "summarise", "start_text", "IDENTITY"]
 
 STARTS_SCHEMA = "planner.starts/1"
 # what makes a row: the model (family, scale, seed, training length and balancing) and the proxy's K
@@ -37,6 +37,17 @@ def load_starts(path: str | Path | None = None) -> list[dict]:
     from planner.files import read_records
 
     return read_records(path if path is not None else default_starts_path(), "routing-starts file", STARTS_SCHEMA, "rows")
+
+
+def measure_start(model: str | Path, device: str, seeds: list[int]) -> list[float]:
+    """Per seed, the router-collapse detector's statistic (the normalised top-k share of the most
+    collapsed MoE layer: 0 balanced, 1 collapsed) over a model's first step at the recipe's weakest
+    anti-balance knob: how close to the fault's threshold the model starts before any pressure."""
+    from planner.rl.grpo import GRPO, Models
+    from planner.rl.recipes import recipe
+
+    r, models = recipe("router-collapse"), Models(model, device)
+    return [GRPO(models, r.config(r.lo, seed=s, steps=1)).run()[0]["collapse_max"] for s in seeds]
 
 
 def merge_starts(rows: list[dict], new: list[dict]) -> list[dict]:
@@ -62,12 +73,11 @@ def summarise(rows: list[dict], hidden: int = 64, layers: int = 3, steps: int = 
     return out
 
 
-TRAINED = {"none": "without load balancing", "published": "with the shape's published load balancing"}
-
-
 def start_text(starts: dict[str, Any] | None, balancing: str = "none") -> str:
     """The words for where a family's originals start, trained as `balancing` says, and where an
     original trained the other way starts, where measured (empty where the family's way was not)."""
+    from planner.families import TRAINED
+
     if not starts or balancing not in starts:
         return ""
     own = starts[balancing]

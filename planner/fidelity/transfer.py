@@ -55,6 +55,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from planner.families import TRAINED
+
 __all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "fit_key", "widening", "default_transfer_path", "between_variance",
            "AXES", "BASE_HIDDEN", "BASE_LAYERS", "BASE_STEPS", "BASE_KEPT", "BOUNDS", "censored_bound", "slope",
            "slopes_text", "balanced_text"]
@@ -180,7 +182,7 @@ def balanced_text(fits: dict[str, dict[str, Any]], recipe: str, shape: str) -> s
                           + (f" / {m['layers']} layers" if m["layers"] != BASE_LAYERS else "") for m in at)  # fmt: skip
         parts.append(f"K/E {k:g}: {shown}")
     slope_said = f"; width slope {', '.join(slopes_text(entry, 2, skip=('depth', 'training length')))}" if entry.get("fitted") else ""
-    return (f"on originals trained with the shape's published load balancing, which start near balanced, the shift measures "
+    return (f"on originals trained {TRAINED['published']}, which start near balanced, the shift measures "
             f"{'; '.join(parts)} ({plural(entry['points'], 'point')}{slope_said})")  # fmt: skip
 
 
@@ -319,7 +321,7 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
     a calibration family trained with the published balancing read the points fitted apart)."""
     entry = fits.get(fit_key(recipe, shape, balancing))
     target = f"hidden {hidden}, {layers} layers" if hidden else "the target"
-    on = "" if balancing == "none" else " on originals trained with the shape's published load balancing"
+    on = "" if balancing == "none" else f" on originals trained {TRAINED[balancing]}"
     if entry is None or not entry.get("fitted"):
         if entry is None:
             said = f"transfer not measured beyond hidden {BASE_HIDDEN}{on}"

@@ -8,6 +8,7 @@ rule and the numbers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -33,7 +34,7 @@ BAD_METHODS = ("least-used", "one-cluster")
 CONTROL_METHODS = ("mis-sliced",)
 METHODS = (*SELECTION_METHODS, "manual")
 _KEYS = ("schema", "model", "experts", "original_experts", "method", "mtp", "checkpoint_fingerprint",
-         "target_ep", "seed", "feature_spec", "statistics", "deployment", "layers", "labels")  # fmt: skip
+         "target_ep", "seed", "feature_spec", "statistics", "deployment", "layers", "labels", "correction_bias")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +54,9 @@ class Plan:
     # where and how the proxy is meant to run, and what planner predicted for it (planner suggest):
     # hardware, num_cards, layouts, recompute, offload, job, fault, predicted memory/time/fidelity
     deployment: Mapping[str, Any] | None = None
+    # the kept experts' correction bias per MoE layer, settled again after pruning (planner stats
+    # --settle-bias); None: sliced from the original's like every other expert-indexed tensor
+    correction_bias: Mapping[int, tuple[float, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -62,6 +66,8 @@ class Plan:
         object.__setattr__(self, "layers", {int(k): tuple(sorted(int(i) for i in v)) for k, v in self.layers.items()})
         if self.labels is not None:
             object.__setattr__(self, "labels", {int(k): tuple(int(i) for i in v) for k, v in self.labels.items()})
+        if self.correction_bias is not None:
+            object.__setattr__(self, "correction_bias", {int(k): tuple(float(b) for b in v) for k, v in self.correction_bias.items()})
 
     @property
     def deferred(self) -> bool:
@@ -127,6 +133,8 @@ class Plan:
                         )
         if self.labels is not None and not self.deferred:
             self._check_labels(e)
+        if self.correction_bias is not None:
+            self._check_correction_bias(moe)
         warnings = []
         if k & (k - 1):
             warnings.append(f"K={k} is not a power of two: fused grouped-gate kernels (sglang, vLLM) want one")
@@ -147,6 +155,19 @@ class Plan:
             kept_labels = sorted(lab[i] for i in self.layers[layer])
             if kept_labels != list(range(self.experts)):
                 raise PlanError(f"layer {layer}: the kept experts {list(self.layers[layer])} must carry one label each of 0..{self.experts - 1}")
+
+    def _check_correction_bias(self, moe) -> None:
+        """A settled correction bias needs a router that has one, a layer the plan keeps, and one
+        finite value per kept expert."""
+        if moe.correction_bias == "none":
+            raise PlanError("the plan sets correction biases, but the model's router has no correction bias")
+        extra = sorted(set(self.correction_bias) - set(self.layers))
+        if extra:
+            raise PlanError(f"correction_bias names layers {extra[:6]} that the plan keeps no experts for")
+        for layer, bias in self.correction_bias.items():
+            if len(bias) != self.experts or not all(math.isfinite(b) for b in bias):
+                raise PlanError(f"correction_bias of layer {layer} must hold {self.experts} finite values (one per kept expert), "
+                                f"got {len(bias)}")  # fmt: skip
 
     # ---- YAML ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -171,6 +192,8 @@ class Plan:
             out["layers"] = {int(i): list(ids) for i, ids in sorted(self.layers.items())}
         if self.labels is not None:
             out["labels"] = {int(i): list(lab) for i, lab in sorted(self.labels.items())}
+        if self.correction_bias is not None:
+            out["correction_bias"] = {int(i): list(b) for i, b in sorted(self.correction_bias.items())}
         return out
 
     def to_yaml(self) -> str:
@@ -214,6 +237,7 @@ class Plan:
                 statistics=_mapping(data.get("statistics"), "statistics", where),
                 deployment=_mapping(data.get("deployment"), "deployment", where),
                 labels={int(k): tuple(int(i) for i in v) for k, v in data["labels"].items()} if data.get("labels") else None,
+                correction_bias=_float_rows(data.get("correction_bias"), "correction_bias", where),
             )
         except (TypeError, ValueError) as exc:
             raise SpecError(f"{where}: {exc}") from None
@@ -225,6 +249,17 @@ def _mapping(value: Any, key: str, where: str) -> dict[str, Any] | None:
     if not isinstance(value, Mapping):
         raise SpecError(f"{where}: {key} must be a mapping")
     return dict(value)
+
+
+def _float_rows(value: Any, key: str, where: str) -> dict[int, tuple[float, ...]] | None:
+    """A mapping of layer index to a list of numbers (None stays None)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not all(isinstance(v, (list, tuple)) for v in value.values()):
+        raise SpecError(f"{where}: {key} must map each MoE layer index to a list of numbers")
+    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for v in value.values() for b in v):
+        raise SpecError(f"{where}: {key} values must be numbers")
+    return {int(k): tuple(float(b) for b in v) for k, v in value.items()}
 
 
 def _span(ids: list[int]) -> str:

@@ -321,6 +321,7 @@ _STAT_COLUMNS = (
     ("reconstruction_error", "recon error"),
     ("routing_agreement", "routing agree"),
     ("load_cv_after", "load CV after"),
+    ("load_cv_settled", "load CV settled"),  # the correction bias settled again (planner stats --settle-bias)
 )
 
 

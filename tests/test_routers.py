@@ -102,7 +102,7 @@ def test_published_balancing_enters_only_the_moe_stage(tmp_path, family):
     rate = family_balancing(family)["bias_rate"]
     biases = [n for n in weights["none"] if n.endswith("e_score_correction_bias")]
     if rate:
-        from planner.rl.models import SETTLE_PASSES, SETTLE_WINDOW
+        from planner.stats.settle import SETTLE_PASSES, SETTLE_WINDOW
 
         assert biases and all(float(weights["none"][n].abs().max()) == 0.0 for n in biases)
         # the training steps and the settling passes move a bias by +-rate times a power of two: a whole number of rates

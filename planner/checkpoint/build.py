@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from planner import __version__
 from planner.arch import config_with_experts
 from planner.checkpoint.reader import INDEX_NAME, SINGLE_NAME, Checkpoint, MoELayer
-from planner.checkpoint.safetensors import DTYPE_BYTES, OutTensor, Segment, TensorInfo, write_shard
+from planner.checkpoint.safetensors import DTYPE_BYTES, NUMPY_DTYPES, OutTensor, Segment, TensorInfo, write_shard
 from planner.errors import CheckpointError, PlanError, SpecError
 from planner.files import refuse_existing, write_text_atomic
 from planner.plan import Plan
@@ -97,6 +99,20 @@ def _whole(info: TensorInfo, name: str | None = None) -> OutTensor:
     return OutTensor(name or info.name, info.dtype, info.shape, (Segment(info.path, info.begin, info.nbytes),))
 
 
+def _settled(info: TensorInfo, values: tuple[float, ...]) -> OutTensor:
+    """A correction bias of the plan's own values (settled after pruning), in the source's dtype."""
+    if len(info.shape) != 1 or info.dtype not in ("F32", "F64", "F16", "BF16"):
+        raise CheckpointError(f"{info.name}: a settled correction bias replaces a 1-D float tensor, this one is {info.dtype} "
+                              f"{list(info.shape)}")  # fmt: skip
+    f32 = np.asarray(values, dtype=np.float32)
+    if info.dtype == "BF16":  # round to nearest even on the upper 16 bits
+        bits = f32.view(np.uint32)
+        raw = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
+    else:
+        raw = f32.astype(np.dtype(NUMPY_DTYPES[info.dtype]).newbyteorder("<")).tobytes()
+    return OutTensor(info.name, info.dtype, (len(values),), data=raw)
+
+
 def _layer_of(name: str, prefix: str) -> int | None:
     if not name.startswith(prefix + "."):
         return None
@@ -140,6 +156,9 @@ def _plan_tensors(ckpt: Checkpoint, plan: Plan) -> tuple[dict[str, list[OutTenso
                     tensors.append(_whole(info, f"{layer.prefix}.experts.{keep.index(int(eid))}.{suffix}"))
                 else:
                     skipped += info.nbytes
+            elif kind == "correction_bias" and plan.correction_bias and layer.index in plan.correction_bias:
+                tensors.append(_settled(info, plan.correction_bias[layer.index]))
+                skipped += info.nbytes - tensors[-1].nbytes
             elif kind == "correction_bias":
                 tensors.append(_slice(info, layer.correction_dim, keep))
                 skipped += info.nbytes - tensors[-1].nbytes
@@ -170,7 +189,13 @@ def _expert_map(ckpt: Checkpoint, plan: Plan, report_warnings: list[str]) -> dic
         "feature_spec": plan.feature_spec,
         "seed": plan.seed,
         "rule": "kept experts are real (unmerged) original experts renumbered 0..K-1 in ascending original id; "
-        "router rows, router biases and correction biases sliced alike",
+        "router rows, router biases and correction biases sliced alike"
+        + ("; except the correction biases of the layers under correction_bias_settled, settled again after pruning" if plan.correction_bias else ""),
+        **({"correction_bias_settled": {
+            "layers": sorted(plan.correction_bias),
+            "how": "auxiliary-loss-free balancing run on the original's router logits of the calibration text until the kept "
+                   "experts' biases stop drifting (planner stats --settle-bias); the plan holds the values",
+        }} if plan.correction_bias else {}),  # fmt: skip
         "mtp": {
             "layers": [i for i, layer in ckpt.moe_layers.items() if layer.mtp],
             "choice": plan.mtp if any(layer.mtp for layer in ckpt.moe_layers.values()) else "none (no MTP layer in the checkpoint)",
@@ -339,7 +364,8 @@ def build(
             importing.join()  # no import races the one under way
             from planner.checkpoint.verify import verify_proxy
 
-            compare = verify == "always" or plan.experts == plan.original_experts  # auto: where it proves the copy exact
+            # auto: where it proves the copy exact (a keep-all plan with its biases as they were)
+            compare = verify == "always" or (plan.experts == plan.original_experts and not plan.correction_bias)
             verification.update(verify_proxy(ckpt.path, tmp, plan, num_layers=ckpt.arch.num_layers, compare=compare))
         emap = _expert_map(ckpt, plan, warnings)
         emap["verification"] = verification

@@ -21,11 +21,14 @@ from planner.plan import SELECTION_METHODS
 @click.option("--experts", default=None, help="Comma-separated K values to cluster for (default: E/2, E/4, E/8 where legal).")
 @click.option("--methods", default="agglomerative", show_default=True, help="Comma-separated clustering methods.")
 @click.option("--weights-only", is_flag=True, help="Data-free features only (router rows, weight sketches).")
+@click.option("--settle-bias", is_flag=True, help="Also settle each plan's kept experts' correction bias on the calibration text "
+              "(routers with one: DeepSeek-V3, GLM-4.5, ...), for `plan`/`build --settle-bias`.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True)
 @click.option("--force", is_flag=True, help="Overwrite an existing stats file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-plan summaries as JSON.")
-def stats(checkpoint, calib_text, calib_tokens, seq_len, experts, methods, weights_only, seed, output, force, as_json) -> None:
+def stats(checkpoint, calib_text, calib_tokens, seq_len, experts, methods, weights_only, settle_bias, seed, output, force,
+          as_json) -> None:  # fmt: skip
     """Expert features, clusterings and per-plan statistics of a checkpoint."""
     from planner.checkpoint import Checkpoint
     from planner.stats.compute import compute_stats, default_experts
@@ -46,7 +49,7 @@ def stats(checkpoint, calib_text, calib_tokens, seq_len, experts, methods, weigh
 
         result = compute_stats(ckpt, experts=ks, methods=tuple(m.strip() for m in methods.split(",")), calib_text=text,
                                calib_tokens=calib_tokens, seq_len=seq_len, weights_only=weights_only, seed=seed,
-                               progress=progress)  # fmt: skip
+                               settle_bias=settle_bias, progress=progress)  # fmt: skip
         save_stats(result, output, force=force)
         if as_json:
             emit_json({key: plan["summary"] for key, plan in result["plans"].items()})
@@ -67,9 +70,11 @@ def stats(checkpoint, calib_text, calib_tokens, seq_len, experts, methods, weigh
 @click.option("--mtp", type=click.Choice(["drop", "prune"]), default="drop", show_default=True)
 @click.option("--target-ep", default=None, help="Comma-separated EP sizes the proxy must run with.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--settle-bias", is_flag=True, help="The kept experts' correction bias settled again after pruning, from the "
+              "stats file (planner stats --settle-bias), instead of sliced. The fidelity estimator's labels are of sliced proxies.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True)
 @click.option("--force", is_flag=True)
-def plan(checkpoint, experts, method, stats_path, mtp, target_ep, seed, output, force) -> None:
+def plan(checkpoint, experts, method, stats_path, mtp, target_ep, seed, settle_bias, output, force) -> None:
     """Choose the experts to keep (one real expert per cluster) and write the plan YAML."""
     from planner.checkpoint import Checkpoint
     from planner.stats.compute import choose_plan
@@ -77,7 +82,8 @@ def plan(checkpoint, experts, method, stats_path, mtp, target_ep, seed, output, 
     def body():
         new_output(output, force)
         ckpt = Checkpoint(checkpoint)
-        result = choose_plan(ckpt, experts, method, stats_path=stats_path, mtp=mtp, target_ep=tuple(parse_ints(target_ep)), seed=seed)
+        result = choose_plan(ckpt, experts, method, stats_path=stats_path, mtp=mtp, target_ep=tuple(parse_ints(target_ep)), seed=seed,
+                             settle_bias=settle_bias)  # fmt: skip
         warnings = result.check(ckpt.arch, list(ckpt.moe_layers))
         write_text_atomic(output, result.to_yaml())
         for w in warnings:
@@ -99,9 +105,11 @@ def plan(checkpoint, experts, method, stats_path, mtp, target_ep, seed, output, 
 @click.option("--verify", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
               help="Run the proxy in transformers after building, one decoder layer at a time in the checkpoint's dtype (bounded "
                    "memory at any size); always: the original too, for the KL between them (auto: for a keep-all plan only).")
+@click.option("--settle-bias", is_flag=True, help="The kept experts' correction bias settled again after pruning, from the "
+              "stats file (planner stats --settle-bias), instead of sliced. The fidelity estimator's labels are of sliced proxies.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
 @click.option("--json", "as_json", is_flag=True)
-def build(checkpoint, out_dir, plan_path, experts, method, stats_path, mtp, verify, force, as_json) -> None:
+def build(checkpoint, out_dir, plan_path, experts, method, stats_path, mtp, verify, settle_bias, force, as_json) -> None:
     """Write the proxy checkpoint: kept experts sliced and renumbered, verified, atomic."""
     from planner.checkpoint import Checkpoint
     from planner.checkpoint import build as build_proxy
@@ -114,9 +122,9 @@ def build(checkpoint, out_dir, plan_path, experts, method, stats_path, mtp, veri
         start = time.perf_counter()
         ckpt = Checkpoint(checkpoint)
         if plan_path:  # a deferred plan (planner suggest without a checkpoint) chooses its experts now
-            the_plan = resolve_plan(ckpt, load_plan(plan_path), stats_path=stats_path)
+            the_plan = resolve_plan(ckpt, load_plan(plan_path), stats_path=stats_path, settle_bias=settle_bias)
         else:
-            the_plan = choose_plan(ckpt, experts, method, stats_path=stats_path, mtp=mtp)
+            the_plan = choose_plan(ckpt, experts, method, stats_path=stats_path, mtp=mtp, settle_bias=settle_bias)
         choosing = time.perf_counter() - start  # a plan chosen now reads every expert's weights (sketches)
         report = build_proxy(ckpt, the_plan, out_dir, force=force, verify=verify, progress=progress_line("writing"))
         if as_json:

@@ -35,6 +35,7 @@ from planner.hf import require_torch
 from planner.rl.corpus import split_bytes
 from planner.rl.experts import fast_eager_experts
 from planner.rl.routers import Routers, collapse_share, expert_counts, routing_probs, sigmoid_scored, switch_loss, update_correction_bias, z_loss
+from planner.stats.settle import settle
 
 __all__ = ["ModelRecipe", "make_model", "expert_similarity", "settle_correction_bias"]
 
@@ -55,7 +56,6 @@ class ModelRecipe:
 
 
 TAIL = 20  # the last steps whose routing the report summarises
-SETTLE_WINDOW, SETTLE_HALVINGS, SETTLE_PASSES = 50, 4, 1500  # settle_correction_bias: passes a window, halvings of its step, at most
 
 
 def _batch(torch, data, rng, recipe: ModelRecipe, device: str):
@@ -134,15 +134,13 @@ def _train(model, steps: int, recipe: ModelRecipe, seed: int, progress=None, dev
 
 def settle_correction_bias(model, recipe: ModelRecipe, rate: float, seed: int, device: str = "cpu",
                            progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Loss-free balancing run to where it settles. A real model's bias updates over hundreds of
-    thousands of steps (DeepSeek-V3: 14.3T tokens); the grid's 300 MoE steps move a bias by 0.3 at
-    most, short of where a wider model's scores need it. So, with the weights as trained: forward
-    passes without gradients on training batches, each moving every correction bias by a step
-    towards an even load as a training step does, in windows of SETTLE_WINDOW passes; the step
-    starts at 2^SETTLE_HALVINGS times `rate` and halves after each window in which no bias drifted
-    one way (each moved less than half of what the window could move it), and the search ends after
-    such a window at `rate` itself (or after SETTLE_PASSES passes). Returns the passes, the last
-    window's largest drift, and where the routing ended (as `_train` reports it) over that window."""
+    """Loss-free balancing run to where it settles (planner.stats.settle). A real model's bias updates
+    over hundreds of thousands of steps (DeepSeek-V3: 14.3T tokens); the grid's 300 MoE steps move a
+    bias by 0.3 at most, short of where a wider model's scores need it. So, with the weights as
+    trained: forward passes without gradients on training batches, each moving every correction bias
+    by the settling's step towards an even load as a training step does, from `rate` * 2^4 down to
+    `rate`. Returns the passes, the last window's largest drift, and where the routing ended (as
+    `_train` reports it) over that window."""
     torch, _ = require_torch("settling the correction bias")
     biased = _biased(model)
     if not biased:
@@ -150,27 +148,20 @@ def settle_correction_bias(model, recipe: ModelRecipe, rate: float, seed: int, d
     routers = Routers(model)
     data = split_bytes("train")
     rng = np.random.default_rng(seed)
-    passes, step, window, drift = 0, rate * 2**SETTLE_HALVINGS, {}, math.inf
+    window: dict[int, tuple] = {}
+
+    def one_pass(step: float) -> None:
+        routers.clear()
+        model(input_ids=_batch(torch, data, rng, recipe, device))
+        update_correction_bias(routers.calls, step)
+        _tally(window, routers.calls)
+
     model.eval()
     with torch.no_grad():
-        while passes < SETTLE_PASSES:
-            before = [m.e_score_correction_bias.clone() for m in biased]
-            window = {}
-            for _ in range(SETTLE_WINDOW):
-                routers.clear()
-                model(input_ids=_batch(torch, data, rng, recipe, device))
-                update_correction_bias(routers.calls, step)
-                _tally(window, routers.calls)
-                passes += 1
-            drift = max(float((m.e_score_correction_bias - b).abs().max()) for m, b in zip(biased, before))
-            if progress:
-                progress("settle", passes, SETTLE_PASSES)
-            if drift < SETTLE_WINDOW * step / 2:  # settled at this step
-                if step <= rate:
-                    break
-                step = max(rate, step / 2)
+        settled = settle(one_pass, [m.e_score_correction_bias for m in biased], rate,
+                         new_window=window.clear, progress=(lambda done, total: progress("settle", done, total)) if progress else None)  # fmt: skip
     routers.remove()
-    return {"passes": passes, "drift": round(drift, 5), **_routing_end(window, biased)}
+    return {**settled, **_routing_end(window, biased)}
 
 
 def expert_similarity(model) -> dict[str, float]:

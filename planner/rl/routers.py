@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 import re
 
+from planner.stats.settle import balance_bias
+
 __all__ = ["Routers", "router_attr", "sigmoid_scored", "routing_probs", "switch_loss", "z_loss", "update_correction_bias",
            "expert_counts", "collapse_share"]  # fmt: skip
 
@@ -117,8 +119,6 @@ def update_correction_bias(calls, rate: float) -> int:
     """Move every hooked router's correction bias by `rate` towards an even load, from the routed slots
     of its calls since the last clear; returns the number of routers updated (those without a bias
     are skipped)."""
-    import torch
-
     per_module: dict[int, tuple] = {}
     for module, _, ids in calls:
         bias = getattr(module, "e_score_correction_bias", None)
@@ -127,9 +127,8 @@ def update_correction_bias(calls, rate: float) -> int:
         counts = expert_counts(ids.detach(), bias.numel())
         held = per_module.get(id(module))
         per_module[id(module)] = (bias, counts if held is None else held[1] + counts)
-    with torch.no_grad():
-        for bias, counts in per_module.values():
-            bias.add_(torch.sign(counts.mean() - counts).to(bias.dtype), alpha=rate)
+    for bias, counts in per_module.values():
+        balance_bias(bias, counts, rate)
     return len(per_module)
 
 

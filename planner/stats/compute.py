@@ -30,9 +30,10 @@ import numpy as np
 
 from planner.arch.routing import load_cv
 from planner.checkpoint.reader import Checkpoint
-from planner.errors import CheckpointError
+from planner.errors import CheckpointError, SpecError
 from planner.plan import Plan
 from planner.stats.cluster import METHODS, ROUTER_WEIGHT, cosine_distance, select, silhouette
+from planner.stats.settle import balance_bias, settle
 from planner.stats.sketch import SKETCH_DIM, weight_features
 from planner.stats.store import STATISTICS_VERSION, load_stats, plan_key, plan_statistics
 
@@ -318,7 +319,8 @@ def _jaccard(a: np.ndarray, b: np.ndarray, n: int) -> float:
     return float(((sa & sb).sum(1) / (sa | sb).sum(1)).mean())
 
 
-def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[list[int], np.ndarray]]], progress) -> dict:
+def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[list[int], np.ndarray]]], progress,
+               settle_bias: bool = False) -> dict:  # fmt: skip
     """Every plan from the calibration pass's activations, one more visit per MoE layer: the pruned
     router (the family's own) on every token's router logits gives the routing after pruning (entropy,
     load CV, agreement with the original routing mapped through the clusters); at the evaluation
@@ -332,6 +334,7 @@ def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[lis
     scoring = ckpt.arch.moe.scoring
     layers = list(trace.logits)
     per_layer = {key: {} for key in plans}
+    settled: dict[str, dict[int, dict]] = {key: {} for key in plans}
     delta = {key: torch.zeros_like(trace.final) for key in plans}
     e, t = ckpt.arch.original_num_experts, len(trace.positions)
     at = torch.from_numpy(trace.positions)
@@ -342,7 +345,8 @@ def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[lis
         weights = {}
         for key, selections in plans.items():
             kept, labels = selections[i]
-            call = runner.route(block, logits, router=_pruned_router(runner, block, kept))
+            pruned = _pruned_router(runner, block, kept)
+            call = runner.route(block, logits, router=pruned)
             pl, pw, pid = call.logits, call.topk_weights.float(), call.topk_ids
             kept_t = torch.tensor(kept, dtype=torch.long)
             rep_index = {int(labels[k]): m for m, k in enumerate(kept)}
@@ -351,6 +355,9 @@ def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[lis
             counts = np.bincount(proxy.reshape(-1), minlength=len(kept)).astype(float)
             entropy, cv = _entropy_cv(_router_probs(pl, scoring), counts)
             per_layer[key][i] = {"routing_agreement": _jaccard(mapped, proxy, len(kept)), "entropy_after": entropy, "load_cv_after": cv}
+            if settle_bias and getattr(pruned, "e_score_correction_bias", None) is not None:
+                settled[key][i] = _settle_pruned(runner, block, logits, pruned)
+                per_layer[key][i]["load_cv_settled"] = settled[key][i].pop("load_cv")
             weights[key] = torch.zeros(t, e).scatter_(1, kept_t[pid[at]], pw[at])
         if runner.weights_inputs(block):  # the change is not linear in the weights: each routing in full
 
@@ -373,7 +380,25 @@ def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[lis
         if progress:
             progress(n + 1, len(layers))
     kl = _head_kl(runner, trace.final, [trace.final + delta[key] for key in plans])
-    return {key: {"per_layer": per_layer[key], "kl_original_proxy": kl[n]} for n, key in enumerate(plans)}
+    return {key: {"per_layer": per_layer[key], "kl_original_proxy": kl[n], **({"settled_bias": settled[key]} if settled[key] else {})}
+            for n, key in enumerate(plans)}  # fmt: skip
+
+
+def _settle_pruned(runner, block, logits, pruned) -> dict:
+    """The pruned router's correction bias settled (planner.stats.settle) on the original's router
+    logits of every calibration token, in place: each pass routes them all and moves the bias
+    towards an even load of the kept experts. The inputs are the original's, as everywhere in the
+    plan pass (a layer's change of what reaches later routers is not followed). Returns the settled
+    bias, the passes, the last window's drift and the kept experts' load CV after settling."""
+    import torch
+
+    bias = pruned.e_score_correction_bias
+
+    def counts():
+        return torch.bincount(runner.route(block, logits, router=pruned).topk_ids.reshape(-1), minlength=bias.numel()).float()
+
+    info = settle(lambda step: balance_bias(bias, counts(), step), [bias])
+    return {"bias": [float(b) for b in bias], **info, "load_cv": load_cv(counts())}
 
 
 HEAD_CHUNK_BYTES = 384 << 20  # float32 logits of the plans the head runs on at once
@@ -418,10 +443,12 @@ def compute_stats(
     seq_len: int = 256,
     weights_only: bool = False,
     seed: int = 0,
+    settle_bias: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict:
-    from planner.errors import SpecError
-
+    """Features, clusterings and per-plan statistics of `ckpt` for every kept count in `experts` and
+    selection method in `methods`. `settle_bias`: also settle each plan's correction bias on the
+    calibration text (planner.stats.settle), for proxies built with their bias settled."""
     start = time.perf_counter()
     arch = ckpt.arch
     for k in experts:
@@ -429,6 +456,9 @@ def compute_stats(
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SpecError(f"unknown method(s) {unknown}; one of {', '.join(METHODS)}")
+    if settle_bias and (weights_only or arch.moe.correction_bias == "none"):
+        raise SpecError("settling the correction bias needs calibration text and a router that has one: "
+                        + ("drop --weights-only" if weights_only else f"{arch.model_type} routes without a correction bias"))  # fmt: skip
     ranking = [m for m in methods if m in CALIBRATED_METHODS]
     if weights_only and ranking:
         raise SpecError(f"{ranking} rank experts by calibration statistics; drop --weights-only to compute them")
@@ -485,7 +515,8 @@ def compute_stats(
                           frequency=f.frequency, protected=set(f.super_experts), n_group=arch.moe.n_group, seed=seed)
                 for i, f in features.items()
             })  # fmt: skip
-    measured = _plan_pass(ckpt, runner, trace, {key: sel for key, (_, _, sel) in chosen.items()}, step("plans")) if runner else {}
+    measured = _plan_pass(ckpt, runner, trace, {key: sel for key, (_, _, sel) in chosen.items()}, step("plans"),
+                          settle_bias) if runner else {}  # fmt: skip
     plans: dict[str, dict] = {}
     for key, (k, method, selections) in chosen.items():
         per_layer = {i: _selection_stats(features[i], kept, lab) for i, (kept, lab) in selections.items()}
@@ -506,6 +537,8 @@ def compute_stats(
                 **({"kl_original_proxy": measured[key]["kl_original_proxy"]} if key in measured else {}),
             },
         }
+        if "settled_bias" in measured.get(key, {}):
+            plans[key]["settled_bias"] = {str(i): v for i, v in measured[key]["settled_bias"].items()}
     return {
         "checkpoint": {
             "path": str(ckpt.path),
@@ -531,11 +564,20 @@ def compute_stats(
 
 
 def plan_from_stats(stats: dict, experts: int, method: str, *, model: str, mtp: str = "drop",
-                    target_ep: tuple[int, ...] = (), seed: int = 0) -> Plan:  # fmt: skip
-    """A plan from stored features: a stored clustering when it matches, else a new one."""
+                    target_ep: tuple[int, ...] = (), seed: int = 0, settle_bias: bool = False) -> Plan:  # fmt: skip
+    """A plan from stored features: a stored clustering when it matches, else a new one.
+    `settle_bias`: with the correction bias the stats settled for that clustering (the MTP layers,
+    which calibration text does not reach, keep theirs sliced)."""
     ck = stats["checkpoint"]
     key = plan_key(experts, method)
-    statistics = None
+    statistics = bias = None
+    if settle_bias:
+        stored = stats["plans"].get(key, {}) if stats.get("seed", 0) == seed else {}
+        if "settled_bias" not in stored:
+            raise SpecError(f"the stats hold no settled correction bias for K={experts} by {method} (seed {seed}): run "
+                            f"`planner stats {ck['path']} --experts {experts} --methods {method} --seed {seed} --settle-bias -o ...` "
+                            "and pass that file")  # fmt: skip
+        bias = {int(i): v["bias"] for i, v in stored["settled_bias"].items()}
     if key in stats["plans"] and stats.get("seed", 0) == seed:
         kept = {int(i): v for i, v in stats["plans"][key]["kept"].items()}
         labels = {int(i): v for i, v in stats["plans"][key]["labels"].items()}
@@ -569,14 +611,17 @@ def plan_from_stats(stats: dict, experts: int, method: str, *, model: str, mtp: 
         seed=seed,
         feature_spec=stats["feature_spec"],
         statistics=statistics,
+        correction_bias=bias,
     )
 
 
 def choose_plan(ckpt, experts: int, method: str, *, stats_path=None, mtp: str = "drop", target_ep: tuple[int, ...] = (),
-                seed: int = 0) -> Plan:  # fmt: skip
-    """A plan for the checkpoint: from a stats file when given, else from data-free features computed now."""
-    from planner.errors import SpecError
-
+                seed: int = 0, settle_bias: bool = False) -> Plan:  # fmt: skip
+    """A plan for the checkpoint: from a stats file when given, else from data-free features computed
+    now. `settle_bias`: with the correction bias settled in the stats file (planner stats --settle-bias)."""
+    if settle_bias and not stats_path:
+        raise SpecError(f"a settled correction bias comes from calibration statistics: run `planner stats {ckpt.path} --experts "
+                        f"{experts} --methods {method} --settle-bias -o stats.json` and pass --stats stats.json")  # fmt: skip
     if experts == ckpt.arch.moe.num_experts and not stats_path:  # keep-all: nothing to choose, no expert to read
         keep = list(range(experts))
         layers = {i: keep for i, layer in ckpt.moe_layers.items() if not (layer.mtp and mtp == "drop")}
@@ -590,15 +635,20 @@ def choose_plan(ckpt, experts: int, method: str, *, stats_path=None, mtp: str = 
                         "and build with --plan plan.yaml")  # fmt: skip
     else:
         data = compute_stats(ckpt, experts=[experts], methods=(method,), weights_only=True, seed=seed)
-    return plan_from_stats(data, experts, method, model=str(ckpt.path), mtp=mtp, target_ep=tuple(target_ep), seed=seed)
+    return plan_from_stats(data, experts, method, model=str(ckpt.path), mtp=mtp, target_ep=tuple(target_ep), seed=seed,
+                           settle_bias=settle_bias)  # fmt: skip
 
 
-def resolve_plan(ckpt, plan: Plan, *, stats_path=None) -> Plan:
+def resolve_plan(ckpt, plan: Plan, *, stats_path=None, settle_bias: bool = False) -> Plan:
     """A deferred plan (no kept sets: planner suggest without a checkpoint) made concrete for this
     checkpoint by its own method; its deployment carries over. Other plans come back unchanged."""
     if not plan.deferred:
+        if settle_bias and plan.correction_bias is None:
+            raise SpecError("the plan names its experts and holds no settled correction bias; make it with `planner plan ... "
+                            "--settle-bias`, or build it as written without --settle-bias")  # fmt: skip
         return plan
-    chosen = choose_plan(ckpt, plan.experts, plan.method, stats_path=stats_path, mtp=plan.mtp, target_ep=plan.target_ep, seed=plan.seed or 0)
+    chosen = choose_plan(ckpt, plan.experts, plan.method, stats_path=stats_path, mtp=plan.mtp, target_ep=plan.target_ep,
+                         seed=plan.seed or 0, settle_bias=settle_bias)  # fmt: skip
     return dataclasses.replace(chosen, deployment=plan.deployment)
 
 

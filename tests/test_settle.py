@@ -1,0 +1,141 @@
+"""A proxy's correction bias settled again after pruning: the settling, the stats that hold it, the
+plan that carries it and the checkpoint that is built from it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from checkpoints import family_config, save_tiny  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from planner.arch.routing import load_cv  # noqa: E402
+from planner.checkpoint import EXPERT_MAP_NAME, Checkpoint, build  # noqa: E402
+from planner.errors import PlanError, SpecError  # noqa: E402
+from planner.plan import Plan  # noqa: E402
+from planner.stats.compute import choose_plan, compute_stats, plan_from_stats  # noqa: E402
+from planner.stats.settle import BIAS_RATE, SETTLE_PASSES, SETTLE_WINDOW, balance_bias, settle  # noqa: E402
+
+
+def test_settling_evens_a_planted_imbalance():
+    """Top-2 of 8 experts by score plus bias, one expert's scores lifted by 0.3: settling moves
+    its bias down by about that much and the load evens out; it stops at the rate, undrifting."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(4000, 8, generator=gen)
+    scores[:, 3] += 0.3
+    bias = torch.zeros(8)
+
+    def counts():
+        return torch.bincount((scores + bias).topk(2, dim=-1).indices.reshape(-1), minlength=8).float()
+
+    before = load_cv(counts())
+    info = settle(lambda step: balance_bias(bias, counts(), step), [bias])
+    assert before > 0.4 and load_cv(counts()) < 0.05
+    assert -0.4 < float(bias[3] - bias.mean()) < -0.2
+    assert info["passes"] < SETTLE_PASSES and info["drift"] < SETTLE_WINDOW * BIAS_RATE / 2
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """A one-layer DeepSeek-V3 checkpoint whose correction bias spans -0.5..0.5 over the experts: any
+    K of them, sliced, keep biases that balanced all E and load the kept ones unevenly."""
+    path = save_tiny(tmp_path_factory.mktemp("planted") / "src", family_config("deepseek_v3", num_hidden_layers=1, first_k_dense_replace=0),
+                     sharded=False)  # fmt: skip
+    tensors = load_file(path / "model.safetensors")
+    (name,) = [n for n in tensors if n.endswith("e_score_correction_bias")]
+    tensors[name] = torch.linspace(-0.5, 0.5, tensors[name].numel())
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    ckpt = Checkpoint(path)
+    k = next(x for x in sorted(ckpt.arch.legal_expert_counts()) if ckpt.arch.moe.top_k < x < ckpt.arch.original_num_experts)
+    return ckpt, k, compute_stats(ckpt, experts=[k], calib_tokens=512, seq_len=64, settle_bias=True)
+
+
+def test_stats_settle_each_plan_and_the_build_carries_it(planted, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from planner.rl.routers import Routers
+    from planner.stats.text import calibration_ids
+
+    ckpt, k, stats = planted
+    entry = stats["plans"][f"K={k}/agglomerative"]
+    (layer,) = entry["settled_bias"]
+    after, settled = (entry["per_layer"][layer][n] for n in ("load_cv_after", "load_cv_settled"))
+    assert settled < after / 2, (after, settled)
+    assert entry["summary"]["load_cv_settled"]["mean"] == settled
+    plan = plan_from_stats(stats, k, "agglomerative", model=str(ckpt.path), settle_bias=True)
+    assert plan.correction_bias == {int(layer): tuple(entry["settled_bias"][layer]["bias"])}
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).correction_bias == plan.correction_bias  # the plan file carries it
+
+    report = build(ckpt, plan, tmp_path / "proxy", verify="auto")
+    assert report.verification["forward"] == "finite"
+    proxy = Checkpoint(tmp_path / "proxy")
+    built = proxy.read_float32(proxy.moe_layers[int(layer)].correction_bias)
+    assert proxy.moe_layers[int(layer)].correction_bias.dtype == "F32"
+    assert np.array_equal(built, np.asarray(plan.correction_bias[int(layer)], dtype=np.float32))
+    emap = json.loads((tmp_path / "proxy" / EXPERT_MAP_NAME).read_text())
+    assert emap["correction_bias_settled"]["layers"] == [int(layer)] and "settled again" in emap["rule"]
+
+    # the built proxy, run as transformers' model on the calibration tokens, routes as the stats said
+    ids, _ = calibration_ids(ckpt.path, ckpt.arch.vocab_size, text=None, tokens=512, seq_len=64)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "proxy", dtype=torch.float32).eval()
+    routers = Routers(model)
+    with torch.no_grad():
+        model(input_ids=torch.from_numpy(ids))
+    (call,) = routers.calls
+    assert load_cv(torch.bincount(call[2].reshape(-1), minlength=k)) == pytest.approx(settled, rel=0.02)
+
+    sliced = plan_from_stats(stats, k, "agglomerative", model=str(ckpt.path))
+    assert sliced.correction_bias is None and sliced.layers == plan.layers
+
+
+def test_settling_is_refused_where_it_cannot_be(planted, tmp_path):
+    ckpt, k, stats = planted
+    qwen = Checkpoint(save_tiny(tmp_path / "qwen", family_config("qwen3_moe", num_hidden_layers=1), sharded=False))
+    with pytest.raises(SpecError, match="routes without a correction bias"):
+        compute_stats(qwen, experts=[4], calib_tokens=64, seq_len=32, settle_bias=True)
+    with pytest.raises(SpecError, match="drop --weights-only"):
+        compute_stats(ckpt, experts=[k], weights_only=True, settle_bias=True)
+    with pytest.raises(SpecError, match="pass --stats"):
+        choose_plan(ckpt, k, "agglomerative", settle_bias=True)
+    unsettled = {**stats, "plans": {key: {n: v for n, v in p.items() if n != "settled_bias"} for key, p in stats["plans"].items()}}
+    with pytest.raises(SpecError, match="--settle-bias"):
+        plan_from_stats(unsettled, k, "agglomerative", model="m", settle_bias=True)
+    plan = plan_from_stats(stats, k, "agglomerative", model="m", settle_bias=True)
+    (layer,) = plan.correction_bias
+    short = Plan.from_dict({**plan.to_dict(), "correction_bias": {layer: [0.0] * (k - 1)}})
+    with pytest.raises(PlanError, match=f"must hold {k} finite values"):
+        short.check(ckpt.arch)
+    with pytest.raises(PlanError, match="no correction bias"):
+        Plan.from_dict({**plan.to_dict(), "original_experts": qwen.arch.original_num_experts, "experts": 4,
+                        "layers": {0: [0, 1, 2, 3]}, "labels": None, "correction_bias": {0: [0.0] * 4}}).check(qwen.arch)  # fmt: skip
+    with pytest.raises(SpecError, match="list of numbers"):
+        Plan.from_dict({**plan.to_dict(), "correction_bias": {layer: "low"}})
+
+
+def test_the_commands_settle_end_to_end(planted, tmp_path):
+    """planner stats --settle-bias, then plan and build --settle-bias from it; build --settle-bias
+    without such stats is a usage error that says what to run."""
+    from click.testing import CliRunner
+
+    from planner.cli import main
+
+    ckpt, k, _ = planted
+
+    def run(*args):
+        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    stats = tmp_path / "stats.json"
+    done = run("stats", ckpt.path, "--experts", k, "--calib-tokens", 512, "--seq-len", 64, "--settle-bias", "-o", stats)
+    assert done.exit_code == 0, done.output
+    assert "load CV settled" in done.output
+    done = run("plan", ckpt.path, "--experts", k, "--stats", stats, "--settle-bias", "-o", tmp_path / "plan.yaml")
+    assert done.exit_code == 0, done.output
+    done = run("build", ckpt.path, tmp_path / "proxy", "--plan", tmp_path / "plan.yaml", "--json")
+    assert done.exit_code == 0, done.output
+    assert "correction_bias_settled" in json.loads((tmp_path / "proxy" / EXPERT_MAP_NAME).read_text())
+    refused = run("build", ckpt.path, tmp_path / "other", "--experts", k, "--settle-bias", "--json")
+    assert refused.exit_code == 2 and "planner stats" in refused.output and not (tmp_path / "other").exists()

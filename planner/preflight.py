@@ -376,6 +376,9 @@ def check_fidelity(c: _Context) -> Check:
         return Check("fidelity", "WARN", f"{f['status']}: {f['reason']}{measured}{knob}{other}")
     low, high = f["interval"]
     text = f"P(fault reproduced) {f['p_reproduced']:.2f} [{low:.2f}, {high:.2f}], threshold {threshold}{knob}{other}"
+    if plan.correction_bias:  # the calibration grids build sliced proxies only
+        return Check("fidelity", "WARN", f"the plan settles its correction bias again, and the calibration data holds sliced proxies "
+                                         f"only: for the sliced proxy, {text}")  # fmt: skip
     if f["p_reproduced"] < threshold:
         return Check("fidelity", "FAIL", text)
     if low < threshold or other:

@@ -139,3 +139,34 @@ def test_the_commands_settle_end_to_end(planted, tmp_path):
     assert "correction_bias_settled" in json.loads((tmp_path / "proxy" / EXPERT_MAP_NAME).read_text())
     refused = run("build", ckpt.path, tmp_path / "other", "--experts", k, "--settle-bias", "--json")
     assert refused.exit_code == 2 and "planner stats" in refused.output and not (tmp_path / "other").exists()
+
+
+def test_preflight_says_a_settled_plans_p_is_a_sliced_proxys(tmp_path):
+    """The calibration grids build sliced proxies only: preflight gives a settled plan the sliced
+    proxy's P as a warning that says so."""
+    import yaml
+    from click.testing import CliRunner
+
+    from planner.catalog import load_model
+    from planner.cli import main
+
+    arch = load_model("deepseek-v3")
+    ids = [g * 32 + j for g in range(8) for j in range(4)]
+    layers = {i: ids for i in arch.moe_layers}
+
+    def fidelity(**extra):
+        plan = Plan(model="deepseek-v3", experts=32, original_experts=256, layers=layers, **extra)
+        plan.check(arch)
+        (tmp_path / "plan.yaml").write_text(plan.to_yaml())
+        request = {"model": "deepseek-v3", "plan": "plan.yaml", "budget": "64npu",
+                   "fault": {"type": "rollout-mismatch", "settings": {"precision": "bf16"}}}  # fmt: skip
+        (tmp_path / "request.yaml").write_text(yaml.safe_dump(request))
+        result = CliRunner().invoke(main, ["preflight", str(tmp_path / "request.yaml"), "--json"], catch_exceptions=False)
+        return next(c for c in json.loads(result.stdout)["checks"] if c["check"] == "fidelity")
+
+    sliced = fidelity()
+    assert sliced["reason"].startswith("P(fault reproduced)"), sliced
+    settled = fidelity(correction_bias={i: [0.0] * 32 for i in layers})
+    assert settled["status"] == "WARN"
+    head = "the plan settles its correction bias again, and the calibration data holds sliced proxies only: for the sliced proxy, "
+    assert settled["reason"].startswith(head + "P(fault reproduced)") and sliced["reason"].startswith(settled["reason"][len(head):])

@@ -323,9 +323,11 @@ def measure_pair(original_dir: Path, proxy_dir: Path, plan, *, replica_dir: Path
     from planner.arch.routing import routing_shape
     from planner.families import family_of_shape
 
-    # a pair joins the calibration family of its routing shape, where there is one; else a family of
-    # its own shape, named so that it is never taken for a calibration family
-    row = {"family": family_of_shape(routing_shape(original_arch)) or f"added:{shape_key(config)}", "routing_shape": shape_key(config),
+    # a pair joins the calibration family of its routing shape, where there is one; else (another shape,
+    # or a proxy whose correction bias was settled again, which no calibration grid builds) a family of
+    # its own, named so that it is never taken for a calibration family
+    family = None if plan.correction_bias else family_of_shape(routing_shape(original_arch))
+    row = {"family": family or f"added:{'settled-bias:' if plan.correction_bias else ''}{shape_key(config)}", "routing_shape": shape_key(config),
            "original": original_ref, "model": str(proxy_dir), "method": plan.method,
            "recipe": recipe_name, "experts": plan.experts, "original_experts": plan.original_experts, "top_k": top_k,
            "source": f"add:{original_dir}|{proxy_dir}"}  # fmt: skip

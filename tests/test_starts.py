@@ -51,7 +51,10 @@ def test_a_router_collapse_prediction_says_where_its_familys_originals_start():
     estimator.info["starts"] = summarise([row(), row(balancing="published", original=(0.1, 0.1))])
     r = plan_row(load_model_config("deepseek-v3")[1], 64, None)
     f = estimator.predict(r, "router-collapse")
-    assert f["family"]["name"] == "deepseek_v3-e256" and f["family"]["start"]["none"]["original"] == pytest.approx(0.65)
-    assert "trained without load balancing and start 0.65" in family_text(f["family"])
+    # the shape's family of originals trained with its published balancing has 3 or more: it answers
+    assert f["family"]["name"] == "deepseek_v3-e256-bal" and f["family"]["start"]["published"]["original"] == pytest.approx(0.1)
+    text = family_text(f["family"])
+    assert "trained with the shape's published load balancing and start 0.10" in text
+    assert "trained without load balancing an original starts at 0.65" in text
     other = estimator.predict(r, "rollout-mismatch")  # a static fault is not read against the routing's start
     assert "start" not in other.get("family", {})

@@ -4,6 +4,7 @@ plan that carries it and the checkpoint that is built from it."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -170,3 +171,18 @@ def test_preflight_says_a_settled_plans_p_is_a_sliced_proxys(tmp_path):
     assert settled["status"] == "WARN"
     head = "the plan settles its correction bias again, and the calibration data holds sliced proxies only: for the sliced proxy, "
     assert settled["reason"].startswith(head + "P(fault reproduced)") and sliced["reason"].startswith(settled["reason"][len(head):])
+
+
+def test_a_two_dimensional_correction_bias_is_settled_and_built_in_its_own_shape(tmp_path):
+    """ERNIE-4.5's correction bias is a [1, E] tensor: settled and written back as [1, K]."""
+    src = Checkpoint(save_tiny(tmp_path / "src", family_config("ernie4_5_moe", num_hidden_layers=1, moe_layer_start_index=0), sharded=False))
+    k = next(x for x in sorted(src.arch.legal_expert_counts()) if src.arch.moe.top_k < x < src.arch.original_num_experts)
+    stats = compute_stats(src, experts=[k], calib_tokens=256, seq_len=64, settle_bias=True)
+    plan = plan_from_stats(stats, k, "agglomerative", model=str(src.path), settle_bias=True)
+    build(src, plan, tmp_path / "proxy", verify="auto")
+    (layer,) = plan.correction_bias
+    info = Checkpoint(tmp_path / "proxy").moe_layers[layer].correction_bias
+    sliced = src.moe_layers[layer].correction_bias
+    assert len(info.shape) == len(sliced.shape) == 2 and math.prod(info.shape) == k and info.dtype == sliced.dtype
+    got = Checkpoint(tmp_path / "proxy").read_float32(info).reshape(-1)
+    assert np.allclose(got, plan.correction_bias[layer], rtol=1e-2 if info.dtype == "BF16" else 0, atol=0)

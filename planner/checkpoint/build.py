@@ -99,18 +99,19 @@ def _whole(info: TensorInfo, name: str | None = None) -> OutTensor:
     return OutTensor(name or info.name, info.dtype, info.shape, (Segment(info.path, info.begin, info.nbytes),))
 
 
-def _settled(info: TensorInfo, values: tuple[float, ...]) -> OutTensor:
-    """A correction bias of the plan's own values (settled after pruning), in the source's dtype."""
-    if len(info.shape) != 1 or info.dtype not in ("F32", "F64", "F16", "BF16"):
-        raise CheckpointError(f"{info.name}: a settled correction bias replaces a 1-D float tensor, this one is {info.dtype} "
-                              f"{list(info.shape)}")  # fmt: skip
+def _settled(sliced: OutTensor, values: tuple[float, ...]) -> OutTensor:
+    """The sliced correction bias with the plan's own values (settled after pruning) in its place:
+    the same name, shape and dtype."""
+    if math.prod(sliced.shape) != len(values) or sliced.dtype not in ("F32", "F64", "F16", "BF16"):
+        raise CheckpointError(f"{sliced.name}: {len(values)} settled values cannot replace a {sliced.dtype} tensor of shape "
+                              f"{list(sliced.shape)}")  # fmt: skip
     f32 = np.asarray(values, dtype=np.float32)
-    if info.dtype == "BF16":  # round to nearest even on the upper 16 bits
+    if sliced.dtype == "BF16":  # round to nearest even on the upper 16 bits
         bits = f32.view(np.uint32)
         raw = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
     else:
-        raw = f32.astype(np.dtype(NUMPY_DTYPES[info.dtype]).newbyteorder("<")).tobytes()
-    return OutTensor(info.name, info.dtype, (len(values),), data=raw)
+        raw = f32.astype(np.dtype(NUMPY_DTYPES[sliced.dtype]).newbyteorder("<")).tobytes()
+    return OutTensor(sliced.name, sliced.dtype, sliced.shape, data=raw)
 
 
 def _layer_of(name: str, prefix: str) -> int | None:
@@ -156,11 +157,10 @@ def _plan_tensors(ckpt: Checkpoint, plan: Plan) -> tuple[dict[str, list[OutTenso
                     tensors.append(_whole(info, f"{layer.prefix}.experts.{keep.index(int(eid))}.{suffix}"))
                 else:
                     skipped += info.nbytes
-            elif kind == "correction_bias" and plan.correction_bias and layer.index in plan.correction_bias:
-                tensors.append(_settled(info, plan.correction_bias[layer.index]))
-                skipped += info.nbytes - tensors[-1].nbytes
             elif kind == "correction_bias":
                 tensors.append(_slice(info, layer.correction_dim, keep))
+                if plan.correction_bias and layer.index in plan.correction_bias:
+                    tensors[-1] = _settled(tensors[-1], plan.correction_bias[layer.index])
                 skipped += info.nbytes - tensors[-1].nbytes
             else:  # router rows, router bias, fused expert tensors: experts on dim 0
                 tensors.append(_slice(info, 0, keep))

@@ -355,8 +355,8 @@ def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[lis
             counts = np.bincount(proxy.reshape(-1), minlength=len(kept)).astype(float)
             entropy, cv = _entropy_cv(_router_probs(pl, scoring), counts)
             per_layer[key][i] = {"routing_agreement": _jaccard(mapped, proxy, len(kept)), "entropy_after": entropy, "load_cv_after": cv}
-            if settle_bias and getattr(pruned, "e_score_correction_bias", None) is not None:
-                settled[key][i] = _settle_pruned(runner, block, logits, pruned)
+            if settle_bias and (bias := _correction_bias(pruned)) is not None:
+                settled[key][i] = _settle_pruned(runner, block, logits, pruned, bias)
                 per_layer[key][i]["load_cv_settled"] = settled[key][i].pop("load_cv")
             weights[key] = torch.zeros(t, e).scatter_(1, kept_t[pid[at]], pw[at])
         if runner.weights_inputs(block):  # the change is not linear in the weights: each routing in full
@@ -384,21 +384,27 @@ def _plan_pass(ckpt, runner, trace: _Trace, plans: dict[str, dict[int, tuple[lis
             for n, key in enumerate(plans)}  # fmt: skip
 
 
-def _settle_pruned(runner, block, logits, pruned) -> dict:
-    """The pruned router's correction bias settled (planner.stats.settle) on the original's router
-    logits of every calibration token, in place: each pass routes them all and moves the bias
+def _correction_bias(router):
+    """The correction bias tensor of a router module (its own, or its submodule's: ERNIE-4.5 keeps it
+    in `moe_statics`), or None."""
+    return next((m.e_score_correction_bias for m in router.modules() if getattr(m, "e_score_correction_bias", None) is not None), None)
+
+
+def _settle_pruned(runner, block, logits, pruned, bias) -> dict:
+    """The pruned router's correction bias `bias` settled (planner.stats.settle) on the original's
+    router logits of every calibration token, in place: each pass routes them all and moves the bias
     towards an even load of the kept experts. The inputs are the original's, as everywhere in the
     plan pass (a layer's change of what reaches later routers is not followed). Returns the settled
     bias, the passes, the last window's drift and the kept experts' load CV after settling."""
     import torch
 
-    bias = pruned.e_score_correction_bias
 
     def counts():
-        return torch.bincount(runner.route(block, logits, router=pruned).topk_ids.reshape(-1), minlength=bias.numel()).float()
+        ids = runner.route(block, logits, router=pruned).topk_ids.reshape(-1)
+        return torch.bincount(ids, minlength=bias.numel()).float().view(bias.shape)
 
     info = settle(lambda step: balance_bias(bias, counts(), step), [bias])
-    return {"bias": [float(b) for b in bias], **info, "load_cv": load_cv(counts())}
+    return {"bias": bias.flatten().tolist(), **info, "load_cv": load_cv(counts())}
 
 
 HEAD_CHUNK_BYTES = 384 << 20  # float32 logits of the plans the head runs on at once

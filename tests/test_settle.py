@@ -87,7 +87,9 @@ def test_stats_settle_each_plan_and_the_build_carries_it(planted, tmp_path):
     with torch.no_grad():
         model(input_ids=torch.from_numpy(ids))
     (call,) = routers.calls
-    assert load_cv(torch.bincount(call[2].reshape(-1), minlength=k)) == pytest.approx(settled, rel=0.02)
+    counts = torch.bincount(call[2].reshape(-1), minlength=k)
+    # the same routing, up to a near tie or two that another kernel may break the other way
+    assert load_cv(counts) == pytest.approx(settled, abs=3 / float(counts.float().mean()))
 
     sliced = plan_from_stats(stats, k, "agglomerative", model=str(ckpt.path))
     assert sliced.correction_bias is None and sliced.layers == plan.layers

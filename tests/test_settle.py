@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from planner.arch.routing import load_cv  # noqa: E402
 from planner.checkpoint import EXPERT_MAP_NAME, Checkpoint, build  # noqa: E402
-from planner.errors import PlanError, SpecError  # noqa: E402
+from planner.errors import CheckpointError, PlanError, SpecError  # noqa: E402
 from planner.plan import Plan  # noqa: E402
 from planner.stats.compute import choose_plan, compute_stats, plan_from_stats  # noqa: E402
 from planner.stats.settle import BIAS_RATE, SETTLE_PASSES, SETTLE_WINDOW, balance_bias, settle  # noqa: E402
@@ -187,4 +187,20 @@ def test_a_two_dimensional_correction_bias_is_settled_and_built_in_its_own_shape
     sliced = src.moe_layers[layer].correction_bias
     assert len(info.shape) == len(sliced.shape) == 2 and math.prod(info.shape) == k and info.dtype == sliced.dtype
     got = Checkpoint(tmp_path / "proxy").read_float32(info).reshape(-1)
-    assert np.allclose(got, plan.correction_bias[layer], rtol=1e-2 if info.dtype == "BF16" else 0, atol=0)
+    assert info.dtype == "F32" and np.array_equal(got, np.asarray(plan.correction_bias[layer], dtype=np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16", "F64"])
+def test_settled_values_are_written_in_the_sliced_tensors_dtype_as_torch_rounds_them(dtype):
+    """A checkpoint may hold its correction bias in another float dtype: the settled values are
+    encoded as torch casts float32 to it (round to nearest even), byte for byte."""
+    from planner.checkpoint.build import _settled
+    from planner.checkpoint.safetensors import OutTensor
+
+    values = (1.0, 1 + 2**-8, 1 + 3 * 2**-8, -0.3, 1e-3, 65504.0)  # ties to even and back in bfloat16, the fp16 maximum
+    out = _settled(OutTensor("bias", dtype, (1, len(values))), values)
+    want = torch.tensor(values, dtype=torch.float32).to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                                                        "F64": torch.float64}[dtype])  # fmt: skip
+    assert out.shape == (1, len(values)) and out.data == want.view(torch.uint8).numpy().tobytes()
+    with pytest.raises(CheckpointError, match="cannot replace"):
+        _settled(OutTensor("bias", dtype, (len(values) + 1,)), values)

@@ -576,18 +576,18 @@ def plan_from_stats(stats: dict, experts: int, method: str, *, model: str, mtp: 
     which calibration text does not reach, keep theirs sliced)."""
     ck = stats["checkpoint"]
     key = plan_key(experts, method)
+    stored = stats["plans"].get(key) if stats.get("seed", 0) == seed else None  # the clustering the stats measured
     statistics = bias = None
-    if settle_bias:
-        stored = stats["plans"].get(key, {}) if stats.get("seed", 0) == seed else {}
-        if "settled_bias" not in stored:
-            raise SpecError(f"the stats hold no settled correction bias for K={experts} by {method} (seed {seed}): run "
-                            f"`planner stats {ck['path']} --experts {experts} --methods {method} --seed {seed} --settle-bias -o ...` "
-                            "and pass that file")  # fmt: skip
-        bias = {int(i): v["bias"] for i, v in stored["settled_bias"].items()}
-    if key in stats["plans"] and stats.get("seed", 0) == seed:
-        kept = {int(i): v for i, v in stats["plans"][key]["kept"].items()}
-        labels = {int(i): v for i, v in stats["plans"][key]["labels"].items()}
+    if settle_bias and "settled_bias" not in (stored or {}):
+        raise SpecError(f"the stats hold no settled correction bias for K={experts} by {method} (seed {seed}): run "
+                        f"`planner stats {ck['path']} --experts {experts} --methods {method} --seed {seed} --settle-bias -o ...` "
+                        "and pass that file")  # fmt: skip
+    if stored:
+        kept = {int(i): v for i, v in stored["kept"].items()}
+        labels = {int(i): v for i, v in stored["labels"].items()}
         statistics = plan_statistics(stats, key)
+        if settle_bias:
+            bias = {int(i): v["bias"] for i, v in stored["settled_bias"].items()}
     else:
         kept, labels = {}, {}
         for i, entry in stats["layers"].items():

@@ -20,7 +20,7 @@ import yaml
 from planner.errors import ConfigError, SpecError
 
 __all__ = ["family_configs", "family_config", "family_architecture", "family_of_shape", "small_config", "scaled_backbone",
-           "scaled_family_config", "arch_family", "family_balancing", "BALANCE_KEYS", "NO_BALANCING", "BALANCINGS",
+           "scaled_family_config", "arch_family", "family_balancing", "BALANCE_KEYS", "NO_BALANCING", "BALANCINGS", "built_name", "how_built", "BUILT",
            "TRAINED", "trained_name", "how_trained"]  # fmt: skip
 
 # a family's published load balancing (`balance:` in families.yaml), as planner.rl.models applies it
@@ -32,6 +32,8 @@ NO_BALANCING = {"loss": 0.0, "scope": "batch", "z_loss": 0.0, "bias_rate": 0.0} 
 BALANCINGS = ("none", "published")
 TRAINED = {"none": "without load balancing", "published": "with the shape's published load balancing"}  # the words for each
 BALANCED_MARK = "-bal"  # ends the name of an original, or a calibration family, trained with its published balancing
+SETTLED_MARK = "-settled"  # ends the name of a calibration family whose proxies' correction bias is settled again
+BUILT = {"sliced": "with sliced proxies", "settled": "with proxies whose correction bias is settled again"}  # the words for each
 
 
 def trained_name(name: str, balancing: str) -> str:
@@ -42,10 +44,26 @@ def trained_name(name: str, balancing: str) -> str:
 
 
 def how_trained(name: str) -> tuple[str, str]:
-    """(the name without the mark, how it trained: "none" or "published") of a `trained_name`."""
+    """(the name without the marks, how it trained: "none" or "published") of a `trained_name`
+    (and of a `built_name` of one)."""
+    name = how_built(name)[0]
     if name.endswith(BALANCED_MARK):
         return name[: -len(BALANCED_MARK)], "published"
     return name, "none"
+
+
+def built_name(name: str, build: str) -> str:
+    """A calibration family's name as its proxies are built (planner.plan.PROXY_BUILDS): SETTLED_MARK
+    appended where their correction bias is settled again after pruning (the same originals' other
+    proxies: a family of its own, never taken for the sliced one's)."""
+    return name + (SETTLED_MARK if build == "settled" else "")
+
+
+def how_built(name: str) -> tuple[str, str]:
+    """(the name without the mark, how its proxies are built: "sliced" or "settled") of a `built_name`."""
+    if name.endswith(SETTLED_MARK):
+        return name[: -len(SETTLED_MARK)], "settled"
+    return name, "sliced"
 
 
 # keys of a published config.json that a small model does not carry over: its precision, quantisation

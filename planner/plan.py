@@ -19,7 +19,7 @@ from planner.arch import Architecture
 from planner.errors import PlanError, SpecError
 from planner.files import read_yaml
 
-__all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "deployment_cards", "METHODS", "SELECTION_METHODS", "BAD_METHODS", "CONTROL_METHODS"]
+__all__ = ["Plan", "PLAN_SCHEMA", "load_plan", "deployment_cards", "METHODS", "SELECTION_METHODS", "BAD_METHODS", "CONTROL_METHODS", "PROXY_BUILDS"]
 
 PLAN_SCHEMA = "planner.plan/1"
 # the last two are deliberately bad plans, for calibration: the estimator has to learn what an
@@ -32,6 +32,9 @@ BAD_METHODS = ("least-used", "one-cluster")
 # another expert than the router meant). They show that a label can say "not reproduced"; no
 # estimator is fitted on them and no search proposes them
 CONTROL_METHODS = ("mis-sliced",)
+# how a proxy's kept experts are written: "sliced" (every tensor as the original has it) or
+# "settled" (the correction bias settled again after pruning: `planner build --settle-bias`)
+PROXY_BUILDS = ("sliced", "settled")
 METHODS = (*SELECTION_METHODS, "manual")
 _KEYS = ("schema", "model", "experts", "original_experts", "method", "mtp", "checkpoint_fingerprint",
          "target_ep", "seed", "feature_spec", "statistics", "deployment", "layers", "labels", "correction_bias")  # fmt: skip
@@ -68,6 +71,13 @@ class Plan:
             object.__setattr__(self, "labels", {int(k): tuple(int(i) for i in v) for k, v in self.labels.items()})
         if self.correction_bias is not None:
             object.__setattr__(self, "correction_bias", {int(k): tuple(float(b) for b in v) for k, v in self.correction_bias.items()})
+
+    @property
+    def build(self) -> str:
+        """How the proxy is written (PROXY_BUILDS): "settled" where it carries a settled correction bias,
+        or is deferred with its deployment's `settle_bias` (planner suggest --settle-bias)."""
+        deferred_settle = not self.layers and bool((self.deployment or {}).get("settle_bias"))
+        return "settled" if self.correction_bias is not None or deferred_settle else "sliced"
 
     @property
     def deferred(self) -> bool:

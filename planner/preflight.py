@@ -359,8 +359,13 @@ def check_fidelity(c: _Context) -> Check:
         statistics = plan_statistics(stats, plan_key(plan.experts, plan.method))
     from planner.fidelity.dataset import job_columns
 
-    row = {**plan_row(c.config[1], plan.experts, statistics), **job_columns(**_job_shares(c, c.job))}  # at the request's job
-    f = FidelityEstimator.load(default_estimator_path()).predict(row, recipe)
+    row = {**plan_row(c.config[1], plan.experts, statistics, plan.build), **job_columns(**_job_shares(c, c.job))}  # at the request's job
+    estimator = FidelityEstimator.load(default_estimator_path())
+    f = estimator.predict(row, recipe)
+    # a settled plan whose shape has no family of settled proxies: what the sliced proxy's family says, as a warning
+    sliced = plan.build == "settled" and estimator.family(row, recipe) is None and estimator.family({**row, "proxy_build": "sliced"}, recipe)
+    if sliced:
+        f = estimator.predict({**row, "proxy_build": "sliced"}, recipe)
     knob = f"; knob: {f['knob_translation']['text']}" if f.get("knob_translation") else ""
     if f.get("family"):
         from planner.fidelity.estimator import family_text
@@ -376,9 +381,9 @@ def check_fidelity(c: _Context) -> Check:
         return Check("fidelity", "WARN", f"{f['status']}: {f['reason']}{measured}{knob}{other}")
     low, high = f["interval"]
     text = f"P(fault reproduced) {f['p_reproduced']:.2f} [{low:.2f}, {high:.2f}], threshold {threshold}{knob}{other}"
-    if plan.correction_bias:  # the calibration grids build sliced proxies only
-        return Check("fidelity", "WARN", f"the plan settles its correction bias again, and the calibration data holds sliced proxies "
-                                         f"only: for the sliced proxy, {text}")  # fmt: skip
+    if sliced:
+        return Check("fidelity", "WARN", f"the plan settles its correction bias again, and the calibration data of its routing shape "
+                                         f"holds sliced proxies only: for the sliced proxy, {text}")  # fmt: skip
     if f["p_reproduced"] < threshold:
         return Check("fidelity", "FAIL", text)
     if low < threshold or other:

@@ -399,6 +399,66 @@ def test_a_grid_of_originals_trained_with_their_published_balancing_is_a_family_
 
 
 @pytest.mark.slow
+def test_a_grid_of_settled_proxies_shares_its_originals_and_is_a_family_of_its_own(tmp_path):
+    """`proxy_build: settled`: every proxy is built with its correction bias settled again (as `build
+    --settle-bias`), on the sliced grid's originals, whose studies it shares (the originals' phase is
+    keyed without the build: measured once); its rows form FAMILY-bal-settled, and merging it keeps the
+    sliced family's rows of the same originals."""
+    from dataclasses import replace
+
+    from planner.fidelity.calibrate import merged, run
+    from planner.fidelity.dataset import read_dataset
+    from planner.fidelity.grid import Grid, collect, study_name
+
+    sliced = Grid(families=("deepseek_v3",), originals=1, recipes=("rollout-mismatch",), kept_fractions=(0.5,), methods=("agglomerative",),
+                  random_draws=0, margin_seeds=(0, 1), resolution_static=2.0, calib_tokens=128, dense_steps=5, moe_steps=5,
+                  balancing="published")  # fmt: skip
+    settled = replace(sliced, proxy_build="settled")
+    assert settled.key() != sliced.key() and settled.key("originals") == sliced.key("originals") == sliced.key()
+    assert study_name(settled, "rollout-mismatch", "originals", "o") == study_name(sliced, "rollout-mismatch", "originals", "o")
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    rows = {}
+    for grid in (sliced, settled):
+        path = tmp_path / f"{grid.proxy_build}.yaml"
+        path.write_text(grid.to_yaml())
+        rows[grid.proxy_build] = run(Grid.load(path), str(path), storage, tmp_path / grid.proxy_build, 1, tmp_path / f"{grid.proxy_build}.csv")
+    assert {(r["family"], r["original"]) for r in rows["settled"]} == {("deepseek_v3-bal-settled", "deepseek_v3-s0-bal")}
+    assert {(r["family"], r["original"]) for r in rows["sliced"]} == {("deepseek_v3-bal", "deepseek_v3-s0-bal")}
+    import optuna
+
+    trials = optuna.load_study(study_name=study_name(settled, "rollout-mismatch", "originals", "deepseek_v3-s0-bal"), storage=storage).trials
+    assert len(trials) == 1  # the original measured once, by the sliced grid
+    assert collect(storage, settled, "originals") == collect(storage, sliced, "originals")
+    (model,) = [r for r in json.loads((tmp_path / "settled" / "models.json").read_text()).values() if r["model"] != "original"]
+    expert_map = json.loads((Path(model["path"]) / "expert_map.json").read_text())
+    assert sorted(expert_map["correction_bias_settled"]["layers"]) == sorted(int(i) for i in expert_map["layers"])
+    # the settled grid merged into the sliced grid's dataset: both families' rows of the one original stay
+    both, meta, kept = merged(tmp_path / "sliced.csv", rows["settled"], {"grid_key": settled.key(), "noise_floor": [], "command": "y",
+                                                                         "grid": {}, "storage": storage, "seeds": {}}, settled)  # fmt: skip
+    assert kept == len(read_dataset(tmp_path / "sliced.csv")) == len(rows["sliced"]) and len(both) == len(rows["sliced"]) + len(rows["settled"])
+
+
+def test_a_settled_plan_is_read_on_the_family_of_settled_proxies_only():
+    """A plan that settles its correction bias (proxy_build "settled") is read on its shape's family of
+    settled proxies (names ending in -settled), a sliced plan never on it; a settled plan of a shape
+    with none is uncalibrated, and says the shape was calibrated with proxies built otherwise."""
+    plain = _synthetic("plan")
+    settled = [{**r, "family": "f-settled", "shift_log2": r["shift_log2"] + 0.5, "reproduced": float(abs(r["shift_log2"] + 0.5) < 1.0)}
+               for r in _synthetic("plan", seed=1)]  # fmt: skip
+    est = FidelityEstimator.fit(plain + settled, transfer_points=[])
+    row = dict(plain[0])
+    assert est.family(row, "router-collapse") == "f" == est.family({**row, "proxy_build": "sliced"}, "router-collapse")
+    assert est.family({**row, "proxy_build": "settled"}, "router-collapse") == "f-settled"
+    got = est.predict({**row, "proxy_build": "settled"}, "router-collapse")
+    assert got["family"]["name"] == "f-settled" and got["family"]["build"] == "settled" and est.predict(row, "router-collapse")["family"]["build"] == "sliced"
+    assert got["family"]["scale"].endswith("the transfer was measured with sliced proxies, settled ones at hidden 64 only")
+    alone = FidelityEstimator.fit(plain, transfer_points=[])
+    status, reason, _ = alone.status({**row, "proxy_build": "settled"}, "router-collapse")
+    assert status == "uncalibrated" and "calibrated for router-collapse with proxies built otherwise (f)" in reason
+    assert "none with proxies whose correction bias is settled again" in reason
+
+
+@pytest.mark.slow
 def test_two_runs_prepare_one_work_directory_at_once(tmp_path):
     """Two processes preparing the same fresh work directory (two `calibrate run` workers started
     together): each original is made by one of them while the other makes another or waits, both

@@ -145,8 +145,8 @@ def test_the_commands_settle_end_to_end(planted, tmp_path):
 
 
 def test_preflight_says_a_settled_plans_p_is_a_sliced_proxys(tmp_path):
-    """The calibration grids build sliced proxies only: preflight gives a settled plan the sliced
-    proxy's P as a warning that says so."""
+    """Where a routing shape's calibration data hold sliced proxies only (DeepSeek-V3's for rollout
+    mismatch), preflight gives a settled plan the sliced proxy's P as a warning that says so."""
     import yaml
     from click.testing import CliRunner
 
@@ -171,8 +171,56 @@ def test_preflight_says_a_settled_plans_p_is_a_sliced_proxys(tmp_path):
     assert sliced["reason"].startswith("P(fault reproduced)"), sliced
     settled = fidelity(correction_bias={i: [0.0] * 32 for i in layers})
     assert settled["status"] == "WARN"
-    head = "the plan settles its correction bias again, and the calibration data holds sliced proxies only: for the sliced proxy, "
+    head = "the plan settles its correction bias again, and the calibration data of its routing shape holds sliced proxies only: for the sliced proxy, "
     assert settled["reason"].startswith(head + "P(fault reproduced)") and sliced["reason"].startswith(settled["reason"][len(head):])
+
+
+def test_suggest_settle_bias_reads_the_family_of_settled_proxies_and_defers_the_settling_to_build(planted, tmp_path):
+    """`suggest --settle-bias` reads each plan's P on its shape's family of settled proxies (or says
+    the shape has none), refuses a router without a correction bias, and writes a deferred plan that
+    `build --plan` settles from the stats file it is given (and refuses without one)."""
+    import yaml
+    from click.testing import CliRunner
+
+    from planner.catalog import load_model_config
+    from planner.cli import main
+    from planner.fidelity.dataset import plan_row
+    from planner.fidelity.estimator import FidelityEstimator, default_estimator_path
+    from planner.stats.compute import resolve_plan
+
+    def run(*args):
+        return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    refused = run("suggest", "--budget", "8npu", "--settle-bias", "--json")
+    assert refused.exit_code == 2 and "qwen3-30b-a3b's router has no correction bias" in refused.output
+    args = ("suggest", "--model", "deepseek-v3", "--hardware", "atlas-a3", "--budget", "64npu", "--fault", "router-collapse", "--trials", 30)
+    done = run(*args, "--settle-bias", "--json", "-o", tmp_path / "plan.yaml")
+    out = json.loads(done.stdout)
+    assert out["request"]["proxy_build"] == "settled" and out["plans"]
+    estimator, config = FidelityEstimator.load(default_estimator_path()), load_model_config("deepseek-v3")[1]
+    for p in out["plans"]:
+        family = estimator.family(plan_row(config, p["experts"], None, "settled"), "router-collapse")
+        if family is None:
+            assert p["fidelity"]["status"] == "uncalibrated" and "none with proxies whose correction bias is settled again" in p["fidelity"]["reason"]
+        else:
+            assert family.endswith("-settled") and p["fidelity"]["family"]["name"] == family
+    sliced = json.loads(run(*args, "--json").stdout)
+    assert sliced["request"]["proxy_build"] == "sliced" and all(not (p["fidelity"].get("family") or {}).get("name", "").endswith("-settled")
+                                                                for p in sliced["plans"])  # fmt: skip
+    if (tmp_path / "plan.yaml").is_file():  # a plan was proposed: deferred, settled at build time
+        written = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+        assert written["deployment"]["settle_bias"] is True and not written.get("layers")
+    ckpt, k, stats = planted
+    deferred = Plan(model=str(ckpt.path), experts=k, original_experts=ckpt.arch.original_num_experts, layers={}, method="agglomerative",
+                    deployment={"settle_bias": True})  # fmt: skip
+    assert deferred.build == "settled" and Plan(**{**deferred.__dict__, "deployment": None}).build == "sliced"
+    with pytest.raises(SpecError, match="pass --stats"):
+        resolve_plan(ckpt, deferred)
+    from planner.stats.store import save_stats
+
+    save_stats(stats, tmp_path / "stats.json")
+    made = resolve_plan(ckpt, deferred, stats_path=tmp_path / "stats.json")
+    assert made.build == "settled" and made.correction_bias == plan_from_stats(stats, k, "agglomerative", model="m", settle_bias=True).correction_bias
 
 
 def test_a_two_dimensional_correction_bias_is_settled_and_built_in_its_own_shape(tmp_path):

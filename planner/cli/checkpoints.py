@@ -71,7 +71,8 @@ def stats(checkpoint, calib_text, calib_tokens, seq_len, experts, methods, weigh
 @click.option("--target-ep", default=None, help="Comma-separated EP sizes the proxy must run with.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--settle-bias", is_flag=True, help="The kept experts' correction bias settled again after pruning, from the "
-              "stats file (planner stats --settle-bias), instead of sliced. The fidelity estimator's labels are of sliced proxies.")
+              "stats file (planner stats --settle-bias), instead of sliced. Fidelity is then read on the shape's family of settled proxies "
+              "(suggest/preflight), where it has one.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True)
 @click.option("--force", is_flag=True)
 def plan(checkpoint, experts, method, stats_path, mtp, target_ep, seed, settle_bias, output, force) -> None:
@@ -106,7 +107,8 @@ def plan(checkpoint, experts, method, stats_path, mtp, target_ep, seed, settle_b
               help="Run the proxy in transformers after building, one decoder layer at a time in the checkpoint's dtype (bounded "
                    "memory at any size); always: the original too, for the KL between them (auto: for a keep-all plan only).")
 @click.option("--settle-bias", is_flag=True, help="The kept experts' correction bias settled again after pruning, from the "
-              "stats file (planner stats --settle-bias), instead of sliced. The fidelity estimator's labels are of sliced proxies.")
+              "stats file (planner stats --settle-bias), instead of sliced. Fidelity is then read on the shape's family of settled proxies "
+              "(suggest/preflight), where it has one.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
 @click.option("--json", "as_json", is_flag=True)
 def build(checkpoint, out_dir, plan_path, experts, method, stats_path, mtp, verify, settle_bias, force, as_json) -> None:

@@ -35,6 +35,9 @@ _SEARCH_OPTIONS = (
     click.option("--translate-knob", is_flag=True,
                  help="Also shrink job dimensions that move the fault (fp16 overflow with the batch's tokens), where the move is validated on "
                       "held-out originals: the proxy then runs at the knob translated by it, which the output states."),
+    click.option("--settle-bias", is_flag=True,
+                 help="The proxies settle their correction bias again after pruning (`planner build --settle-bias`; with --stats, a "
+                      "`planner stats --settle-bias` file): their P comes from the shape's family of settled proxies."),
     click.option("--min-k-ratio", type=click.FloatRange(min=0.0), default=4.0, show_default=True, help="Keep K/top_k at least this (0: any legal K)."),
     memory_margin_option,
     click.option("--baseline-cards", type=click.IntRange(min=1), default=None,
@@ -52,7 +55,7 @@ def search_options(fn):
 
 
 def _request(budget, model, hardware, job_path, fault, stats_path, min_fidelity, trials, storage, seed, steps, fault_step, job_bounds, translate_knob,
-             min_k_ratio, memory_margin, baseline_cards, baseline_job):  # fmt: skip
+             settle_bias, min_k_ratio, memory_margin, baseline_cards, baseline_job):  # fmt: skip
     from planner.search.reproduction import JobBounds
     from planner.search.suggest import Request
     from planner.specs import load_job
@@ -61,7 +64,7 @@ def _request(budget, model, hardware, job_path, fault, stats_path, min_fidelity,
     return Request(model=model, hardware=hardware, job=load_job(job_path), budget=budget, fault=fault,
                    stats=load_stats(stats_path) if stats_path else None, min_fidelity=min_fidelity, trials=trials,
                    storage=storage, seed=seed, steps=steps, fault_step=fault_step, job_bounds=JobBounds.parse(job_bounds),
-                   translate_knob=translate_knob, min_k_ratio=min_k_ratio, memory_margin=memory_margin,
+                   translate_knob=translate_knob, settle_bias=settle_bias, min_k_ratio=min_k_ratio, memory_margin=memory_margin,
                    baseline_cards=baseline_cards, baseline_job=load_job(baseline_job) if baseline_job else None)  # fmt: skip
 
 

@@ -18,7 +18,6 @@ import numpy as np
 
 from planner.arch import Architecture
 from planner.errors import SpecError
-from planner.families import trained_name
 from planner.fidelity.dataset import ID_COLUMNS, architecture_features, pair_row, read_dataset, shape_key, write_dataset
 from planner.fidelity.estimator import FidelityEstimator
 from planner.fidelity.model import features_of
@@ -86,8 +85,9 @@ def export(storage: str, grid: Grid, workdir: Path, skip: frozenset = frozenset(
                 if fits and (original is None or result is None):
                     continue
                 arch = architecture_features(configs[base], record["experts"])
-                # originals trained with their shape's published balancing are a calibration family of their own
-                row = {"family": trained_name(record["family"], grid.balancing), "routing_shape": shape_key(configs[base]), "original": base,
+                # originals trained with their shape's published balancing, and proxies built with their
+                # correction bias settled, are calibration families of their own
+                row = {"family": grid.family_name(record["family"]), "routing_shape": shape_key(configs[base]), "original": base,
                        "model": record["model"], "method": record["method"],
                        "recipe": recipe_name, "experts": record["experts"], "original_experts": records[f"{base}/original"]["experts"],
                        "top_k": record["top_k"], "source": "grid"}  # fmt: skip
@@ -200,14 +200,15 @@ def merged(dataset: Path, rows: list[dict], provenance: dict, grid: Grid) -> tup
     from planner.fidelity.dataset import job_key, production_rows
 
     old = read_dataset(dataset)
-    ours = {grid.original(family, seed) for family in grid.families for seed in grid.seeds()}
+    # the grid's own rows: its families' of its originals (one original's sliced and settled proxies are two families)
+    ours = {(grid.family_name(family), grid.original(family, seed)) for family in grid.families for seed in grid.seeds()}
     if len(grid.jobs) > 1:
         again = {job_key(r) for r in rows}
         kept = [r for r in old if not (r.get("source") == "grid" and job_key(r) in again)]
     else:
         production = {id(r) for r in production_rows(old)}
-        kept = [r for r in old if not (str(r["original"]) in ours and r.get("source") == "grid" and r["recipe"] in grid.recipes
-                                       and id(r) in production)]  # fmt: skip
+        kept = [r for r in old if not ((str(r["family"]), str(r["original"])) in ours and r.get("source") == "grid"
+                                       and r["recipe"] in grid.recipes and id(r) in production)]  # fmt: skip
     meta_path = dataset.with_suffix(".json")
     meta = read_json(meta_path, "dataset provenance") if meta_path.is_file() else {}
     recipes = set(grid.recipes)
@@ -220,7 +221,8 @@ def merged(dataset: Path, rows: list[dict], provenance: dict, grid: Grid) -> tup
     grids.append({k: provenance[k] for k in ("command", "grid", "grid_key", "storage", "seeds")})
     noise = meta.get("noise_floor", [])
     if len(grid.jobs) == 1:
-        noise = [n for n in noise if not (n["original"] in ours and n["recipe"] in grid.recipes)] + provenance["noise_floor"]
+        # an original's noise floor is its own measurement, whichever way its proxies are built (the same studies)
+        noise = [n for n in noise if not (n["original"] in {o for _, o in ours} and n["recipe"] in grid.recipes)] + provenance["noise_floor"]
     out = {**provenance, "grids": grids, "noise_floor": noise, "added": meta.get("added", [])}
     return kept + rows, out, len(kept)
 

@@ -84,13 +84,14 @@ def shape_key(config: dict) -> str:
     return routing_shape(Architecture.from_config(config)).key()
 
 
-def plan_row(config: dict, experts: int, statistics: dict | None) -> dict[str, Any]:
+def plan_row(config: dict, experts: int, statistics: dict | None, build: str = "sliced") -> dict[str, Any]:
     """What the estimator predicts from for one plan: its features (planner.stats summary, when there
-    is one, and the architecture at K) and what its status needs (K, top_k, E, the routing shape)."""
+    is one, and the architecture at K) and what its status needs (K, top_k, E, the routing shape, how
+    the proxy is built: planner.plan.PROXY_BUILDS)."""
     arch = Architecture.from_config(config)
     row = features_of(statistics or {}, architecture_features(config, experts))
     return {**row, "experts": experts, "top_k": arch.moe.top_k, "original_experts": arch.original_num_experts,
-            "routing_shape": shape_key(config), "hidden_size": arch.hidden_size, "num_layers": arch.num_layers}  # fmt: skip
+            "routing_shape": shape_key(config), "hidden_size": arch.hidden_size, "num_layers": arch.num_layers, "proxy_build": build}  # fmt: skip
 
 
 def pair_row(recipe: str, original: dict, proxy: dict, *, experts: int, top_k: int) -> dict[str, Any]:

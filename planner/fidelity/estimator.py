@@ -33,7 +33,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from planner.errors import SpecError
-from planner.families import how_trained
+from planner.families import BUILT, how_built, how_trained
 from planner.fidelity.jobs import (JOB_DIMENSIONS, JOB_TOLERANCE_LOG2, _job_joint, _job_onsets, _job_rows, _job_support, _job_transfer,
                                    _token_mixer, job_offset, job_onset)
 from planner.fidelity.model import (FULL_FEATURES, LOCAL_ORIGINALS, ROUTING_FEATURES, SHIFT_FEATURES, SIGNS, ShiftModel, _finite,
@@ -256,11 +256,13 @@ class FidelityEstimator:
         return estimator
 
     def family(self, row: Mapping[str, Any], recipe: str) -> str | None:
-        """The calibration family whose routing shape `row`'s model has, for `recipe`, or None. Where
-        the shape has a family of originals trained with its published load balancing, as the real
-        model was, with LOCAL_ORIGINALS or more, that one; else the family trained without."""
+        """The calibration family whose routing shape `row`'s model has, with proxies built as `row`'s
+        (its "proxy_build": sliced unless said), for `recipe`, or None. Where the shape has a family
+        of originals trained with its published load balancing, as the real model was, with
+        LOCAL_ORIGINALS or more, that one; else the family trained without."""
         entry = self.recipes.get(recipe) or {}
-        found = entry.get("shapes", {}).get(str(row.get("routing_shape") or "")) or []
+        build = str(row.get("proxy_build") or "sliced")
+        found = [f for f in entry.get("shapes", {}).get(str(row.get("routing_shape") or "")) or [] if how_built(f)[1] == build]
         families = entry.get("families", {})
         balanced = [f for f in found if how_trained(f)[1] == "published" and families.get(f, {}).get("originals", 0) >= LOCAL_ORIGINALS]
         return (balanced or [f for f in found if how_trained(f)[1] == "none"] or found or [None])[0]
@@ -284,6 +286,9 @@ class FidelityEstimator:
         if family is None:
             known = ", ".join(f"{k} ({', '.join(v)})" for k, v in sorted(entry["shapes"].items())) or "none"
             what = f"routing shape {shape}" if shape else f"a model of unknown routing shape (E={row.get('original_experts')})"
+            if shape in entry["shapes"]:  # calibrated, with proxies built the other way
+                return "uncalibrated", (f"{what} was calibrated for {recipe} with proxies built otherwise ({', '.join(entry['shapes'][shape])}), "
+                                        f"none {BUILT[str(row.get('proxy_build') or 'sliced')]}"), None  # fmt: skip
             return "uncalibrated", f"{what} was never calibrated for {recipe} (calibrated shapes: {known})", None
         outside = self.outside(row, recipe)
         if outside:
@@ -305,14 +310,17 @@ class FidelityEstimator:
     def scale(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any]:
         """How far the target lies from the calibration models in width and depth, and how much the
         measured scale transfer (planner.fidelity.transfer) widens its interval."""
-        from planner.fidelity.transfer import widening
+        from planner.fidelity.transfer import BASE_HIDDEN, widening
 
         hidden = int(row["hidden_size"]) if _finite(row.get("hidden_size")) else None
         layers = int(row["num_layers"]) if _finite(row.get("num_layers")) else None
         kept = float(row["kept_fraction"]) if _finite(row.get("kept_fraction")) else None
         family = self.family(row, recipe)
         made = how_trained(family)[1] if family else "none"  # the trend measured on originals trained as the family's were
-        return widening(self.info.get("transfer", {}), recipe, str(row.get("routing_shape") or ""), hidden, layers, kept, made)
+        out = widening(self.info.get("transfer", {}), recipe, str(row.get("routing_shape") or ""), hidden, layers, kept, made)
+        if family and how_built(family)[1] == "settled":  # the transfer points are of sliced proxies
+            out = {**out, "text": out["text"] + f"; the transfer was measured with sliced proxies, settled ones at hidden {BASE_HIDDEN} only"}
+        return out
 
     def features(self, recipe: str) -> tuple[str, ...]:
         """The features the recipe's full model was fitted on (older files: SHIFT_FEATURES)."""
@@ -517,10 +525,11 @@ class FidelityEstimator:
                 held = {"variant": variant, "mae": g.get("mae"), "baseline": "the recipe mean", "baseline_mae": g.get("mae_mean")}
             held.update({k: g.get(k) for k in ("noise_mae", "coverage", "auc")})
             shape_family, made = how_trained(family)
-            out["family"] = {"name": family, "balancing": made, "routing_shape": entry["families"][family]["routing_shape"],
+            out["family"] = {"name": family, "balancing": made, "build": how_built(family)[1], "routing_shape": entry["families"][family]["routing_shape"],
                              "originals": entry["families"][family]["originals"], "rows": entry["families"][family]["rows"],
                              "held_out": held, "scale": self.scale(row, recipe)["text"]}  # fmt: skip
-            if recipe == "router-collapse" and self.info.get("starts", {}).get(shape_family):  # the label is read against where they start
+            # the label is read against where they start (measured for sliced proxies)
+            if recipe == "router-collapse" and self.info.get("starts", {}).get(shape_family) and out["family"]["build"] == "sliced":
                 out["family"]["start"] = self.info["starts"][shape_family]
         translation = knob_translation(recipe, out)
         if translation:

@@ -13,7 +13,9 @@ re-queued; the next `calibrate run` picks up whatever is missing.
 Studies are named by the grid's key (the settings measurements depend on: not the recipe list nor
 the dynamic budget), the recipe and its measurement version, and the original, so adding a recipe,
 re-measuring one after a change to it, or running a dynamic recipe on more originals leaves the
-results already measured in place.
+results already measured in place. The originals' phase is keyed without `proxy_build`: a grid that
+builds the same plans' proxies another way (their correction bias settled) measures them against the
+sliced grid's originals, measured once.
 
 Phase 1 measures the originals: the critical knob per margin seed (at least 4; their SD is the
 noise floor of that original and recipe), bisected to a stated resolution in log2 units, and for
@@ -72,8 +74,8 @@ MAX_FAILURES = 3  # a grid point that raised this often is reported, not retried
 PHASES = ("originals", "proxies")
 # what the models and proxies under a workdir depend on
 _MODEL_FIELDS = ("families", "originals", "kept_fractions", "methods", "random_draws", "calib_tokens", "dense_steps", "moe_steps",
-                 "controls", "first_original", "numerics", "balancing")  # fmt: skip
-_ADDED_LATER = ("controls", "first_original", "jobs", "numerics", "balancing")  # settings with a default that leaves earlier grids' keys as they were
+                 "controls", "first_original", "numerics", "balancing", "proxy_build")  # fmt: skip
+_ADDED_LATER = ("controls", "first_original", "jobs", "numerics", "balancing", "proxy_build")  # settings with a default that leaves earlier grids' keys as they were
 # one code path for making models that every x86-64 CPU with AVX2 runs the same way (`numerics: portable`)
 PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2", "OPENBLAS_CORETYPE": "Haswell",
                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # fmt: skip
@@ -113,6 +115,11 @@ class Grid:
     # how the originals' MoE stage is trained (planner.rl.models.ModelRecipe): "none" (the routers learn from the
     # language-model loss alone: the grids measured so far) or "published" (each shape's published load balancing)
     balancing: str = "none"
+    # how the proxies are built (planner.plan.PROXY_BUILDS): "sliced" (every tensor of a kept expert
+    # as the original has it) or "settled" (the kept experts' correction bias settled again after
+    # pruning: `planner build --settle-bias`). A calibration family of its own; the originals and
+    # their measurements are the sliced grid's (the originals' phase is keyed without it)
+    proxy_build: str = "sliced"
 
     def seeds(self) -> range:
         """The model seeds of the grid's originals."""
@@ -124,6 +131,13 @@ class Grid:
         from planner.families import trained_name
 
         return trained_name(f"{family}-s{seed}", self.balancing)
+
+    def family_name(self, family: str) -> str:
+        """The calibration family the grid's rows of `family` join: -bal where its originals train with the
+        shape's published balancing, -settled where its proxies' correction bias is settled again."""
+        from planner.families import built_name, trained_name
+
+        return built_name(trained_name(family, self.balancing), self.proxy_build)
 
     def __post_init__(self) -> None:
         from planner.plan import SELECTION_METHODS
@@ -151,6 +165,10 @@ class Grid:
 
         if self.balancing not in BALANCINGS:
             raise SpecError(f"grid: balancing {self.balancing!r}: one of {', '.join(BALANCINGS)}")
+        from planner.plan import PROXY_BUILDS
+
+        if self.proxy_build not in PROXY_BUILDS:
+            raise SpecError(f"grid: proxy_build {self.proxy_build!r}: one of {', '.join(PROXY_BUILDS)}")
         if not 0 <= self.first_original < self.originals:
             raise SpecError(f"grid: first_original {self.first_original} must lie in [0, originals={self.originals})")
         positive = ("originals", "margin_steps", "curve_steps", "calib_tokens")
@@ -206,11 +224,14 @@ class Grid:
     def to_yaml(self) -> str:
         return yaml.safe_dump({k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}, sort_keys=False)
 
-    def key(self) -> str:
-        """The settings every measurement depends on (the recipe list and the dynamic budget only
-        select studies). A setting added after the first grid enters the key only when it is not
-        at its default, so the grids measured before it keep their studies."""
+    def key(self, phase: str = "proxies") -> str:
+        """The settings every measurement of the phase depends on (the recipe list and the dynamic
+        budget only select studies; how the proxies are built is not the originals'). A setting
+        added after the first grid enters the key only when it is not at its default, so the grids
+        measured before it keep their studies."""
         settings = {k: v for k, v in asdict(self).items() if k not in ("recipes", "dynamic_originals", "numerics")}
+        if phase == "originals":
+            settings["proxy_build"] = Grid.__dataclass_fields__["proxy_build"].default
         for name in _ADDED_LATER:
             if name in settings and settings[name] == Grid.__dataclass_fields__[name].default:
                 del settings[name]
@@ -302,7 +323,7 @@ def split_unit(unit: str) -> tuple[str, str, str, str]:
 def study_name(grid: Grid, recipe_name: str, phase: str, original: str) -> str:
     from planner.rl.recipes import recipe
 
-    return f"calibration-{grid.key()}-{recipe_name}-v{recipe(recipe_name).version}-{original}-{phase}"
+    return f"calibration-{grid.key(phase)}-{recipe_name}-v{recipe(recipe_name).version}-{original}-{phase}"
 
 
 @contextmanager
@@ -333,6 +354,7 @@ def _prepare_original(grid: Grid, family: str, seed: int, root: Path) -> dict[st
     from planner.stats.store import STATISTICS_VERSION, load_stats, plan_key, plan_statistics, save_stats
 
     experts = grid.experts(family)
+    settle = grid.proxy_build == "settled"
     records: dict[str, dict] = {}
     base = grid.original(family, seed)
     original = root / "original"
@@ -345,11 +367,12 @@ def _prepare_original(grid: Grid, family: str, seed: int, root: Path) -> dict[st
                                    "statistics": {}}  # fmt: skip
     stats_path = root / "stats.json"
     old = read_json(stats_path, "stats file") if stats_path.is_file() else None
-    if old is None or old.get("statistics_version", 1) != STATISTICS_VERSION:
-        stats = compute_stats(ckpt, experts=experts, methods=tuple(grid.methods), calib_tokens=grid.calib_tokens, seq_len=64)
+    unsettled = settle and old is not None and any("settled_bias" not in plan for plan in old["plans"].values())
+    if old is None or old.get("statistics_version", 1) != STATISTICS_VERSION or unsettled:
+        stats = compute_stats(ckpt, experts=experts, methods=tuple(grid.methods), calib_tokens=grid.calib_tokens, seq_len=64, settle_bias=settle)
         for draw in range(grid.random_draws):
             extra = compute_stats(ckpt, experts=experts, methods=("random",), calib_tokens=grid.calib_tokens,
-                                  seq_len=64, seed=draw)  # fmt: skip
+                                  seq_len=64, seed=draw, settle_bias=settle)  # fmt: skip
             for key, plan in extra["plans"].items():
                 stats["plans"][f"{key}-{draw}"] = {**plan, "seed": draw}
         if old is not None:  # statistics of another version: the proxies built (and measured) must stay the same
@@ -367,7 +390,7 @@ def _prepare_original(grid: Grid, family: str, seed: int, root: Path) -> dict[st
         if not (path / "expert_map.json").is_file():
             kind = method.rsplit("-", 1)[0] if method.startswith("random-") else method
             stored = {**stats, "seed": int(plan.get("seed", 0)), "plans": {plan_key(k, kind): plan}}
-            p = plan_from_stats(stored, k, kind, model=str(original), seed=int(plan.get("seed", 0)))
+            p = plan_from_stats(stored, k, kind, model=str(original), seed=int(plan.get("seed", 0)), settle_bias=settle)
             build(ckpt, p, path, verify="never", force=True)
         records[f"{base}/{model}"] = {"family": family, "original": base, "seed": seed, "model": model, "path": str(path),
                                       "experts": k, "top_k": top_k, "method": method, "statistics": plan_statistics(stats, key)}  # fmt: skip

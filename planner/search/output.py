@@ -86,6 +86,8 @@ def render_suggestion(s: Suggestion, top: int = 5) -> str:
     req, unit = s.request, s.accelerator.device_unit
     head = (f"{req.model} on {_accelerator_text(s)}, budget {s.budget.describe(s.accelerator)}, fault {req.fault} "
             f"(recipe {s.recipe}), calibrated P >= {req.min_fidelity} ({'plan statistics' if s.fidelity_source == 'stats' else 'no plan statistics: P from K/E and the routing shape, basis per row'})")  # fmt: skip
+    if req.settle_bias:
+        head += "; proxies with their correction bias settled again (build with --settle-bias)"
     lines = [head]
     lines.extend(f"WARNING: {w}" for w in s.warnings)
     if s.baseline is not None and s.baseline.named:
@@ -249,7 +251,7 @@ def suggestion_json(s: Suggestion, top: int = 10) -> dict[str, Any]:
                     "recipe": s.recipe, "min_fidelity": s.request.min_fidelity, "trials": s.request.trials, "seed": s.request.seed,
                     "fidelity_source": s.fidelity_source, "steps": s.request.steps, "fault_step": s.request.fault_step,
                     "job_bounds": {"batch": s.request.job_bounds.batch, "length": s.request.job_bounds.length},
-                    "memory_margin": s.request.memory_margin},  # fmt: skip
+                    "memory_margin": s.request.memory_margin, "proxy_build": "settled" if s.request.settle_bias else "sliced"},  # fmt: skip
         "job_search": {"dimensions": s.job_support, "joint": s.job_joint, "jobs": [j.to_json(s.request.job) for j in s.job_scales],
                        "held_out": s.job_holdout, "text": job_search_text(s)},  # fmt: skip
         "original": {**figures(b.minimum), "memory_breakdown_bytes": b.minimum.memory_per_device_bytes,
@@ -307,8 +309,12 @@ def plan_of(s: Suggestion, o: Option) -> Plan:
     }
     deployment = json.loads(json.dumps(deployment, default=lambda v: v.item()))  # numpy scalars -> YAML-safe numbers
     stats = s.request.stats
+    settle = s.request.settle_bias
     if stats and plan_key(o.experts, o.method) in stats.get("plans", {}):
-        chosen = plan_from_stats(stats, o.experts, o.method, model=s.request.model, target_ep=target_ep, seed=stats.get("seed", 0))
+        chosen = plan_from_stats(stats, o.experts, o.method, model=s.request.model, target_ep=target_ep, seed=stats.get("seed", 0),
+                                 settle_bias=settle)  # fmt: skip
         return Plan(**{**chosen.__dict__, "deployment": deployment})
+    if settle:  # resolved at build time: `planner build --plan` settles it from the stats file it is given
+        deployment["settle_bias"] = True
     return Plan(model=s.request.model, experts=o.experts, original_experts=c.original_experts, layers={}, method=o.method,
                 target_ep=target_ep, seed=s.request.seed, deployment=deployment)  # fmt: skip

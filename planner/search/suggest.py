@@ -98,6 +98,7 @@ class Request:
     fault_step: int | None = None  # the step at which the original showed the fault (its own run, e.g. `planner detect`)
     job_bounds: JobBounds = field(default_factory=JobBounds)  # how far the reproduction's job may shrink
     translate_knob: bool = False  # shrink job dimensions that move the fault too, with the knob translated by the measured move
+    settle_bias: bool = False  # the proxies settle their correction bias again (planner build --settle-bias): read on that family
     max_devices: int = 4096  # search bound for hours budgets
     min_k_ratio: float = 4.0  # K/top_k at least this: near-dense routing loses mismatch fragility (docs/proxy-rules.md)
     memory_margin: float = DEFAULT_MEMORY_MARGIN  # keep this share of usable device memory free (as `planner preflight` checks)
@@ -113,7 +114,7 @@ class Request:
         files = [hashlib.sha256(Path(p).read_bytes()).hexdigest() if Path(p).is_file() else None for p in calibration_files().values()]
         text = json.dumps([self.model, self.hardware, repr(self.job), self.budget, self.fault, stats_id, self.min_fidelity, self.steps,
                            self.max_devices, self.min_k_ratio, self.memory_margin, files, self.fault_step, repr(self.job_bounds),
-                           self.translate_knob],
+                           self.translate_knob, self.settle_bias],
                           sort_keys=True)  # fmt: skip
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -308,6 +309,15 @@ def fault_conflicts(recipe: str, precision: str) -> list[str]:
     return []
 
 
+def _check_settle(request: Request, arch: Architecture, name: str) -> None:
+    """--settle-bias needs a router with a correction bias and, with a stats file, one that settled it."""
+    if arch.moe.correction_bias == "none":
+        raise SpecError(f"--settle-bias: {name}'s router has no correction bias to settle (DeepSeek-V3's, GLM-4.5's and ERNIE-4.5's "
+                        "have one); leave the option out")  # fmt: skip
+    if request.stats and any("settled_bias" not in plan for plan in request.stats.get("plans", {}).values()):
+        raise SpecError("--settle-bias: the stats file holds no settled correction bias; make it with `planner stats --settle-bias`")
+
+
 class Suggester:
     """Evaluates points of the space (cost cached per K/devices/recompute/offload, fidelity per K/method)."""
 
@@ -333,6 +343,8 @@ class Suggester:
         self.name, self.config = load_model_config(request.model)
         self.arch = Architecture.from_config(self.config, name=self.name)
         self.estimator = estimator or FidelityEstimator.load(default_estimator_path())
+        if request.settle_bias:
+            _check_settle(request, self.arch, self.name)
         e = self.arch.original_num_experts
         floor = request.min_k_ratio * self.arch.moe.top_k
         self.experts = sorted({k for k in self.arch.legal_expert_counts() if k & (k - 1) == 0 and k >= floor} | {e})
@@ -472,7 +484,8 @@ class Suggester:
     def features(self, experts: int, method: str) -> dict[str, float]:
         from planner.fidelity.dataset import plan_row
 
-        return plan_row(self.config, experts, plan_statistics(self.request.stats or {}, plan_key(experts, method)))
+        return plan_row(self.config, experts, plan_statistics(self.request.stats or {}, plan_key(experts, method)),
+                        "settled" if self.request.settle_bias else "sliced")  # fmt: skip
 
     def option(self, experts: int, method: str, devices: int, recompute: str, offload: str, scale: str = JobScale().key) -> Option:
         cost = self.cost(experts, devices, recompute, offload, scale)

@@ -647,14 +647,15 @@ def choose_plan(ckpt, experts: int, method: str, *, stats_path=None, mtp: str = 
 
 def resolve_plan(ckpt, plan: Plan, *, stats_path=None, settle_bias: bool = False) -> Plan:
     """A deferred plan (no kept sets: planner suggest without a checkpoint) made concrete for this
-    checkpoint by its own method; its deployment carries over. Other plans come back unchanged."""
+    checkpoint by its own method, its correction bias settled where `settle_bias` or the plan asks
+    (suggest --settle-bias); its deployment carries over. Other plans come back unchanged."""
     if not plan.deferred:
         if settle_bias and plan.correction_bias is None:
             raise SpecError("the plan names its experts and holds no settled correction bias; make it with `planner plan ... "
                             "--settle-bias`, or build it as written without --settle-bias")  # fmt: skip
         return plan
     chosen = choose_plan(ckpt, plan.experts, plan.method, stats_path=stats_path, mtp=plan.mtp, target_ep=plan.target_ep,
-                         seed=plan.seed or 0, settle_bias=settle_bias)  # fmt: skip
+                         seed=plan.seed or 0, settle_bias=settle_bias or plan.build == "settled")  # fmt: skip
     return dataclasses.replace(chosen, deployment=plan.deployment)
 
 

@@ -24,7 +24,8 @@ def paired(rows: pd.DataFrame, family: str, settled: str) -> pd.DataFrame:
     keep = ["original", "model", "method", "experts", "shift_log2", "reproduced"]
     a = rows[(rows["family"] == family) & rows["shift_log2"].notna()][keep]
     b = rows[(rows["family"] == settled) & rows["shift_log2"].notna()][keep]
-    return a.merge(b, on=["original", "model", "method", "experts"], suffixes=("_sliced", "_settled"))
+    out = a.merge(b, on=["original", "model", "method", "experts"], suffixes=("_sliced", "_settled"))
+    return out.astype({"experts": int})
 
 
 def bootstrap(pairs: pd.DataFrame, draws: int = 4000, seed: int = 0) -> tuple[float, float, float]:
@@ -38,6 +39,10 @@ def bootstrap(pairs: pd.DataFrame, draws: int = 4000, seed: int = 0) -> tuple[fl
     means = [np.concatenate([by[names[i]] for i in rng.integers(0, len(names), len(names))]).mean() for _ in range(draws)]
     low, high = np.quantile(means, [0.05, 0.95])
     return mean, float(low), float(high)
+
+
+def interval(mean: float, low: float, high: float) -> str:
+    return f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]" if np.isfinite(low) else f"{mean:+.2f} (one original: no interval)"
 
 
 def outcomes(values: pd.Series) -> str:
@@ -84,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     mean, low, high = bootstrap(plans)
     clustered = plans[plans["method"].isin(["agglomerative", "kmeans", "saliency"])]
     c_mean, c_low, c_high = bootstrap(clustered)
-    print(f"\nevery plan (no controls): settled - sliced {mean:+.2f} [{low:+.2f}, {high:+.2f}] log2 over {len(plans)} plans; "
-          f"clustered and saliency plans {c_mean:+.2f} [{c_low:+.2f}, {c_high:+.2f}] over {len(clustered)}; "
+    print(f"\nevery plan (no controls): settled - sliced {interval(mean, low, high)} log2 over {len(plans)} plans; "
+          f"clustered and saliency plans {interval(c_mean, c_low, c_high)} over {len(clustered)}; "
           f"outcomes sliced {outcomes(plans['reproduced_sliced'])}, settled {outcomes(plans['reproduced_settled'])}")  # fmt: skip
     return 0
 

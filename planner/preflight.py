@@ -364,6 +364,8 @@ def check_fidelity(c: _Context) -> Check:
     f = estimator.predict(row, recipe)
     # a settled plan whose shape has no family of settled proxies: what the sliced proxy's family says, as a warning
     sliced = plan.build == "settled" and estimator.family(row, recipe) is None and estimator.family({**row, "proxy_build": "sliced"}, recipe)
+    said = ("the plan settles its correction bias again, and the calibration data of its routing shape holds sliced proxies only: "
+            "for the sliced proxy, ") if sliced else ""  # fmt: skip
     if sliced:
         f = estimator.predict({**row, "proxy_build": "sliced"}, recipe)
     knob = f"; knob: {f['knob_translation']['text']}" if f.get("knob_translation") else ""
@@ -378,12 +380,11 @@ def check_fidelity(c: _Context) -> Check:
         if f.get("measured_by_k"):
             m = f["measured_by_k"]
             measured = f"; measured shift at K/E {m['kept_fraction']:g}: {m['shift_mean']:+.2f} +- {m['shift_sd']:.2f} log2 (noise {m['noise_log2']:.2f})"
-        return Check("fidelity", "WARN", f"{f['status']}: {f['reason']}{measured}{knob}{other}")
+        return Check("fidelity", "WARN", f"{said}{f['status']}: {f['reason']}{measured}{knob}{other}")
     low, high = f["interval"]
     text = f"P(fault reproduced) {f['p_reproduced']:.2f} [{low:.2f}, {high:.2f}], threshold {threshold}{knob}{other}"
     if sliced:
-        return Check("fidelity", "WARN", f"the plan settles its correction bias again, and the calibration data of its routing shape "
-                                         f"holds sliced proxies only: for the sliced proxy, {text}")  # fmt: skip
+        return Check("fidelity", "WARN", said + text)
     if f["p_reproduced"] < threshold:
         return Check("fidelity", "FAIL", text)
     if low < threshold or other:

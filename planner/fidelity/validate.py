@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.families import how_trained
+from planner.families import how_built, how_trained
 from planner.fidelity.learners import fit_shift
 from planner.fidelity.model import LOCAL_ORIGINALS, baselines, design, recipe_features, training_rows
 from planner.fidelity.scores import LEVEL, paired_difference, score_predictions
@@ -296,6 +296,7 @@ def render_report(report: dict[str, Any]) -> str:
                 lines.append(f"  across {sp['originals']} originals, {family}: their own knob SD {sp['original_knob_sd']:.3f}; per (K, plan rule), "
                              f"{sp['cells']} cells: proxy knob SD {sp['proxy_knob_sd']:.3f}, shift SD {sp['shift_sd']:.3f} (log2)")  # fmt: skip
             transfer = report.get("transfer", {}).get(fit_key(recipe, entry.get("shapes", {}).get(family, ""), how_trained(family)[1]))
-            lines.append(f"  scale transfer, {family}: {_transfer_text(transfer)}")
+            sliced = " (measured with sliced proxies)" if how_built(family)[1] == "settled" else ""
+            lines.append(f"  scale transfer, {family}{sliced}: {_transfer_text(transfer)}")
         lines += render_job_holdout(recipe, entry.get("job_holdout", {}))
     return "\n".join(lines)

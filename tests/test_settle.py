@@ -196,9 +196,10 @@ def test_suggest_settle_bias_reads_the_family_of_settled_proxies_and_defers_the_
     args = ("suggest", "--model", "deepseek-v3", "--hardware", "atlas-a3", "--budget", "64npu", "--fault", "router-collapse", "--trials", 30)
     done = run(*args, "--settle-bias", "--json", "-o", tmp_path / "plan.yaml")
     out = json.loads(done.stdout)
-    assert out["request"]["proxy_build"] == "settled" and out["plans"]
+    shown = out["plans"] + out["pareto"]  # proposed or not, every option shown carries its fidelity
+    assert out["request"]["proxy_build"] == "settled" and shown
     estimator, config = FidelityEstimator.load(default_estimator_path()), load_model_config("deepseek-v3")[1]
-    for p in out["plans"]:
+    for p in shown:
         family = estimator.family(plan_row(config, p["experts"], None, "settled"), "router-collapse")
         if family is None:
             assert p["fidelity"]["status"] == "uncalibrated" and "none with proxies whose correction bias is settled again" in p["fidelity"]["reason"]
@@ -206,7 +207,7 @@ def test_suggest_settle_bias_reads_the_family_of_settled_proxies_and_defers_the_
             assert family.endswith("-settled") and p["fidelity"]["family"]["name"] == family
     sliced = json.loads(run(*args, "--json").stdout)
     assert sliced["request"]["proxy_build"] == "sliced" and all(not (p["fidelity"].get("family") or {}).get("name", "").endswith("-settled")
-                                                                for p in sliced["plans"])  # fmt: skip
+                                                                for p in sliced["plans"] + sliced["pareto"])  # fmt: skip
     if (tmp_path / "plan.yaml").is_file():  # a plan was proposed: deferred, settled at build time
         written = yaml.safe_load((tmp_path / "plan.yaml").read_text())
         assert written["deployment"]["settle_bias"] is True and not written.get("layers")

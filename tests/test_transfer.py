@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from planner.fidelity.transfer import fit_transfer, widening
+from planner.fidelity.transfer import fit_transfer, nearest_fit, widening
 
 
 def planted(slope_h: float, slope_l: float, noise: float = 0.05, seed: int = 0) -> list[dict]:
@@ -97,8 +97,17 @@ def test_points_of_originals_trained_with_their_published_balancing_are_fitted_a
 
 def test_an_unmeasured_shape_or_direction_is_said_not_measured():
     fits = fit_transfer(planted(0.0, 0.0))
+    # a shape without a trend of its own: said not measured, its interval widened as the nearest measured shape's
+    # trend widens it at the target (assumed and said so), its label not moved
     other = widening(fits, "fp16-overflow", "sigmoid/top8of256/renorm", 7168, 61)
-    assert other["halfwidth"] is None and other["text"].startswith("transfer not measured beyond hidden 64")
+    there = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 7168, 61)
+    assert other["text"].startswith("transfer not measured beyond hidden 64") and not other["measured"] and "shift" not in other
+    assert other["borrowed"] == "softmax/top8of128/renorm" and other["halfwidth"] == pytest.approx(there["halfwidth"] + abs(there["shift"]))
+    assert f"interval widened by {other['halfwidth']:.2f} log2, as the transfer of the nearest measured shape (softmax/top8of128/renorm)" in other["text"]
+    assert "assumed, not measured, for this shape" in other["text"]
+    # with no other shape's trend of the recipe, nothing to borrow
+    alone = widening(fits, "rollout-mismatch", "sigmoid/top8of256/renorm", 7168, 61)
+    assert alone["halfwidth"] is None and alone["text"].startswith("transfer not measured beyond hidden 64")
     few = fit_transfer([p for p in planted(0.0, 0.0) if (p["hidden"], p["layers"]) in ((64, 3), (64, 6), (128, 3)) and p["original"].endswith("-s0")])
     (key, entry), = few.items()
     sparse = widening(few, *key.split("|"), 7168, 61)  # too few points for a slope: where they lie, and why none
@@ -312,3 +321,17 @@ def test_a_point_at_another_rule_on_a_remade_original_measures_only_its_proxy(tm
     other = {(f, r, d, "another grid"): m for (f, r, d, _), m in known.items()}
     (third,) = bench.measure_point(*args, 0.5, "cpu", tmp_path / "b", 4, other)
     assert not third["original_reused"] and third["margins"]["original"] == first["margins"]["original"]
+
+
+def test_the_nearest_measured_shape_shares_the_scoring_function_first():
+    softmax = planted(0.0, 0.0)
+    sigmoid = [dict(p, shape="sigmoid/top8of256/renorm/groups8keep4/corrbias/shared", shift_log2=p["shift_log2"] + 0.3 * math.log2(p["hidden"] / 64))
+               for p in planted(0.0, 0.0, seed=1)]  # fmt: skip
+    fits = fit_transfer(softmax + sigmoid)
+    # GLM-4.5-Air's shape shares top-k of E with the softmax one, and the scoring, renormalisation, bias and shared expert with the other
+    assert nearest_fit(fits, "fp16-overflow", "sigmoid/top8of128/renorm/corrbias/shared/dense") == "sigmoid/top8of256/renorm/groups8keep4/corrbias/shared"
+    assert nearest_fit(fits, "fp16-overflow", "softmax/top4of60/raw/shared/sharedgate") == "softmax/top8of128/renorm"
+    assert nearest_fit(fits, "fp16-overflow", "softmax/top8of128/renorm") == "sigmoid/top8of256/renorm/groups8keep4/corrbias/shared"  # never itself
+    # only trends of originals trained alike, and of the same recipe
+    assert nearest_fit(fits, "fp16-overflow", "softmax/top8of128/renorm", "published") is None
+    assert nearest_fit(fits, "router-collapse", "softmax/top4of60/raw") is None

@@ -36,7 +36,9 @@ fitted change's own interval within the measured widths and depths and, beyond t
 times the slopes at the far ends of their intervals; the output says how far beyond the data the
 target lies. The target is taken at the grid's training length. A (recipe, shape) without points
 says "transfer not measured beyond hidden 64"; one with too few points for a slope says where they
-lie. A censored point (some margin seed found no crossing inside the knob's bracket) is a bound on its
+lie; either borrows the interval's widening (not the label's move) from the nearest measured shape
+(`nearest_fit`) and says so, since a scale with no measured trend is not one where the label is
+known to hold. A censored point (some margin seed found no crossing inside the knob's bracket) is a bound on its
 shift, not a value: the benchmark records which way it points (`bound`: "lower" where the original
 faults already at the bracket's floor or the proxy never faults inside it, "upper" the other way
 round), and the fit takes it as such, a Tobit term P(shift beyond the bound) in the likelihood
@@ -57,7 +59,7 @@ import numpy as np
 
 from planner.families import TRAINED
 
-__all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "fit_key", "widening", "default_transfer_path", "between_variance",
+__all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "fit_key", "widening", "nearest_fit", "default_transfer_path", "between_variance",
            "AXES", "BASE_HIDDEN", "BASE_LAYERS", "BASE_STEPS", "BASE_KEPT", "BOUNDS", "censored_bound", "slope",
            "slopes_text", "balanced_text"]
 
@@ -328,7 +330,19 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
         else:  # points too few for a slope: where they lie, and why no slope
             said = (f"transfer{on} not fitted (points at hidden {', '.join(map(str, entry['hidden']))} and "
                     f"{', '.join(map(str, entry['layers']))} layers; {entry['reason']})")  # fmt: skip
-        return {"halfwidth": None, "measured": False, "text": f"{said}: {target} is outside the calibrated scale"}
+        out = {"halfwidth": None, "measured": False, "text": f"{said}: {target} is outside the calibrated scale"}
+        other = nearest_fit(fits, recipe, shape, balancing) if hidden and layers else None
+        if other is None:
+            return out
+        # no trend of its own: the label stays at hidden 64's, and the interval takes the change the nearest measured
+        # shape's trend allows at the target (its fitted change and, beyond its data, its slopes' far ends)
+        there = widening(fits, recipe, other, hidden, layers, kept_fraction, balancing)
+        if there["halfwidth"] is None:
+            return out
+        half = there["halfwidth"] + abs(there.get("shift") or 0.0)
+        return out | {"halfwidth": half, "borrowed": other,
+                      "text": out["text"] + f"; interval widened by {half:.2f} log2, as the transfer of the nearest measured shape ({other}) "
+                                            f"widens it there (assumed, not measured, for this shape)"}  # fmt: skip
     if hidden is None or layers is None:
         return {"halfwidth": None, "measured": True, "text": "target scale unknown"}
     # the target is taken at the grid's training length: its own (trillions of tokens) is on no scale the grid measures
@@ -386,6 +400,23 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
             "text": (f"transfer{on} measured at hidden {', '.join(map(str, entry['hidden']))} and {', '.join(map(str, entry['layers']))} "
                      f"layers{trained} ({said}{moving}); {target}{beyond}{read}: interval widened by {halfwidth:.2f} log2"
                      + (f"; {balanced}" if balanced else ""))}  # fmt: skip
+
+
+def nearest_fit(fits: dict[str, dict[str, Any]], recipe: str, shape: str, balancing: str = "none") -> str | None:
+    """The measured shape (a fitted trend of `recipe` on originals trained as `balancing` says) whose
+    routing shape is nearest `shape`: the same scoring function first, then the most routing traits in
+    common (top-k of E, renormalisation, groups, correction bias, shared experts, ...); a tie takes the
+    shape listed first. None where no other shape's trend of the recipe is fitted."""
+    parts = shape.split("/")
+    scoring = parts[0].split("_")[0]
+
+    def nearness(other: str) -> tuple[int, int]:
+        theirs = other.split("/")
+        return int(theirs[0].split("_")[0] == scoring), len(set(parts[1:]) & set(theirs[1:]))
+
+    shapes = [key.split("|")[1] for key, e in fits.items()
+              if e.get("fitted") and key.split("|")[0] == recipe and e.get("balancing", "none") == balancing and key.split("|")[1] != shape]
+    return max(shapes, key=nearness) if shapes else None
 
 
 def _kappa(rules: list[float], kept_fraction: float | None) -> float:

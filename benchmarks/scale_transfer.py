@@ -23,7 +23,10 @@ models and prints only that, in seconds to minutes where a point takes up to hou
 starts in calibration/starts.json (planner.fidelity.starts), which the estimator states beside its
 router-collapse predictions. `--balancing published` makes the originals with their shape's
 published load balancing (planner.rl.models; their names end in -bal), and the fit takes their
-points apart from the others'.
+points apart from the others'. `--proxy-build settled` builds each proxy with its kept experts'
+correction bias settled again (`planner build --settle-bias`; the original's margins are those of
+the sliced point on the same model), and the fit takes those points apart too, for the family of
+settled proxies (`suggest --settle-bias`).
 Then it prints the points and the fitted slopes of the shift in log2 width, depth and training
 length with their 90% intervals (planner.fidelity.transfer), which `planner calibrate fit` reads.
 
@@ -32,6 +35,7 @@ length with their 90% intervals (planner.fidelity.transfer), which `planner cali
     python benchmarks/scale_transfer.py --recipes router-collapse --hidden 64 --steps 1200   # training length apart from width
     python benchmarks/scale_transfer.py --device cuda --hidden 64,256,1024 --budget-s 540
     python benchmarks/scale_transfer.py --balance-only --families deepseek_v3-e256 --hidden 64,128,256 --layers 3 --seeds 0
+    python benchmarks/scale_transfer.py --balancing published --proxy-build settled --families deepseek_v3-e256 --recipes router-collapse --hidden 128 --layers 3 --seeds 0
 """
 
 from __future__ import annotations
@@ -93,10 +97,14 @@ def side_margin(model: Path, fingerprint: str, recipe_name: str, device: str, se
     return margin
 
 
-def prepare(family: str, hidden: int, layers: int, seed: int, kept: float, device: str, work: Path, steps: int, balancing: str = "none"):
-    """The point's original (made unless already on disk) and its agglomerative proxy at K/E `kept`:
-    (checkpoint of the original, original's dir, proxy's dir, K, seconds to make)."""
-    from planner.checkpoint import Checkpoint, build
+def prepare(family: str, hidden: int, layers: int, seed: int, kept: float, device: str, work: Path, steps: int, balancing: str = "none",
+            build: str = "sliced"):  # fmt: skip
+    """The point's original (made unless already on disk) and its agglomerative proxy at K/E `kept`,
+    built as `build` says (settled: its kept experts' correction bias settled again on the
+    original's router logits, as `planner build --settle-bias` does): (checkpoint of the original,
+    original's dir, proxy's dir, K, seconds to make)."""
+    from planner.checkpoint import Checkpoint
+    from planner.checkpoint import build as build_proxy
     from planner.families import scaled_family_config
     from planner.fidelity.grid import Grid
     from planner.rl.models import ModelRecipe, make_model
@@ -115,15 +123,17 @@ def prepare(family: str, hidden: int, layers: int, seed: int, kept: float, devic
     made = time.perf_counter() - start
     ckpt = Checkpoint(original)
     k = Grid(families=(family,), kept_fractions=(kept,)).experts(family)[0]
-    proxy = work / name / f"K{k}-agglomerative"
+    settle = build == "settled"
+    proxy = work / name / (f"K{k}-agglomerative" + ("-settled" if settle else ""))
     if not (proxy / "expert_map.json").is_file():
-        stats = compute_stats(ckpt, experts=[k], methods=("agglomerative",), calib_tokens=grid.calib_tokens, seq_len=64)
-        build(ckpt, plan_from_stats(stats, k, "agglomerative", model=str(original)), proxy, verify="never", force=True)
+        stats = compute_stats(ckpt, experts=[k], methods=("agglomerative",), calib_tokens=grid.calib_tokens, seq_len=64, settle_bias=settle)
+        build_proxy(ckpt, plan_from_stats(stats, k, "agglomerative", model=str(original), settle_bias=settle), proxy, verify="never", force=True)
     return ckpt, original, proxy, k, made
 
 
 def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: list[str], kept: float, device: str, work: Path,
-                  steps: int, known: dict[tuple[str, str, str, str], dict] | None = None, balancing: str = "none") -> list[dict]:  # fmt: skip
+                  steps: int, known: dict[tuple[str, str, str, str], dict] | None = None, balancing: str = "none",
+                  build: str = "sliced") -> list[dict]:  # fmt: skip
     from planner.arch.routing import routing_shape
     from planner.checkpoint import Checkpoint
     from planner.fidelity.grid import Grid
@@ -135,7 +145,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
     from planner.rl.recipes import recipe
 
     grid, name = Grid(), point_name(family, hidden, layers, seed, steps, balancing)
-    ckpt, original, proxy, k, made = prepare(family, hidden, layers, seed, kept, device, work, steps, balancing)
+    ckpt, original, proxy, k, made = prepare(family, hidden, layers, seed, kept, device, work, steps, balancing, build)
     e, top_k = ckpt.arch.original_num_experts, ckpt.arch.moe.top_k
     points, settings = [], grid.key()
     fingerprints = {"original": ckpt.fingerprint(), "proxy": Checkpoint(proxy).fingerprint()}
@@ -164,7 +174,7 @@ def measure_point(family: str, hidden: int, layers: int, seed: int, recipes: lis
                        "margins": {s: margins[s].to_json() for s in ("original", "proxy")},
                        "critical_original": margins["original"].mean * knob_scale(recipe_name),
                        "critical_proxy": margins["proxy"].mean * knob_scale(recipe_name), "device": device,
-                       "steps": steps, "balancing": balancing, "make_s": round(made, 1), "measure_s": round(time.perf_counter() - t0, 1),
+                       "steps": steps, "balancing": balancing, "proxy_build": build, "make_s": round(made, 1), "measure_s": round(time.perf_counter() - t0, 1),
                        "original_fingerprint": fingerprint, "grid": settings, "original_reused": bool(before)}
                       | ({"start_collapse": start} if recipe_name == "router-collapse" else {}))  # fmt: skip
     return points
@@ -233,6 +243,11 @@ def main() -> None:
     parser.add_argument("--balancing", default="none", choices=BALANCINGS,
                         help="how the originals' MoE stage is trained: without load balancing (the grid's models so far) or with "
                              "their shape's published balancing (planner.rl.models)")
+    from planner.plan import PROXY_BUILDS
+
+    parser.add_argument("--proxy-build", default="sliced", choices=PROXY_BUILDS,
+                        help="how the proxies are built: sliced, or with their kept experts' correction bias settled again "
+                             "(`planner build --settle-bias`; a router with a correction bias only); fitted apart")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | npu: where models train and recipes run")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting new points after this many seconds")
     parser.add_argument("--balance-only", action="store_true",
@@ -263,7 +278,8 @@ def main() -> None:
         return
     out = Path(args.output)
     data = json.loads(out.read_text()) if out.is_file() else {"schema": TRANSFER_SCHEMA, "points": []}
-    done = {(p["original"], p["recipe"], p["kept_fraction"], p.get("steps")) for p in data["points"]}  # the name says the balancing
+    done = {(p["original"], p["recipe"], p["kept_fraction"], p.get("steps"), p.get("proxy_build", "sliced"))
+            for p in data["points"]}  # the name says the balancing  # fmt: skip
     recipes = args.recipes.split(",")
     start = time.perf_counter()
     plan = scales(args)
@@ -271,7 +287,7 @@ def main() -> None:
         name = point_name(family, hidden, layers, seed, args.steps, args.balancing)
         k = Grid(families=(family,), kept_fractions=(args.kept_fraction,)).experts(family)[0]
         kept = k / family_architecture(family).original_num_experts  # a point's identity: its model, recipe, K/E and training
-        todo = [r for r in recipes if (name, r, kept, args.steps) not in done]
+        todo = [r for r in recipes if (name, r, kept, args.steps, args.proxy_build) not in done]
         if not todo:
             continue
         if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
@@ -280,7 +296,7 @@ def main() -> None:
         print(f"[{n}/{len(plan)}] {name}: {', '.join(todo)} on {args.device}", file=sys.stderr, flush=True)
         known = measured_originals(json.loads(out.read_text())["points"] if out.is_file() else [])
         points = measure_point(family, hidden, layers, seed, todo, args.kept_fraction, args.device, Path(args.workdir), args.steps, known,
-                               args.balancing)  # fmt: skip
+                               args.balancing, args.proxy_build)  # fmt: skip
         # runs for other points may share the output (one per core): read it again under a lock and add to what is there
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
         with open(Path(args.workdir) / "transfer.lock", "w") as lock:
@@ -290,14 +306,15 @@ def main() -> None:
             data["provenance"] = {"command": " ".join(["python", *sys.argv]), "python": platform.python_version(), "machine": platform.machine()}
             write_text_atomic(out, json.dumps(data, indent=1))
         starts = [start_row(family, hidden, layers, seed, args.steps, args.balancing, p["experts"], p["start_collapse"])
-                  for p in points if p.get("start_collapse")]  # fmt: skip
+                  for p in points if p.get("start_collapse") and args.proxy_build == "sliced"]  # the starts file holds sliced proxies'  # fmt: skip
         if starts:
             keep_starts(starts, Path(args.starts), Path(args.workdir))
         shutil.rmtree(Path(args.workdir) / name, ignore_errors=True)  # the models are remade from their seed if ever needed
     seed = lambda p: re.search(r"-s(\d+)(-t\d+)?(-bal)?$", p["original"]).group(1)  # noqa: E731  (names end in -s<seed>[-t<steps>][-bal])
-    rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], seed(p), p.get("steps"), p.get("balancing", "none"), f"{p['kept_fraction']:g}", f"{p['shift_log2']:+.3f}",
+    rows = [[p["family"], p["recipe"], p["hidden"], p["layers"], seed(p), p.get("steps"), p.get("balancing", "none"), p.get("proxy_build", "sliced"),
+             f"{p['kept_fraction']:g}", f"{p['shift_log2']:+.3f}",
              f"{p['shift_se']:.3f}", p["outcome"], p["device"], p["make_s"], p["measure_s"]] for p in data["points"]]  # fmt: skip
-    print(table(["family", "recipe", "hidden", "layers", "seed", "steps", "balancing", "K/E", "shift", "se", "outcome", "device", "make s", "measure s"], rows))
+    print(table(["family", "recipe", "hidden", "layers", "seed", "steps", "balancing", "build", "K/E", "shift", "se", "outcome", "device", "make s", "measure s"], rows))
     for key, fit in fit_transfer(data["points"]).items():
         if not fit.get("fitted"):
             print(f"{key}: not fitted ({fit.get('reason')})")

@@ -452,6 +452,16 @@ def test_a_settled_plan_is_read_on_the_family_of_settled_proxies_only():
     got = est.predict({**row, "proxy_build": "settled"}, "router-collapse")
     assert got["family"]["name"] == "f-settled" and got["family"]["build"] == "settled" and est.predict(row, "router-collapse")["family"]["build"] == "sliced"
     assert got["family"]["scale"].endswith("the transfer was measured with sliced proxies, settled ones at hidden 64 only")
+    # with a trend measured on settled proxies of the shape, a settled plan reads that one (fitted apart), a sliced plan never
+    points = [{"recipe": "router-collapse", "shape": row["routing_shape"], "hidden": h, "layers": n, "original": f"h{h}-l{n}-s{s}",
+               "shift_log2": -1.0 + 0.4 * math.log2(h / 64) + 0.01 * s, "shift_se": 0.1, "kept_fraction": 0.25, "proxy_build": "settled"}
+              for h in (64, 128, 256) for n in (3, 6) for s in range(2)]  # fmt: skip
+    measured = FidelityEstimator.fit(plain + settled, transfer_points=points)
+    target = {**row, "hidden_size": 1024, "num_layers": 6}
+    own = measured.predict({**target, "proxy_build": "settled"}, "router-collapse")["family"]["scale"]
+    assert own.startswith("transfer with proxies whose correction bias is settled again measured at hidden 64, 128, 256") and "sliced" not in own
+    sliced = measured.predict(target, "router-collapse")["family"]["scale"]
+    assert sliced.startswith("transfer not measured beyond hidden 64") and "nearest measured shape" not in sliced  # settled points lend it nothing
     alone = FidelityEstimator.fit(plain, transfer_points=[])
     status, reason, _ = alone.status({**row, "proxy_build": "settled"}, "router-collapse")
     assert status == "uncalibrated" and "calibrated for router-collapse with proxies built otherwise (f)" in reason

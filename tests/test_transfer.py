@@ -335,3 +335,24 @@ def test_the_nearest_measured_shape_shares_the_scoring_function_first():
     # only trends of originals trained alike, and of the same recipe
     assert nearest_fit(fits, "fp16-overflow", "softmax/top8of128/renorm", "published") is None
     assert nearest_fit(fits, "router-collapse", "softmax/top4of60/raw") is None
+
+
+def test_settled_proxies_points_are_fitted_apart_and_read_by_their_build():
+    """Points whose proxies' correction bias was settled again (proxy_build "settled") never move the
+    sliced proxies' fit; a settled family reads their fit where one is fitted, else the sliced one."""
+    from planner.fidelity.transfer import fit_build, fit_key
+
+    plain = planted(-0.2, 0.1)
+    settled = [dict(p, proxy_build="settled", shift_log2=p["shift_log2"] + 1.0) for p in planted(0.3, 0.0, seed=2)]
+    fits = fit_transfer(plain + settled)
+    key = "fp16-overflow|softmax/top8of128/renorm"
+    assert fit_key("fp16-overflow", "softmax/top8of128/renorm", "none", "settled") == key + "|settled"
+    assert fit_key("fp16-overflow", "softmax/top8of128/renorm", "published", "settled") == key + "|published|settled"
+    assert fits[key]["coef"] == fit_transfer(plain)[key]["coef"] and fits[key]["build"] == "sliced"
+    own = fits[key + "|settled"]
+    assert own["build"] == "settled" and own["points"] == 18 and abs(own["coef"]["log2_hidden"] - 0.3) < 0.05
+    assert fit_build(fits, "fp16-overflow", "softmax/top8of128/renorm", "none", "settled") == "settled"
+    assert fit_build(fit_transfer(plain), "fp16-overflow", "softmax/top8of128/renorm", "none", "settled") == "sliced"
+    said = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25, "none", "settled")
+    assert said["change"] == pytest.approx(widening({key: own}, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)["change"])
+    assert said["text"].startswith("transfer with proxies whose correction bias is settled again measured at hidden 64, 128, 256")

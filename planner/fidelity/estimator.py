@@ -310,16 +310,19 @@ class FidelityEstimator:
     def scale(self, row: Mapping[str, Any], recipe: str) -> dict[str, Any]:
         """How far the target lies from the calibration models in width and depth, and how much the
         measured scale transfer (planner.fidelity.transfer) widens its interval."""
-        from planner.fidelity.transfer import BASE_HIDDEN, widening
+        from planner.fidelity.transfer import BASE_HIDDEN, fit_build, widening
 
         hidden = int(row["hidden_size"]) if _finite(row.get("hidden_size")) else None
         layers = int(row["num_layers"]) if _finite(row.get("num_layers")) else None
         kept = float(row["kept_fraction"]) if _finite(row.get("kept_fraction")) else None
         family = self.family(row, recipe)
-        made = how_trained(family)[1] if family else "none"  # the trend measured on originals trained as the family's were
-        out = widening(self.info.get("transfer", {}), recipe, str(row.get("routing_shape") or ""), hidden, layers, kept, made)
-        if family and how_built(family)[1] == "settled":  # the transfer points are of sliced proxies
-            out = {**out, "text": out["text"] + f"; the transfer was measured with sliced proxies, settled ones at hidden {BASE_HIDDEN} only"}
+        made = how_trained(family)[1] if family else "none"  # the trend measured on originals trained as the family's were ...
+        built = how_built(family)[1] if family else "sliced"  # ... and proxies built as its were, where one is fitted
+        fits, shape = self.info.get("transfer", {}), str(row.get("routing_shape") or "")
+        read = fit_build(fits, recipe, shape, made, built)
+        out = widening(fits, recipe, shape, hidden, layers, kept, made, read)
+        if read != built:  # no trend of its own build: the sliced proxies' stands in, and the output says so
+            out = {**out, "text": out["text"] + f"; the transfer was measured with sliced proxies, {built} ones at hidden {BASE_HIDDEN} only"}
         return out
 
     def features(self, recipe: str) -> tuple[str, ...]:

@@ -57,9 +57,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from planner.families import TRAINED
+from planner.families import BUILT, TRAINED
 
-__all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "fit_key", "widening", "nearest_fit", "default_transfer_path", "between_variance",
+__all__ = ["TRANSFER_SCHEMA", "load_points", "fit_transfer", "fit_key", "fit_build", "widening", "nearest_fit", "default_transfer_path", "between_variance",
            "AXES", "BASE_HIDDEN", "BASE_LAYERS", "BASE_STEPS", "BASE_KEPT", "BOUNDS", "censored_bound", "slope",
            "slopes_text", "balanced_text"]
 
@@ -111,17 +111,26 @@ def censored_bound(original: tuple[list[float], list[bool]], proxy: tuple[list[f
     return ways.pop() if len(ways) == 1 else None
 
 
-def fit_key(recipe: str, shape: str, balancing: str = "none") -> str:
-    """The name of a fit: "recipe|shape", and "|published" for points on originals trained with the
-    shape's published load balancing (fitted apart)."""
-    return f"{recipe}|{shape}" + ("" if balancing == "none" else f"|{balancing}")
+def fit_key(recipe: str, shape: str, balancing: str = "none", build: str = "sliced") -> str:
+    """The name of a fit: "recipe|shape", "|published" for points on originals trained with the
+    shape's published load balancing, "|settled" for points whose proxies' correction bias was
+    settled again (each fitted apart)."""
+    return f"{recipe}|{shape}" + ("" if balancing == "none" else f"|{balancing}") + ("" if build == "sliced" else f"|{build}")
 
 
-def _made(point: dict) -> str:
-    """How the point's originals were trained (planner.rl.models.ModelRecipe.balancing): points of
-    originals trained with their published load balancing are fitted apart, under "recipe|shape|
-    published", which the estimator reads for a calibration family of originals trained alike."""
-    return point.get("balancing") or "none"
+def _made(point: dict) -> tuple[str, str]:
+    """How the point's originals were trained (planner.rl.models.ModelRecipe.balancing) and its proxy
+    built (planner.plan.PROXY_BUILDS): points of originals trained with their published load
+    balancing, or of settled proxies, are fitted apart (`fit_key`), and the estimator reads the fit
+    of originals trained, and proxies built, as a calibration family's were (`fit_build`)."""
+    return point.get("balancing") or "none", point.get("proxy_build") or "sliced"
+
+
+def fit_build(fits: dict[str, dict[str, Any]], recipe: str, shape: str, balancing: str = "none", build: str = "sliced") -> str:
+    """The proxy build whose trend a family of `build` proxies reads: its own where one is fitted,
+    else the sliced proxies' (the output then says so)."""
+    own = fits.get(fit_key(recipe, shape, balancing, build))
+    return build if own is not None and own.get("fitted") else "sliced"
 
 
 def _fittable(at: list[dict]) -> list[dict]:
@@ -160,12 +169,12 @@ def fit_transfer(points: list[dict], tau2: Callable[[np.ndarray, np.ndarray, np.
                                  **{field: sorted({int(p.get(field) or base) for p in at}) for _, field, base, _ in AXES}, **_fit(at, tau2)}  # fmt: skip
         if entry["fitted"] and holdout:
             entry["holdout"] = _holdout(at, tau2)
-        if made != "none":  # read beside the grid originals' fit, not instead of it: its points as measured
+        if made != ("none", "sliced"):  # read beside the grid originals' fit, not instead of it: its points as measured
             entry["measured"] = [{"hidden": int(p.get("hidden") or BASE_HIDDEN), "layers": int(p.get("layers") or BASE_LAYERS),
                                   "kept_fraction": rule(p), "shift": round(float(p["shift_log2"]), 3), "se": round(float(p["shift_se"]), 3),
                                   "bound": p.get("bound") if p.get("censored") else None}
                                  for p in sorted(at, key=lambda p: (rule(p), p.get("hidden") or 0, p.get("layers") or 0, p["original"]))]  # fmt: skip
-        out[fit_key(recipe, shape, made)] = entry | {"balancing": made}
+        out[fit_key(recipe, shape, *made)] = entry | {"balancing": made[0], "build": made[1]}
     return out
 
 
@@ -316,14 +325,14 @@ def between_variance(y: np.ndarray, x: np.ndarray, variance: np.ndarray) -> floa
 
 
 def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: int | None, layers: int | None,
-             kept_fraction: float | None = None, balancing: str = "none") -> dict[str, Any]:  # fmt: skip
+             kept_fraction: float | None = None, balancing: str = "none", build: str = "sliced") -> dict[str, Any]:  # fmt: skip
     """Where a prediction at (hidden, layers) for (recipe, shape) and a plan keeping `kept_fraction`
     of the experts lies along the measured trend (`shift`), how much its shift interval must widen
     (log2 units), and the words for it: the trend of originals trained as `balancing` says (those of
     a calibration family trained with the published balancing read the points fitted apart)."""
-    entry = fits.get(fit_key(recipe, shape, balancing))
+    entry = fits.get(fit_key(recipe, shape, balancing, build))
     target = f"hidden {hidden}, {layers} layers" if hidden else "the target"
-    on = "" if balancing == "none" else f" on originals trained {TRAINED[balancing]}"
+    on = ("" if balancing == "none" else f" on originals trained {TRAINED[balancing]}") + ("" if build == "sliced" else f" {BUILT[build]}")
     if entry is None or not entry.get("fitted"):
         if entry is None:
             said = f"transfer not measured beyond hidden {BASE_HIDDEN}{on}"
@@ -331,12 +340,12 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
             said = (f"transfer{on} not fitted (points at hidden {', '.join(map(str, entry['hidden']))} and "
                     f"{', '.join(map(str, entry['layers']))} layers; {entry['reason']})")  # fmt: skip
         out = {"halfwidth": None, "measured": False, "text": f"{said}: {target} is outside the calibrated scale"}
-        other = nearest_fit(fits, recipe, shape, balancing) if hidden and layers else None
+        other = nearest_fit(fits, recipe, shape, balancing, build) if hidden and layers else None
         if other is None:
             return out
         # no trend of its own: the label stays at hidden 64's, and the interval takes the change the nearest measured
         # shape's trend allows at the target (its fitted change and, beyond its data, its slopes' far ends)
-        there = widening(fits, recipe, other, hidden, layers, kept_fraction, balancing)
+        there = widening(fits, recipe, other, hidden, layers, kept_fraction, balancing, build)
         if there["halfwidth"] is None:
             return out
         half = there["halfwidth"] + abs(there.get("shift") or 0.0)
@@ -402,8 +411,9 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
                      + (f"; {balanced}" if balanced else ""))}  # fmt: skip
 
 
-def nearest_fit(fits: dict[str, dict[str, Any]], recipe: str, shape: str, balancing: str = "none") -> str | None:
-    """The measured shape (a fitted trend of `recipe` on originals trained as `balancing` says) whose
+def nearest_fit(fits: dict[str, dict[str, Any]], recipe: str, shape: str, balancing: str = "none", build: str = "sliced") -> str | None:
+    """The measured shape (a fitted trend of `recipe` on originals trained as `balancing` says, its
+    proxies built as `build` says) whose
     routing shape is nearest `shape`: the same scoring function first, then the most routing traits in
     common (top-k of E, renormalisation, groups, correction bias, shared experts, ...); a tie takes the
     shape listed first. None where no other shape's trend of the recipe is fitted."""
@@ -415,7 +425,8 @@ def nearest_fit(fits: dict[str, dict[str, Any]], recipe: str, shape: str, balanc
         return int(theirs[0].split("_")[0] == scoring), len(set(parts[1:]) & set(theirs[1:]))
 
     shapes = [key.split("|")[1] for key, e in fits.items()
-              if e.get("fitted") and key.split("|")[0] == recipe and e.get("balancing", "none") == balancing and key.split("|")[1] != shape]
+              if e.get("fitted") and key.split("|")[0] == recipe and (e.get("balancing", "none"), e.get("build", "sliced")) == (balancing, build)
+              and key.split("|")[1] != shape]
     return max(shapes, key=nearness) if shapes else None
 
 

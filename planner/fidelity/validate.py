@@ -42,7 +42,7 @@ from planner.families import how_built, how_trained
 from planner.fidelity.learners import fit_shift
 from planner.fidelity.model import LOCAL_ORIGINALS, baselines, design, recipe_features, training_rows
 from planner.fidelity.scores import LEVEL, paired_difference, score_predictions
-from planner.fidelity.transfer import BASE_HIDDEN, fit_key, fit_transfer, load_points, plural, slopes_text
+from planner.fidelity.transfer import BASE_HIDDEN, fit_build, fit_key, fit_transfer, load_points, plural, slopes_text
 
 __all__ = ["variants", "SCHEMES", "cross_validate", "skill_gate", "ke_gate", "render_report", "score_predictions", "paired_difference"]
 
@@ -295,8 +295,10 @@ def render_report(report: dict[str, Any]) -> str:
             if sp:
                 lines.append(f"  across {sp['originals']} originals, {family}: their own knob SD {sp['original_knob_sd']:.3f}; per (K, plan rule), "
                              f"{sp['cells']} cells: proxy knob SD {sp['proxy_knob_sd']:.3f}, shift SD {sp['shift_sd']:.3f} (log2)")  # fmt: skip
-            transfer = report.get("transfer", {}).get(fit_key(recipe, entry.get("shapes", {}).get(family, ""), how_trained(family)[1]))
-            sliced = " (measured with sliced proxies)" if how_built(family)[1] == "settled" else ""
+            fits, shape, made, built = report.get("transfer", {}), entry.get("shapes", {}).get(family, ""), how_trained(family)[1], how_built(family)[1]
+            read = fit_build(fits, recipe, shape, made, built)
+            transfer = fits.get(fit_key(recipe, shape, made, read))
+            sliced = " (measured with sliced proxies)" if read != built else ""
             lines.append(f"  scale transfer, {family}{sliced}: {_transfer_text(transfer)}")
         lines += render_job_holdout(recipe, entry.get("job_holdout", {}))
     return "\n".join(lines)

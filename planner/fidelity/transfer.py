@@ -412,11 +412,11 @@ def widening(fits: dict[str, dict[str, Any]], recipe: str, shape: str, hidden: i
 
 
 def nearest_fit(fits: dict[str, dict[str, Any]], recipe: str, shape: str, balancing: str = "none", build: str = "sliced") -> str | None:
-    """The measured shape (a fitted trend of `recipe` on originals trained as `balancing` says, its
-    proxies built as `build` says) whose
-    routing shape is nearest `shape`: the same scoring function first, then the most routing traits in
-    common (top-k of E, renormalisation, groups, correction bias, shared experts, ...); a tie takes the
-    shape listed first. None where no other shape's trend of the recipe is fitted."""
+    """The measured routing shape nearest `shape` (a fitted trend of `recipe` on originals trained as
+    `balancing` says, proxies built as `build` says): the same scoring function first, then the most
+    routing traits in common (top-k of E, renormalisation, groups, correction bias, shared experts,
+    ...); a tie takes the shape listed first. None where no other shape's trend of the recipe is
+    fitted."""
     parts = shape.split("/")
     scoring = parts[0].split("_")[0]
 

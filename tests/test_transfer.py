@@ -353,6 +353,10 @@ def test_settled_proxies_points_are_fitted_apart_and_read_by_their_build():
     assert own["build"] == "settled" and own["points"] == 18 and abs(own["coef"]["log2_hidden"] - 0.3) < 0.05
     assert fit_build(fits, "fp16-overflow", "softmax/top8of128/renorm", "none", "settled") == "settled"
     assert fit_build(fit_transfer(plain), "fp16-overflow", "softmax/top8of128/renorm", "none", "settled") == "sliced"
+    # settled points at one depth give no depth slope where the sliced proxies' has one: the sliced trend stands in
+    shallow = fit_transfer(plain + [p for p in settled if p["layers"] == 3])
+    assert shallow[key + "|settled"]["fitted"] and shallow[key + "|settled"]["interval"]["log2_layers"] is None
+    assert fit_build(shallow, "fp16-overflow", "softmax/top8of128/renorm", "none", "settled") == "sliced"
     said = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25, "none", "settled")
     assert said["change"] == pytest.approx(widening({key: own}, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)["change"])
     assert said["text"].startswith("transfer with proxies whose correction bias is settled again measured at hidden 64, 128, 256")

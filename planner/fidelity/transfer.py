@@ -127,10 +127,15 @@ def _made(point: dict) -> tuple[str, str]:
 
 
 def fit_build(fits: dict[str, dict[str, Any]], recipe: str, shape: str, balancing: str = "none", build: str = "sliced") -> str:
-    """The proxy build whose trend a family of `build` proxies reads: its own where one is fitted,
-    else the sliced proxies' (the output then says so)."""
-    own = fits.get(fit_key(recipe, shape, balancing, build))
-    return build if own is not None and own.get("fitted") else "sliced"
+    """The proxy build whose trend a family of `build` proxies reads: its own where one is fitted
+    along every direction (width, depth, training) the sliced proxies' is, else the sliced proxies'
+    (the output then says so)."""
+    own, sliced = fits.get(fit_key(recipe, shape, balancing, build)), fits.get(fit_key(recipe, shape, balancing))
+
+    def directions(entry: dict | None) -> set[str]:
+        return {name for name, interval in (entry or {}).get("interval", {}).items() if interval is not None}
+
+    return build if own is not None and own.get("fitted") and directions(own) >= directions(sliced) else "sliced"
 
 
 def _fittable(at: list[dict]) -> list[dict]:

@@ -357,6 +357,10 @@ def test_settled_proxies_points_are_fitted_apart_and_read_by_their_build():
     shallow = fit_transfer(plain + [p for p in settled if p["layers"] == 3])
     assert shallow[key + "|settled"]["fitted"] and shallow[key + "|settled"]["interval"]["log2_layers"] is None
     assert fit_build(shallow, "fp16-overflow", "softmax/top8of128/renorm", "none", "settled") == "sliced"
+    # the plan rules measured need not match: sliced points at a second K/E give the sliced fit rule terms, not a scale axis
+    rules = fit_transfer(plain + [dict(p, kept_fraction=0.5) for p in planted(-0.1, 0.1, seed=3)] + settled)
+    assert rules[key]["interval"]["log2_kept"] is not None and rules[key + "|settled"]["interval"]["log2_kept"] is None
+    assert fit_build(rules, "fp16-overflow", "softmax/top8of128/renorm", "none", "settled") == "settled"
     said = widening(fits, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25, "none", "settled")
     assert said["change"] == pytest.approx(widening({key: own}, "fp16-overflow", "softmax/top8of128/renorm", 256, 6, 0.25)["change"])
     assert said["text"].startswith("transfer with proxies whose correction bias is settled again measured at hidden 64, 128, 256")

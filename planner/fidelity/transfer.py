@@ -132,8 +132,8 @@ def fit_build(fits: dict[str, dict[str, Any]], recipe: str, shape: str, balancin
     (the output then says so)."""
     own, sliced = fits.get(fit_key(recipe, shape, balancing, build)), fits.get(fit_key(recipe, shape, balancing))
 
-    def directions(entry: dict | None) -> set[str]:
-        return {name for name, interval in (entry or {}).get("interval", {}).items() if interval is not None}
+    def directions(entry: dict | None) -> set[str]:  # the scale axes it has a slope along (plan rules aside)
+        return {name for name, *_ in AXES if (entry or {}).get("interval", {}).get(name) is not None}
 
     return build if own is not None and own.get("fitted") and directions(own) >= directions(sliced) else "sliced"
 

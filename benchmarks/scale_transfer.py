@@ -24,9 +24,9 @@ starts in calibration/starts.json (planner.fidelity.starts), which the estimator
 router-collapse predictions. `--balancing published` makes the originals with their shape's
 published load balancing (planner.rl.models; their names end in -bal), and the fit takes their
 points apart from the others'. `--proxy-build settled` builds each proxy with its kept experts'
-correction bias settled again (`planner build --settle-bias`; the original's margins are those of
-the sliced point on the same model), and the fit takes those points apart too, for the family of
-settled proxies (`suggest --settle-bias`).
+correction bias settled again (`planner build --settle-bias`; the original's margins are reused
+from an earlier point on the same model where there is one), and the fit takes those points apart
+too, for the family of settled proxies (`suggest --settle-bias`).
 Then it prints the points and the fitted slopes of the shift in log2 width, depth and training
 length with their 90% intervals (planner.fidelity.transfer), which `planner calibrate fit` reads.
 

@@ -429,9 +429,8 @@ def nearest_fit(fits: dict[str, dict[str, Any]], recipe: str, shape: str, balanc
         theirs = other.split("/")
         return int(theirs[0].split("_")[0] == scoring), len(set(parts[1:]) & set(theirs[1:]))
 
-    shapes = [key.split("|")[1] for key, e in fits.items()
-              if e.get("fitted") and key.split("|")[0] == recipe and (e.get("balancing", "none"), e.get("build", "sliced")) == (balancing, build)
-              and key.split("|")[1] != shape]
+    shapes = [e["shape"] for e in fits.values() if e.get("fitted") and e["recipe"] == recipe and e["shape"] != shape
+              and (e.get("balancing", "none"), e.get("build", "sliced")) == (balancing, build)]
     return max(shapes, key=nearness) if shapes else None
 
 

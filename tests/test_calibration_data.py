@@ -168,6 +168,25 @@ def test_a_router_collapse_answer_says_how_its_originals_were_trained():
     assert "transfer on originals trained with the shape's published load balancing measured at" in text
 
 
+def test_glm_router_collapse_rests_on_its_balanced_family_and_borrows_a_balanced_transfer():
+    """GLM-4.5-Air's balanced family has 5 originals, so its router-collapse P rests on it; the shape's
+    transfer is not measured, so its interval takes the widening of the nearest measured shape
+    trained the same way (DeepSeek-V3's balanced), and says it is assumed."""
+    from planner.catalog import load_model_config
+    from planner.fidelity.dataset import plan_row
+    from planner.fidelity.estimator import FidelityEstimator, default_estimator_path, family_text
+
+    estimator = FidelityEstimator.load(default_estimator_path())
+    f = estimator.predict(plan_row(load_model_config("glm-4.5-air")[1], 64, None), "router-collapse")
+    assert f["status"] == "calibrated" and f["family"]["name"] == "glm4_moe-e128-bal" and f["family"]["originals"] == 5
+    text = " ".join(family_text(f["family"]).split())
+    assert "transfer not measured beyond hidden 64 on originals trained with the shape's published load balancing" in text
+    assert "as the transfer of the nearest measured shape (sigmoid/top8of256/renorm/groups8keep4/corrbias/shared/dense/x2.5)" in text
+    assert "(assumed, not measured, for this shape)" in text
+    low, high = f["interval"]
+    assert 0.0 <= low <= f["p_reproduced"] <= high <= 1.0
+
+
 @pytest.mark.slow
 def test_calibrate_add_updates_the_dataset_and_a_refit_changes_predictions(rl_model, tmp_path):
     from planner.checkpoint import Checkpoint
